@@ -1,0 +1,49 @@
+// The communicator: an MPI communicator plus moe-ep's deadline settings.
+//
+// moe-ep duplicates the caller's MPI communicator (MPI_Comm_dup, collective over it), so its
+// messages never match the caller's. Every blocking wait inside an op polls non-blocking MPI
+// requests against a deadline; on expiry the op throws Error(kTimeout) naming this rank, the peer
+// still pending and the phase. After a timeout the communicator is unusable (requests may still be
+// posted): destroy it.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+#include <optional>
+
+#include "moe_ep/export.h"
+
+namespace moe_ep {
+
+struct CommOptions {
+  // Deadline of every blocking wait, in seconds (> 0). Unset: $MOE_EP_TIMEOUT_S, else 300.
+  // A malformed $MOE_EP_TIMEOUT_S raises Error(kInvalidArgument).
+  std::optional<double> timeout_s;
+};
+
+class MOE_EP_API Communicator {
+ public:
+  // Collective over `comm` (MPI must be initialised; MPI_THREAD_SINGLE suffices: moe-ep calls
+  // MPI from the calling thread only). `comm` is duplicated, not owned: the caller may free it.
+  // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout.
+  static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});
+
+  ~Communicator();  // frees the duplicate (if MPI is not finalised yet); never throws
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  MPI_Comm mpi_comm() const { return comm_; }
+  double timeout_s() const { return timeout_s_; }
+
+ private:
+  Communicator(MPI_Comm dup, int rank, int size, double timeout_s);
+  MPI_Comm comm_;
+  int rank_;
+  int size_;
+  double timeout_s_;
+};
+
+}  // namespace moe_ep

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs every test: installs what is missing, builds (Release), runs ctest.
+# MOE_EP_TEST_SANITIZE=1 also builds with AddressSanitizer + UndefinedBehaviorSanitizer into
+# build-asan/ and runs the library's tests there.
+source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+moe_ep_install_deps
+moe_ep_mpi_env
+moe_ep_build "$MOE_EP_ROOT/build" -DMOE_EP_BUILD_TESTS=ON
+(cd "$MOE_EP_ROOT/build" && ctest --output-on-failure -j 2)
+if [ "${MOE_EP_TEST_SANITIZE:-0}" = 1 ]; then
+  moe_ep_build "$MOE_EP_ROOT/build-asan" -DMOE_EP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
+    "-DMOE_EP_SANITIZE=address;undefined"
+  # OpenMPI's own allocations are not ours to chase: leaks off, everything else fatal.
+  (cd "$MOE_EP_ROOT/build-asan" && ASAN_OPTIONS=detect_leaks=0 \
+    ctest --output-on-failure -j 2 -E "install_and_consume")
+fi

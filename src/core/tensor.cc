@@ -1,0 +1,215 @@
+#include "moe_ep/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <sstream>
+
+#include "core/check.h"
+
+namespace moe_ep {
+
+namespace {
+// DLPack 0.6 has no bool code; later versions use 6 (kDLBool), which PyTorch exports.
+constexpr uint8_t kDLBoolCode = 6;
+}  // namespace
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+    case DType::kF16:
+      return 2;
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kI8:
+    case DType::kBool:
+      return 1;
+    case DType::kI64:
+      return 8;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "fp16";
+    case DType::kF32:
+      return "fp32";
+    case DType::kI8:
+      return "int8";
+    case DType::kI32:
+      return "int32";
+    case DType::kI64:
+      return "int64";
+    case DType::kBool:
+      return "bool";
+  }
+  return "?";
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  return contiguous(data, dtype, std::vector<int64_t>(shape));
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int64_t>& shape) {
+  if (shape.size() > static_cast<std::size_t>(kMaxDims))
+    detail::invalid("TensorView: ndim = ", shape.size(), " exceeds ", kMaxDims);
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.ndim = static_cast<int>(shape.size());
+  int64_t stride = 1;
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    if (shape[d] < 0) detail::invalid("TensorView: shape[", d, "] = ", shape[d], " is negative");
+    v.shape[d] = shape[d];
+    v.strides[d] = stride;
+    stride *= shape[d];
+  }
+  return v;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::describe() const {
+  std::ostringstream os;
+  os << dtype_name(dtype) << "[";
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
+  os << "] strides [";
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << strides[d];
+  os << "]";
+  return os.str();
+}
+
+TensorView from_dlpack(const DLTensor& t, const char* what) {
+  if (t.device.device_type != kDLCPU)
+    detail::invalid("from_dlpack: ", what, " device_type = ", static_cast<int>(t.device.device_type),
+                    " is not kDLCPU (1)");
+  if (t.ndim < 0 || t.ndim > kMaxDims)
+    detail::invalid("from_dlpack: ", what, " ndim = ", t.ndim, " is outside [0, ", kMaxDims, "]");
+  if (t.dtype.lanes != 1)
+    detail::invalid("from_dlpack: ", what, " dtype.lanes = ", t.dtype.lanes, " must be 1");
+  TensorView v;
+  const int code = t.dtype.code, bits = t.dtype.bits;
+  if (code == kDLBfloat && bits == 16) {
+    v.dtype = DType::kBF16;
+  } else if (code == kDLFloat && bits == 16) {
+    v.dtype = DType::kF16;
+  } else if (code == kDLFloat && bits == 32) {
+    v.dtype = DType::kF32;
+  } else if (code == kDLInt && bits == 8) {
+    v.dtype = DType::kI8;
+  } else if (code == kDLInt && bits == 32) {
+    v.dtype = DType::kI32;
+  } else if (code == kDLInt && bits == 64) {
+    v.dtype = DType::kI64;
+  } else if (code == kDLBoolCode && bits == 8) {
+    v.dtype = DType::kBool;
+  } else {
+    detail::unsupported("from_dlpack: ", what, " dtype (code ", code, ", bits ", bits,
+                        ") is not one of bf16, fp16, fp32, int8, int32, int64, bool");
+  }
+  v.data = t.data == nullptr ? nullptr : static_cast<char*>(t.data) + t.byte_offset;
+  v.ndim = t.ndim;
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.shape[d] < 0)
+      detail::invalid("from_dlpack: ", what, " shape[", d, "] = ", t.shape[d], " is negative");
+    v.shape[d] = t.shape[d];
+    v.strides[d] = t.strides ? t.strides[d] : stride;
+    if (v.strides[d] < 0)
+      detail::unsupported("from_dlpack: ", what, " stride[", d, "] = ", v.strides[d],
+                          " is negative");
+    stride *= t.shape[d];
+  }
+  return v;
+}
+
+DLTensor to_dlpack(TensorView& v) {
+  DLTensor t{};
+  t.data = v.data;
+  t.device = DLDevice{kDLCPU, 0};
+  t.ndim = v.ndim;
+  switch (v.dtype) {
+    case DType::kBF16:
+      t.dtype = DLDataType{kDLBfloat, 16, 1};
+      break;
+    case DType::kF16:
+      t.dtype = DLDataType{kDLFloat, 16, 1};
+      break;
+    case DType::kF32:
+      t.dtype = DLDataType{kDLFloat, 32, 1};
+      break;
+    case DType::kI8:
+      t.dtype = DLDataType{kDLInt, 8, 1};
+      break;
+    case DType::kI32:
+      t.dtype = DLDataType{kDLInt, 32, 1};
+      break;
+    case DType::kI64:
+      t.dtype = DLDataType{kDLInt, 64, 1};
+      break;
+    case DType::kBool:
+      t.dtype = DLDataType{kDLBoolCode, 8, 1};
+      break;
+  }
+  t.shape = v.shape.data();
+  t.strides = v.strides.data();
+  t.byte_offset = 0;
+  return t;
+}
+
+Tensor Tensor::empty(DType dtype, const std::vector<int64_t>& shape) {
+  Tensor t;
+  t.view_ = TensorView::contiguous(nullptr, dtype, shape);
+  const std::size_t bytes = static_cast<std::size_t>(t.view_.numel()) * dtype_size(dtype);
+  const std::size_t rounded = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  if (p == nullptr) detail::fail(ErrorKind::kSystem, "Tensor::empty: cannot allocate ", bytes, " bytes");
+  t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  t.view_.data = p;
+  return t;
+}
+
+Tensor Tensor::zeros(DType dtype, const std::vector<int64_t>& shape) {
+  Tensor t = empty(dtype, shape);
+  std::memset(t.data(), 0, t.nbytes());
+  return t;
+}
+
+namespace {
+struct ManagedCtx {
+  std::shared_ptr<void> storage;
+  TensorView view;
+};
+}  // namespace
+
+DLManagedTensor* Tensor::to_dlpack_managed() const {
+  auto* ctx = new ManagedCtx{storage_, view_};
+  auto* m = new DLManagedTensor{};
+  m->dl_tensor = to_dlpack(ctx->view);
+  m->manager_ctx = ctx;
+  m->deleter = [](DLManagedTensor* self) {
+    delete static_cast<ManagedCtx*>(self->manager_ctx);
+    delete self;
+  };
+  return m;
+}
+
+}  // namespace moe_ep

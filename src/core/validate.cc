@@ -1,0 +1,56 @@
+#include "core/validate.h"
+
+#include <sstream>
+
+#include "core/check.h"
+#include "kernels/cpu/convert.h"
+
+namespace moe_ep::detail {
+
+void expect_dtype(const char* op, const char* name, const TensorView& t,
+                  std::initializer_list<DType> allowed) {
+  for (DType d : allowed)
+    if (t.dtype == d) return;
+  std::ostringstream os;
+  bool first = true;
+  for (DType d : allowed) {
+    os << (first ? "" : ", ") << dtype_name(d);
+    first = false;
+  }
+  invalid(op, ": ", name, " dtype ", dtype_name(t.dtype), " is not one of {", os.str(), "}");
+}
+
+void expect_ndim(const char* op, const char* name, const TensorView& t, int ndim) {
+  if (t.ndim != ndim) invalid(op, ": ", name, ".ndim = ", t.ndim, " must be ", ndim);
+}
+
+void expect_size(const char* op, const char* name, const TensorView& t, int dim, int64_t expected,
+                 const char* what) {
+  if (t.shape[dim] != expected)
+    invalid(op, ": ", name, ".shape[", dim, "] = ", t.shape[dim], " must equal ", expected, " (",
+            what, ")");
+}
+
+void expect_memory(const char* op, const char* name, const TensorView& t) {
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.strides[d] < 0)
+      unsupported(op, ": ", name, ".stride(", d, ") = ", t.strides[d], " is negative");
+  if (t.data == nullptr && t.numel() > 0)
+    invalid(op, ": ", name, " has ", t.numel(), " elements but data is null");
+}
+
+void expect_rows(const char* op, const char* name, const TensorView& t) {
+  expect_dtype(op, name, t, {DType::kBF16, DType::kF16, DType::kF32});
+  expect_ndim(op, name, t, 2);
+  expect_memory(op, name, t);
+  if (t.shape[1] > 1 && t.strides[1] != 1)
+    unsupported(op, ": ", name, ".stride(1) = ", t.strides[1],
+                " is not 1 (rows may be strided, each row must be contiguous)");
+}
+
+float float_at(const TensorView& t, int64_t i, int64_t j) {
+  const int64_t off = i * t.strides[0] + (t.ndim > 1 ? j * t.strides[1] : 0);
+  return load_f32(t.data, t.dtype, off);
+}
+
+}  // namespace moe_ep::detail

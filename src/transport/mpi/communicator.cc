@@ -1,0 +1,69 @@
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/check.h"
+#include "moe_ep/comm.h"
+
+namespace moe_ep {
+
+namespace {
+
+// Environment variables fill only the fields the caller left unset (STYLE.md "API").
+double resolve_timeout(const CommOptions& options) {
+  if (options.timeout_s) {
+    const double t = *options.timeout_s;
+    if (!(t > 0) || !std::isfinite(t))
+      detail::invalid("Communicator: timeout_s = ", t, " must be a finite number > 0");
+    return t;
+  }
+  const char* env = std::getenv("MOE_EP_TIMEOUT_S");
+  if (env == nullptr || *env == '\0') return 300.0;
+  errno = 0;
+  char* end = nullptr;
+  const double t = std::strtod(env, &end);
+  if (errno != 0 || end == env || *end != '\0' || !(t > 0) || !std::isfinite(t))
+    detail::invalid("Communicator: MOE_EP_TIMEOUT_S = \"", env,
+                    "\" is not a finite number of seconds > 0");
+  return t;
+}
+
+void check_mpi(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, msg, &len);
+  detail::fail(ErrorKind::kSystem, "Communicator: ", what, " failed: ", std::string(msg, len));
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
+  const double timeout = resolve_timeout(options);
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized)
+    detail::invalid("Communicator: MPI is not initialised (call MPI_Init first)");
+  if (comm == MPI_COMM_NULL) detail::invalid("Communicator: comm is MPI_COMM_NULL");
+  MPI_Comm dup = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup");
+  // Errors come back as codes that moe-ep turns into Error(kSystem), not as aborts.
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  int rank = 0, size = 0;
+  MPI_Comm_rank(dup, &rank);
+  MPI_Comm_size(dup, &size);
+  return std::shared_ptr<Communicator>(new Communicator(dup, rank, size, timeout));
+}
+
+Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s)
+    : comm_(dup), rank_(rank), size_(size), timeout_s_(timeout_s) {}
+
+Communicator::~Communicator() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+}  // namespace moe_ep
