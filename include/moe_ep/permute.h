@@ -5,15 +5,24 @@
 // - Token-like tensors (tokens, permuted_tokens, grad_*) are 2-D (rows, H), dtype bf16, fp16 or
 //   fp32. Their rows may be strided (stride(0) >= H, any value) but each row must be contiguous
 //   (stride(1) == 1). N = 0 rows is valid.
-// - Index tensors are int32 or int64 with any strides. sorted_indices is 1-D (M,) int32.
+// - Index tensors are int32 or int64 with any strides. sorted_indices is 1-D (M,) int32 with any
+//   stride; each value must lie in [0, max(rows, M)) where rows is the row count of the permuted
+//   tensor (P or R): values >= rows are dropped entries. The unpermute family requires the values
+//   to be distinct (checked with an O(M) bitmap, always on); permute_grad allows repeats.
+// - topK >= 1 (indices.shape[1], probs.shape[1], num_topk); M = N*topK may not exceed 2^31.
 // - probs is (N, topK) bf16, fp16 or fp32, any strides; grad_probs comes back in probs' dtype.
-// - All sums are accumulated in fp32 in the order the SPEC states and rounded once to nearest
-//   even in the output dtype, so results do not depend on the thread count.
+// - All sums are accumulated in fp32 in the order the SPEC states: the first present term starts
+//   the sum (the empty sum is +0, a single term is returned unchanged), each product is rounded
+//   to fp32 before it is added (no FMA), and the sum is rounded once to nearest even in the output
+//   dtype, so results do not depend on the thread count.
+// - Gradient inputs have the dtype of the tensor whose gradient they are (grad_permuted_tokens:
+//   tokens'; grad_out: permuted_tokens'); the _v2 dtype arguments must agree with them.
 // - Row offsets are 64-bit: rows * H may exceed 2^31.
 // - Outputs are freshly allocated, contiguous, owned by the returned Tensor.
 // - padded_mode = true raises Error(kUnsupported) (SPEC §4.1 marks it Megatron-only).
 // - Bad input raises Error(kInvalidArgument) naming the op, the parameter, the value and the bound;
-//   e.g. "permute: indices[2,0] = -1 is outside [0, 2^31)". docs/errors.md lists each check.
+//   e.g. "permute: indices[2,0] = -1 is outside [0, 2147483648)". docs/errors.md lists each
+//   check.
 // - Work is split across OpenMP threads (OMP_NUM_THREADS).
 #pragma once
 
@@ -29,7 +38,7 @@ namespace moe_ep {
 // SPEC §4.1.
 struct PermuteArgs {
   TensorView tokens;   // [in] (N, H) bf16/fp16/fp32
-  TensorView indices;  // [in] (N,) or (N, topK) int32/int64, values >= 0 (expert ids)
+  TensorView indices;  // [in] (N,) or (N, topK) int32/int64, expert ids in [0, 2^31)
   // [in] None or 0 keeps all M = N*topK rows; n > 0 keeps min(n, M); n < 0 drops |n| rows
   // (n < -M is an error). Dropped rows are the tail of the sorted order (highest expert ids).
   std::optional<int64_t> num_out_tokens;
@@ -47,27 +56,28 @@ struct PermuteGradArgs {
   TensorView tokens;                // [in] (N, H); only its shape and dtype are used
   TensorView grad_permuted_tokens;  // [in] (R, H), tokens' dtype
   TensorView indices;               // [in] (N,) or (N, topK): gives topK
-  TensorView sorted_indices;        // [in] (N*topK,) int32, from permute
+  TensorView sorted_indices;        // [in] (N*topK,) int32, from permute; in [0, max(R, M))
   bool padded_mode = false;
 };
 MOE_EP_API Tensor permute_grad(const PermuteGradArgs& args);  // (N, H) in tokens' dtype
 
 // SPEC §4.3, sizes instead of tensors.
 struct PermuteGradV2Args {
-  TensorView grad_permuted_tokens;  // [in] (R, H) bf16/fp16/fp32
-  TensorView sorted_indices;        // [in] (tokens_rows*num_topk,) int32
-  int64_t tokens_rows = 0;          // [in] N >= 0
+  TensorView grad_permuted_tokens;    // [in] (R, H) bf16/fp16/fp32, tokens_dtype
+  TensorView sorted_indices;          // [in] (tokens_rows*num_topk,) int32
+  int64_t tokens_rows = 0;            // [in] N >= 0
   DType tokens_dtype = DType::kBF16;  // [in] dtype of grad_tokens: bf16/fp16/fp32
-  int64_t num_topk = 1;             // [in] topK >= 1
+  int64_t num_topk = 1;               // [in] topK >= 1
   bool padded_mode = false;
 };
 MOE_EP_API Tensor permute_grad_v2(const PermuteGradV2Args& args);  // (N, H)
 
 // SPEC §4.2: out[i] = sum_{k, S[i*topK+k] < P} probs[i,k] * permuted[S[i*topK+k]] (fp32, k order).
-// Without probs topK = 1 and out has M rows (pure gather).
+// Without probs topK = 1 and out has M rows (pure gather: bit copies; rows of dropped entries
+// are 0).
 struct UnpermuteArgs {
-  TensorView permuted_tokens;  // [in] (P, H) bf16/fp16/fp32
-  TensorView sorted_indices;   // [in] (M,) int32, distinct values >= 0
+  TensorView permuted_tokens;       // [in] (P, H) bf16/fp16/fp32
+  TensorView sorted_indices;        // [in] (M,) int32, distinct values in [0, max(P, M))
   std::optional<TensorView> probs;  // [in] optional (N, topK) float, N*topK == M
   bool padded_mode = false;
   // [in] optional; when given it must equal the output's shape {N, H} (it only matters for the
@@ -84,33 +94,36 @@ MOE_EP_API UnpermuteWithSavedResult unpermute_with_saved(const UnpermuteArgs& ar
 
 // SPEC §4.3.
 struct UnpermuteGradArgs {
-  TensorView permuted_tokens;  // [in] (P, H): needed for grad_probs; only P is used without probs
-  TensorView grad_out;         // [in] (N, H), permuted_tokens' dtype
-  TensorView sorted_indices;   // [in] (M,) int32
+  // [in] (P, H): read for grad_probs; without probs only its shape and dtype are used (data may
+  // be null).
+  TensorView permuted_tokens;
+  TensorView grad_out;              // [in] (N, H), permuted_tokens' dtype
+  TensorView sorted_indices;        // [in] (M,) int32, distinct; M = N*topK (N without probs)
   std::optional<TensorView> probs;  // [in] optional (N, topK)
   bool padded_mode = false;
-  std::optional<std::vector<int64_t>> restore_shape;  // as UnpermuteArgs
+  std::optional<std::vector<int64_t>> restore_shape;  // as UnpermuteArgs: must equal {N, H}
 };
 struct UnpermuteGradResult {
   // (P, H): grad_permuted[S[j]] = grad_out[j / topK] * probs[j / topK, j % topK] (fp32 product,
-  // one rounding); rows nothing refers to are 0.
+  // one rounding; without probs a bit copy of grad_out[j]); rows nothing refers to are 0.
   Tensor grad_permuted_tokens;
-  // (N, topK) in probs' dtype: dot(grad_out[i], permuted[S[i*topK+k]]) in fp32, 0 for dropped
-  // entries. Undefined (defined() == false) when probs is absent.
+  // (N, topK) in probs' dtype: dot(grad_out[i], permuted[S[i*topK+k]]) in fp32, h order, 0 for
+  // dropped entries. Undefined (defined() == false) when probs is absent.
   Tensor grad_probs;
 };
 MOE_EP_API UnpermuteGradResult unpermute_grad(const UnpermuteGradArgs& args);
 
 // SPEC §4.3, sizes instead of tensors: permuted_tokens is needed only when probs is given.
 struct UnpermuteGradV2Args {
-  TensorView grad_out;        // [in] (N, H) bf16/fp16/fp32
-  TensorView sorted_indices;  // [in] (M,) int32
-  int64_t permuted_rows = 0;  // [in] P >= 0
+  TensorView grad_out;                  // [in] (N, H) bf16/fp16/fp32, permuted_dtype
+  TensorView sorted_indices;            // [in] (M,) int32, as UnpermuteGradArgs
+  int64_t permuted_rows = 0;            // [in] P >= 0
   DType permuted_dtype = DType::kBF16;  // [in] dtype of grad_permuted_tokens
   std::optional<TensorView> probs;      // [in] optional (N, topK)
   bool padded_mode = false;
   std::optional<std::vector<int64_t>> restore_shape;
-  std::optional<TensorView> permuted_tokens;  // [in] (P, H); required when probs is given
+  // [in] (P, H) in permuted_dtype; required when probs is given, checked when present.
+  std::optional<TensorView> permuted_tokens;
 };
 MOE_EP_API UnpermuteGradResult unpermute_grad_v2(const UnpermuteGradV2Args& args);
 

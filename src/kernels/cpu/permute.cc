@@ -1,0 +1,590 @@
+// CPU kernels for SPEC §4: token permute / unpermute and their gradients.
+//
+// Every kernel is a gather or a scatter of whole rows, parallel over output rows (or tokens) with
+// OpenMP. Each output element is written by exactly one iteration and every reduction runs in the
+// SPEC's k (or h) order inside that iteration, so the bits never depend on the thread count.
+// Reductions: the first present term starts the fp32 accumulator (the empty sum is +0), each
+// product is rounded to fp32 before it is added (-ffp-contract=off), and the result is rounded
+// once to the output dtype.
+#include "moe_ep/permute.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <unordered_map>
+#include <vector>
+
+#include "core/check.h"
+#include "core/validate.h"
+#include "kernels/cpu/convert.h"
+
+namespace moe_ep {
+namespace {
+
+using detail::expect_dtype;
+using detail::expect_memory;
+using detail::expect_ndim;
+using detail::expect_rows;
+using detail::expect_size;
+using detail::float_at;
+using detail::index_at;
+using detail::invalid;
+using detail::row_ptr;
+using detail::row_ptr_mut;
+
+// Expert ids and M = N*topK must fit the int32 sorted_indices: values 0 .. 2^31 - 1.
+constexpr int64_t kIndexLimit = int64_t{1} << 31;
+// Key ranges up to this size are sorted by a counting sort; larger ones by std::stable_sort.
+constexpr int64_t kCountingSortMaxKeys = int64_t{1} << 16;
+// Below this many entries the counting sort runs on one thread (no per-thread histograms).
+constexpr int64_t kParallelSortMinEntries = int64_t{1} << 14;
+
+void check_padded(const char* op, bool padded_mode) {
+  if (padded_mode)
+    detail::unsupported(op,
+                        ": padded_mode = true is not supported (Megatron's capacity layout, "
+                        "SPEC §4.1; only padded_mode = false is implemented)");
+}
+
+void check_float_dtype(const char* op, const char* name, DType dtype) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32)
+    invalid(op, ": ", name, " ", dtype_name(dtype), " is not one of {bf16, fp16, fp32}");
+}
+
+void check_same_dtype(const char* op, const char* name, DType dtype, const char* other_name,
+                      DType other) {
+  if (dtype != other)
+    invalid(op, ": ", name, " dtype ", dtype_name(dtype), " must equal ", other_name, " ",
+            dtype_name(other));
+}
+
+// M = rows * topk; sorted_indices is int32, so M may not exceed 2^31.
+int64_t checked_entries(const char* op, int64_t rows, int64_t topk, const char* what) {
+  if (topk > 0 && rows > kIndexLimit / topk)
+    invalid(op, ": ", what, " = ", rows, " * ", topk, " exceeds ", kIndexLimit,
+            " (sorted_indices is int32)");
+  return rows * topk;
+}
+
+// indices: (N,) or (N, topK) int32/int64; returns topK.
+int64_t check_indices_shape(const char* op, const TensorView& indices, int64_t n) {
+  expect_dtype(op, "indices", indices, {DType::kI32, DType::kI64});
+  if (indices.ndim != 1 && indices.ndim != 2)
+    invalid(op, ": indices.ndim = ", indices.ndim, " must be 1 or 2");
+  expect_size(op, "indices", indices, 0, n, "N, tokens.shape[0]");
+  const int64_t topk = indices.ndim == 2 ? indices.shape[1] : 1;
+  if (topk < 1) invalid(op, ": indices.shape[1] = ", topk, " must be >= 1 (topK)");
+  return topk;
+}
+
+// probs: (N, topK) bf16/fp16/fp32, any strides; returns topK.
+int64_t check_probs(const char* op, const TensorView& probs) {
+  expect_dtype(op, "probs", probs, {DType::kBF16, DType::kF16, DType::kF32});
+  expect_ndim(op, "probs", probs, 2);
+  expect_memory(op, "probs", probs);
+  if (probs.shape[1] < 1)
+    invalid(op, ": probs.shape[1] = ", probs.shape[1], " must be >= 1 (topK)");
+  return probs.shape[1];
+}
+
+void check_sorted_indices_shape(const char* op, const TensorView& si, int64_t m, const char* what) {
+  expect_dtype(op, "sorted_indices", si, {DType::kI32});
+  expect_ndim(op, "sorted_indices", si, 1);
+  expect_size(op, "sorted_indices", si, 0, m, what);
+  expect_memory(op, "sorted_indices", si);
+}
+
+inline int64_t sorted_at(const TensorView& si, int64_t j) {
+  return static_cast<const int32_t*>(si.data)[j * si.strides[0]];
+}
+
+[[noreturn]] void sorted_out_of_range(const char* op, const TensorView& si, int64_t bound,
+                                      const char* bound_what) {
+  const int64_t m = si.shape[0];
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t s = sorted_at(si, j);
+    if (s < 0 || s >= bound)
+      invalid(op, ": sorted_indices[", j, "] = ", s, " is outside [0, ", bound, ") (", bound_what,
+              ")");
+  }
+  MOE_EP_CHECK(false);
+}
+
+// Every value in [0, bound). Parallel scan; the serial rescan only runs to name the first bad one.
+void check_sorted_range(const char* op, const TensorView& si, int64_t bound,
+                        const char* bound_what) {
+  const int64_t m = si.shape[0];
+  bool bad = false;
+#pragma omp parallel for schedule(static) reduction(|| : bad)
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t s = sorted_at(si, j);
+    bad = bad || s < 0 || s >= bound;
+  }
+  if (bad) sorted_out_of_range(op, si, bound, bound_what);
+}
+
+[[noreturn]] void sorted_duplicate(const char* op, const TensorView& si) {
+  std::unordered_map<int64_t, int64_t> first_at;
+  for (int64_t j = 0; j < si.shape[0]; ++j) {
+    const int64_t s = sorted_at(si, j);
+    const auto [it, fresh] = first_at.emplace(s, j);
+    if (!fresh)
+      invalid(op, ": sorted_indices[", j, "] = ", s, " duplicates sorted_indices[", it->second,
+              "] (values must be distinct)");
+  }
+  MOE_EP_CHECK(false);
+}
+
+// Every value in [0, bound) and distinct (SPEC §4.2). Returns the set of values as a bitmap of
+// `bound` bits, which the gradient reuses to find the rows nothing refers to; when `bound` is so
+// much larger than M that the bitmap would dwarf the input, a sort finds repeats instead and the
+// returned bitmap is empty.
+std::vector<uint64_t> check_sorted_distinct(const char* op, const TensorView& si, int64_t bound,
+                                            const char* bound_what) {
+  check_sorted_range(op, si, bound, bound_what);
+  const int64_t m = si.shape[0];
+  if (bound > 64 * m + 65536) {
+    std::vector<int32_t> values(static_cast<std::size_t>(m));
+    for (int64_t j = 0; j < m; ++j) values[static_cast<std::size_t>(j)] = sorted_at(si, j);
+    std::sort(values.begin(), values.end());
+    if (std::adjacent_find(values.begin(), values.end()) != values.end()) sorted_duplicate(op, si);
+    return {};
+  }
+  std::vector<uint64_t> seen(static_cast<std::size_t>((bound + 63) / 64), 0);
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t s = sorted_at(si, j);
+    uint64_t& word = seen[static_cast<std::size_t>(s >> 6)];
+    const uint64_t bit = uint64_t{1} << (s & 63);
+    if (word & bit) sorted_duplicate(op, si);
+    word |= bit;
+  }
+  return seen;
+}
+
+inline bool bit_set(const std::vector<uint64_t>& bits, int64_t i) {
+  return (bits[static_cast<std::size_t>(i >> 6)] >> (i & 63)) & 1u;
+}
+
+void check_restore_shape(const char* op, const std::optional<std::vector<int64_t>>& restore_shape,
+                         int64_t n, int64_t h) {
+  if (!restore_shape) return;
+  const std::vector<int64_t>& r = *restore_shape;
+  if (r.size() == 2 && r[0] == n && r[1] == h) return;
+  std::string got = "[";
+  for (std::size_t d = 0; d < r.size(); ++d) got += (d ? ", " : "") + std::to_string(r[d]);
+  got += "]";
+  invalid(op, ": restore_shape = ", got, " must equal [", n, ", ", h, "] (the output shape)");
+}
+
+// Stable argsort of keys[0..m) (values in [0, max_key]) into order[0..m).
+void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key,
+                    std::vector<int64_t>& order) {
+  const int64_t m = static_cast<int64_t>(keys.size());
+  order.resize(static_cast<std::size_t>(m));
+  if (m == 0) return;
+  const int64_t num_keys = max_key + 1;
+  if (num_keys > kCountingSortMaxKeys) {
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&keys](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+    return;
+  }
+  // Counting sort over `chunks` contiguous slices of the input: chunk c's entries with key e go
+  // after every entry with a smaller key and after chunk c' < c's entries with key e, which is
+  // exactly the stable order whatever the chunk count.
+  const int64_t chunks =
+      m < kParallelSortMinEntries ? 1 : std::min<int64_t>(omp_get_max_threads(), m / 4096);
+  std::vector<int64_t> hist(static_cast<std::size_t>(chunks * num_keys), 0);
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    int64_t* h = hist.data() + c * num_keys;
+    for (int64_t j = c * m / chunks; j < (c + 1) * m / chunks; ++j) ++h[keys[j]];
+  }
+  int64_t next = 0;
+  for (int64_t e = 0; e < num_keys; ++e)
+    for (int64_t c = 0; c < chunks; ++c) {
+      int64_t& h = hist[static_cast<std::size_t>(c * num_keys + e)];
+      const int64_t count = h;
+      h = next;
+      next += count;
+    }
+#pragma omp parallel for schedule(static) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    int64_t* h = hist.data() + c * num_keys;
+    for (int64_t j = c * m / chunks; j < (c + 1) * m / chunks; ++j) order[h[keys[j]]++] = j;
+  }
+}
+
+// grad_tokens[i] = sum over k of grad[S[i*topk+k]] for S < R (SPEC §4.3), shared by permute_grad
+// and permute_grad_v2 after validation.
+Tensor permute_grad_kernel(const TensorView& grad, const TensorView& si, int64_t n, int64_t topk,
+                           DType out_dtype) {
+  const int64_t r = grad.shape[0], h = grad.shape[1];
+  Tensor out = Tensor::empty(out_dtype, {n, h});
+  if (h == 0 || n == 0) return out;
+  const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
+#pragma omp parallel
+  {
+    std::vector<float> acc(static_cast<std::size_t>(h));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      bool any = false;
+      for (int64_t k = 0; k < topk; ++k) {
+        const int64_t s = sorted_at(si, i * topk + k);
+        if (s >= r) continue;
+        if (any) {
+          detail::add_row_f32(acc.data(), row_ptr(grad, s), grad.dtype, h);
+        } else {
+          detail::load_row_f32(acc.data(), row_ptr(grad, s), grad.dtype, h);
+          any = true;
+        }
+      }
+      char* dst = static_cast<char*>(out.data()) + i * static_cast<int64_t>(out_row_bytes);
+      if (any) {
+        detail::store_row_f32(dst, out_dtype, acc.data(), h);
+      } else {
+        std::memset(dst, 0, out_row_bytes);
+      }
+    }
+  }
+  return out;
+}
+
+// Validated inputs of unpermute_grad / unpermute_grad_v2.
+struct UnpermuteGradProblem {
+  const TensorView* grad_out;
+  const TensorView* sorted_indices;
+  const TensorView* probs;            // null without probs
+  const TensorView* permuted_tokens;  // non-null with probs
+  int64_t n, h, topk, p;
+  DType dtype;                 // of grad_permuted_tokens
+  std::vector<uint64_t> seen;  // values of sorted_indices as a bitmap; empty: not computed
+};
+
+UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
+  const int64_t n = q.n, h = q.h, topk = q.topk, p = q.p;
+  const TensorView& g = *q.grad_out;
+  const TensorView& si = *q.sorted_indices;
+  UnpermuteGradResult res;
+  res.grad_permuted_tokens = Tensor::empty(q.dtype, {p, h});
+  const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(q.dtype));
+  char* const gp = static_cast<char*>(res.grad_permuted_tokens.data());
+  if (q.probs) res.grad_probs = Tensor::empty(q.probs->dtype, {n, topk});
+
+    // Rows nothing refers to are 0 (SPEC §4.3 Decision); the others are written once below. Without
+    // a bitmap every row is zeroed first.
+#pragma omp parallel for schedule(static)
+  for (int64_t s = 0; s < p; ++s)
+    if (q.seen.empty() || !bit_set(q.seen, s))
+      std::memset(gp + s * row_bytes, 0, static_cast<std::size_t>(row_bytes));
+
+  if (!q.probs) {
+    if (h == 0) return res;
+#pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t s = sorted_at(si, j);
+      if (s < p)
+        std::memcpy(gp + s * row_bytes, row_ptr(g, j), static_cast<std::size_t>(row_bytes));
+    }
+    return res;
+  }
+
+  const TensorView& probs = *q.probs;
+  const TensorView& x = *q.permuted_tokens;
+  void* const gprobs = res.grad_probs.data();
+#pragma omp parallel
+  {
+    std::vector<float> gi(static_cast<std::size_t>(h)), xs(static_cast<std::size_t>(h)),
+        prod(static_cast<std::size_t>(h));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      if (h > 0) detail::load_row_f32(gi.data(), row_ptr(g, i), g.dtype, h);
+      for (int64_t k = 0; k < topk; ++k) {
+        const int64_t j = i * topk + k;
+        const int64_t s = sorted_at(si, j);
+        if (s >= p) {
+          detail::store_f32(gprobs, probs.dtype, j, 0.0f);
+          continue;
+        }
+        float dot = 0.0f;
+        if (h > 0) {
+          const float w = float_at(probs, i, k);
+          for (int64_t c = 0; c < h; ++c) prod[c] = gi[c] * w;
+          detail::store_row_f32(gp + s * row_bytes, q.dtype, prod.data(), h);
+          detail::load_row_f32(xs.data(), row_ptr(x, s), x.dtype, h);
+          dot = gi[0] * xs[0];
+          for (int64_t c = 1; c < h; ++c) {
+            const float term = gi[c] * xs[c];
+            dot += term;
+          }
+        }
+        detail::store_f32(gprobs, probs.dtype, j, dot);
+      }
+    }
+  }
+  return res;
+}
+
+UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& args, bool save) {
+  check_padded(op, args.padded_mode);
+  const TensorView& x = args.permuted_tokens;
+  const TensorView& si = args.sorted_indices;
+  expect_rows(op, "permuted_tokens", x);
+  const int64_t p = x.shape[0], h = x.shape[1];
+  int64_t n = 0, topk = 1, m = 0;
+  if (args.probs) {
+    topk = check_probs(op, *args.probs);
+    n = args.probs->shape[0];
+    m = checked_entries(op, n, topk, "N*topK (probs.shape)");
+    check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
+  } else {
+    expect_dtype(op, "sorted_indices", si, {DType::kI32});
+    expect_ndim(op, "sorted_indices", si, 1);
+    expect_memory(op, "sorted_indices", si);
+    m = n = si.shape[0];
+  }
+  check_restore_shape(op, args.restore_shape, n, h);
+  check_sorted_distinct(op, si, std::max(p, m), "max(P, M), P = permuted_tokens.shape[0]");
+
+  UnpermuteWithSavedResult res;
+  res.out = Tensor::empty(x.dtype, {n, h});
+  const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(x.dtype));
+  char* const out = static_cast<char*>(res.out.data());
+  if (save) {
+    res.permuted_tokens_for_backward = Tensor::empty(x.dtype, {p, h});
+    char* const saved = static_cast<char*>(res.permuted_tokens_for_backward.data());
+    if (h > 0) {
+#pragma omp parallel for schedule(static)
+      for (int64_t s = 0; s < p; ++s)
+        std::memcpy(saved + s * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes));
+    }
+  }
+  if (h == 0) return res;
+
+  if (!args.probs) {  // a pure gather: bit copies, zeros for dropped entries
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t s = sorted_at(si, i);
+      if (s < p) {
+        std::memcpy(out + i * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes));
+      } else {
+        std::memset(out + i * row_bytes, 0, static_cast<std::size_t>(row_bytes));
+      }
+    }
+    return res;
+  }
+
+  const TensorView& probs = *args.probs;
+#pragma omp parallel
+  {
+    std::vector<float> acc(static_cast<std::size_t>(h));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      bool any = false;
+      for (int64_t k = 0; k < topk; ++k) {
+        const int64_t s = sorted_at(si, i * topk + k);
+        if (s >= p) continue;
+        const float w = float_at(probs, i, k);
+        if (any) {
+          detail::axpy_row_f32(acc.data(), w, row_ptr(x, s), x.dtype, h);
+        } else {
+          detail::load_row_f32(acc.data(), row_ptr(x, s), x.dtype, h);
+          for (int64_t c = 0; c < h; ++c) acc[c] = w * acc[c];
+          any = true;
+        }
+      }
+      if (any) {
+        detail::store_row_f32(out + i * row_bytes, x.dtype, acc.data(), h);
+      } else {
+        std::memset(out + i * row_bytes, 0, static_cast<std::size_t>(row_bytes));
+      }
+    }
+  }
+  return res;
+}
+
+}  // namespace
+
+PermuteResult permute(const PermuteArgs& args) {
+  const char* op = "permute";
+  check_padded(op, args.padded_mode);
+  const TensorView& tokens = args.tokens;
+  const TensorView& indices = args.indices;
+  expect_rows(op, "tokens", tokens);
+  const int64_t n = tokens.shape[0], h = tokens.shape[1];
+  const int64_t topk = check_indices_shape(op, indices, n);
+  expect_memory(op, "indices", indices);
+  const int64_t m = checked_entries(op, n, topk, "M = N*topK");
+
+  int64_t rows = m;
+  if (args.num_out_tokens) {
+    const int64_t want = *args.num_out_tokens;
+    if (want < -m)
+      invalid(op, ": num_out_tokens = ", want, " is below -M = ", -m,
+              " (M = N*topK; a negative value drops that many rows)");
+    rows = want > 0 ? std::min(want, m) : m + want;
+  }
+
+  // Flatten the expert ids (entry j = token*topK + k) and check them in one parallel pass.
+  std::vector<int32_t> keys(static_cast<std::size_t>(m));
+  bool bad = false;
+  int64_t max_key = 0;
+#pragma omp parallel for schedule(static) reduction(|| : bad) reduction(max : max_key)
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t e = index_at(indices, j / topk, j % topk);
+    const bool ok = e >= 0 && e < kIndexLimit;
+    bad = bad || !ok;
+    keys[static_cast<std::size_t>(j)] = ok ? static_cast<int32_t>(e) : 0;
+    max_key = std::max(max_key, ok ? e : 0);
+  }
+  if (bad) {
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t e = index_at(indices, j / topk, j % topk);
+      if (e >= 0 && e < kIndexLimit) continue;
+      if (indices.ndim == 2)
+        invalid(op, ": indices[", j / topk, ",", j % topk, "] = ", e, " is outside [0, ",
+                kIndexLimit, ")");
+      invalid(op, ": indices[", j, "] = ", e, " is outside [0, ", kIndexLimit, ")");
+    }
+  }
+
+  std::vector<int64_t> order;
+  stable_argsort(keys, max_key, order);
+
+  PermuteResult res;
+  res.sorted_indices = Tensor::empty(DType::kI32, {m});
+  int32_t* const si = res.sorted_indices.ptr<int32_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t pos = 0; pos < m; ++pos) si[order[pos]] = static_cast<int32_t>(pos);
+
+  res.permuted_tokens = Tensor::empty(tokens.dtype, {rows, h});
+  if (h > 0) {
+    const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(tokens.dtype));
+    char* const out = static_cast<char*>(res.permuted_tokens.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t pos = 0; pos < rows; ++pos)
+      std::memcpy(out + pos * row_bytes, row_ptr(tokens, order[pos] / topk),
+                  static_cast<std::size_t>(row_bytes));
+  }
+  return res;
+}
+
+Tensor permute_grad(const PermuteGradArgs& args) {
+  const char* op = "permute_grad";
+  check_padded(op, args.padded_mode);
+  const TensorView& tokens = args.tokens;
+  const TensorView& grad = args.grad_permuted_tokens;
+  expect_dtype(op, "tokens", tokens, {DType::kBF16, DType::kF16, DType::kF32});
+  expect_ndim(op, "tokens", tokens, 2);
+  const int64_t n = tokens.shape[0], h = tokens.shape[1];
+  expect_rows(op, "grad_permuted_tokens", grad);
+  check_same_dtype(op, "grad_permuted_tokens", grad.dtype, "tokens dtype", tokens.dtype);
+  expect_size(op, "grad_permuted_tokens", grad, 1, h, "H, tokens.shape[1]");
+  const int64_t topk = check_indices_shape(op, args.indices, n);
+  const int64_t m = checked_entries(op, n, topk, "M = N*topK");
+  check_sorted_indices_shape(op, args.sorted_indices, m, "M = N*topK");
+  check_sorted_range(op, args.sorted_indices, std::max(grad.shape[0], m),
+                     "max(R, M), R = grad_permuted_tokens.shape[0]");
+  return permute_grad_kernel(grad, args.sorted_indices, n, topk, tokens.dtype);
+}
+
+Tensor permute_grad_v2(const PermuteGradV2Args& args) {
+  const char* op = "permute_grad_v2";
+  check_padded(op, args.padded_mode);
+  const TensorView& grad = args.grad_permuted_tokens;
+  expect_rows(op, "grad_permuted_tokens", grad);
+  if (args.tokens_rows < 0) invalid(op, ": tokens_rows = ", args.tokens_rows, " must be >= 0");
+  if (args.num_topk < 1) invalid(op, ": num_topk = ", args.num_topk, " must be >= 1");
+  check_float_dtype(op, "tokens_dtype", args.tokens_dtype);
+  check_same_dtype(op, "grad_permuted_tokens", grad.dtype, "tokens_dtype", args.tokens_dtype);
+  const int64_t m = checked_entries(op, args.tokens_rows, args.num_topk, "tokens_rows*num_topk");
+  check_sorted_indices_shape(op, args.sorted_indices, m, "M = tokens_rows*num_topk");
+  check_sorted_range(op, args.sorted_indices, std::max(grad.shape[0], m),
+                     "max(R, M), R = grad_permuted_tokens.shape[0]");
+  return permute_grad_kernel(grad, args.sorted_indices, args.tokens_rows, args.num_topk,
+                             args.tokens_dtype);
+}
+
+Tensor unpermute(const UnpermuteArgs& args) { return unpermute_impl("unpermute", args, false).out; }
+
+UnpermuteWithSavedResult unpermute_with_saved(const UnpermuteArgs& args) {
+  return unpermute_impl("unpermute_with_saved", args, true);
+}
+
+UnpermuteGradResult unpermute_grad(const UnpermuteGradArgs& args) {
+  const char* op = "unpermute_grad";
+  check_padded(op, args.padded_mode);
+  const TensorView& g = args.grad_out;
+  const TensorView& x = args.permuted_tokens;
+  const TensorView& si = args.sorted_indices;
+  expect_rows(op, "grad_out", g);
+  const int64_t n = g.shape[0], h = g.shape[1];
+  if (args.probs) {
+    expect_rows(op, "permuted_tokens", x);
+  } else {  // only its shape is used
+    expect_dtype(op, "permuted_tokens", x, {DType::kBF16, DType::kF16, DType::kF32});
+    expect_ndim(op, "permuted_tokens", x, 2);
+  }
+  check_same_dtype(op, "grad_out", g.dtype, "permuted_tokens dtype", x.dtype);
+  expect_size(op, "permuted_tokens", x, 1, h, "H, grad_out.shape[1]");
+  UnpermuteGradProblem q{&g, &si, nullptr, nullptr, n, h, 1, x.shape[0], x.dtype, {}};
+  int64_t m = n;
+  if (args.probs) {
+    q.topk = check_probs(op, *args.probs);
+    expect_size(op, "probs", *args.probs, 0, n, "N, grad_out.shape[0]");
+    m = checked_entries(op, n, q.topk, "N*topK (probs.shape)");
+    check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
+    q.probs = &*args.probs;
+    q.permuted_tokens = &x;
+  } else {
+    check_sorted_indices_shape(op, si, n, "N = grad_out.shape[0]; topK = 1 without probs");
+  }
+  check_restore_shape(op, args.restore_shape, n, h);
+  q.seen =
+      check_sorted_distinct(op, si, std::max(q.p, m), "max(P, M), P = permuted_tokens.shape[0]");
+  return unpermute_grad_kernel(q);
+}
+
+UnpermuteGradResult unpermute_grad_v2(const UnpermuteGradV2Args& args) {
+  const char* op = "unpermute_grad_v2";
+  check_padded(op, args.padded_mode);
+  const TensorView& g = args.grad_out;
+  const TensorView& si = args.sorted_indices;
+  expect_rows(op, "grad_out", g);
+  const int64_t n = g.shape[0], h = g.shape[1];
+  if (args.permuted_rows < 0)
+    invalid(op, ": permuted_rows = ", args.permuted_rows, " must be >= 0");
+  check_float_dtype(op, "permuted_dtype", args.permuted_dtype);
+  check_same_dtype(op, "grad_out", g.dtype, "permuted_dtype", args.permuted_dtype);
+  if (args.probs && !args.permuted_tokens)
+    invalid(op,
+            ": permuted_tokens is missing; it is required when probs is given (grad_probs = "
+            "dot(grad_out, permuted_tokens))");
+  if (args.permuted_tokens) {
+    const TensorView& x = *args.permuted_tokens;
+    expect_rows(op, "permuted_tokens", x);
+    check_same_dtype(op, "permuted_tokens", x.dtype, "permuted_dtype", args.permuted_dtype);
+    expect_size(op, "permuted_tokens", x, 0, args.permuted_rows, "P, permuted_rows");
+    expect_size(op, "permuted_tokens", x, 1, h, "H, grad_out.shape[1]");
+  }
+  UnpermuteGradProblem q{
+      &g, &si, nullptr, nullptr, n, h, 1, args.permuted_rows, args.permuted_dtype, {}};
+  int64_t m = n;
+  if (args.probs) {
+    q.topk = check_probs(op, *args.probs);
+    expect_size(op, "probs", *args.probs, 0, n, "N, grad_out.shape[0]");
+    m = checked_entries(op, n, q.topk, "N*topK (probs.shape)");
+    check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
+    q.probs = &*args.probs;
+    q.permuted_tokens = &*args.permuted_tokens;
+  } else {
+    check_sorted_indices_shape(op, si, n, "N = grad_out.shape[0]; topK = 1 without probs");
+  }
+  check_restore_shape(op, args.restore_shape, n, h);
+  q.seen = check_sorted_distinct(op, si, std::max(q.p, m), "max(P, M), P = permuted_rows");
+  return unpermute_grad_kernel(q);
+}
+
+}  // namespace moe_ep
