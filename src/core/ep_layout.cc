@@ -1,0 +1,207 @@
+#include "core/ep_layout.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "core/check.h"
+#include "core/validate.h"
+
+namespace moe_ep::detail {
+
+void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int comm_size) {
+  if (cfg.ep_world_size < 1) invalid(op, ": ep_world_size = ", cfg.ep_world_size, " must be >= 1");
+  if (cfg.ep_world_size != comm_size)
+    invalid(op, ": ep_world_size = ", cfg.ep_world_size, " differs from group_ep's size ",
+            comm_size);
+  if (cfg.ep_rank_id != comm_rank)
+    invalid(op, ": ep_rank_id = ", cfg.ep_rank_id, " differs from this rank's rank ", comm_rank,
+            " in group_ep (ep_rank_id must be in [0, ", comm_size, ") and equal group_ep's rank)");
+  if (cfg.tp_world_size == 2)
+    unsupported(op, ": tp_world_size = 2 (tensor parallelism) is not supported by this build");
+  if (cfg.tp_world_size < 0 || cfg.tp_world_size > 2)
+    invalid(op, ": tp_world_size = ", cfg.tp_world_size, " is not one of {0, 1, 2}");
+  if (cfg.tp_rank_id != 0)
+    invalid(op, ": tp_rank_id = ", cfg.tp_rank_id,
+            " must be 0 when tp_world_size = ", cfg.tp_world_size);
+  if (cfg.expert_shard_type != 0)
+    invalid(op, ": expert_shard_type = ", cfg.expert_shard_type, " is not 0 (the only value)");
+  const int64_t S = cfg.shared_expert_rank_num, Ns = cfg.shared_expert_num;
+  if (S < 0 || S >= cfg.ep_world_size)
+    invalid(op, ": shared_expert_rank_num = ", S, " is outside [0, ", cfg.ep_world_size,
+            ") (ep_world_size)");
+  if (Ns < 0 || Ns > 4) invalid(op, ": shared_expert_num = ", Ns, " is outside [0, 4]");
+  if (S > 0)
+    unsupported(op, ": shared_expert_rank_num = ", S,
+                " (shared-expert ranks) is not supported by this build (only 0)");
+  if (Ns > 1)
+    invalid(op, ": shared_expert_num = ", Ns,
+            " needs shared_expert_rank_num > 0 and a multiple of it (shared_expert_rank_num = 0)");
+  if (cfg.moe_expert_num < 1)
+    invalid(op, ": moe_expert_num = ", cfg.moe_expert_num, " must be >= 1");
+  if (cfg.moe_expert_num % (cfg.ep_world_size - S) != 0)
+    invalid(
+        op, ": moe_expert_num = ", cfg.moe_expert_num,
+        " is not a multiple of ep_world_size - shared_expert_rank_num = ", cfg.ep_world_size - S);
+  if (cfg.moe_expert_num >= INT32_MAX)
+    invalid(op, ": moe_expert_num = ", cfg.moe_expert_num, " must be < 2^31 - 1");
+  if (cfg.comm_alg == "hierarchy")
+    unsupported(op, ": comm_alg = \"hierarchy\" is not supported by this build");
+  if (!cfg.comm_alg.empty() && cfg.comm_alg != "fullmesh")
+    invalid(op, ": comm_alg = \"", cfg.comm_alg,
+            "\" is not one of {\"\", \"fullmesh\", \"hierarchy\"}");
+  const std::pair<const char*, int64_t> special[] = {{"zero_expert_num", cfg.zero_expert_num},
+                                                     {"copy_expert_num", cfg.copy_expert_num},
+                                                     {"const_expert_num", cfg.const_expert_num}};
+  for (const auto& [name, v] : special) {
+    if (v < 0) invalid(op, ": ", name, " = ", v, " must be >= 0");
+    if (v > 0)
+      unsupported(op, ": ", name, " = ", v, " (special experts) is not supported by this build");
+  }
+  if (cfg.global_bs < 0) invalid(op, ": global_bs = ", cfg.global_bs, " must be >= 0");
+}
+
+void check_expert_ids(const char* op, const TensorView& ids, int64_t BS, int64_t E) {
+  expect_dtype(op, "expert_ids", ids, {DType::kI32});
+  expect_ndim(op, "expert_ids", ids, 2);
+  expect_memory(op, "expert_ids", ids);
+  expect_size(op, "expert_ids", ids, 0, BS, "BS, the tokens of this rank");
+  const int64_t K = ids.shape[1];
+  if (K < 1 || K > E)
+    invalid(op, ": expert_ids.shape[1] = ", K, " (K) is outside [1, ", E, "] (moe_expert_num)");
+  for (int64_t i = 0; i < BS; ++i) {
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = index_at(ids, i, k);
+      if (e == -1) continue;
+      if (e < 0 || e >= E)
+        invalid(op, ": expert_ids[", i, ",", k, "] = ", e, " is outside [0, ", E,
+                ") (moe_expert_num; -1 marks an inactive entry)");
+      for (int64_t k2 = 0; k2 < k; ++k2)
+        if (index_at(ids, i, k2) == e)
+          invalid(op, ": expert_ids[", i, ",*] repeats expert ", e, " (slots ", k2, " and ", k,
+                  "); the ids of a token must be distinct");
+    }
+  }
+}
+
+void check_expert_scales(const char* op, const TensorView& s, int64_t BS, int64_t K) {
+  expect_dtype(op, "expert_scales", s, {DType::kF32});
+  expect_ndim(op, "expert_scales", s, 2);
+  expect_memory(op, "expert_scales", s);
+  expect_size(op, "expert_scales", s, 0, BS, "BS, expert_ids.shape[0]");
+  expect_size(op, "expert_scales", s, 1, K, "K, expert_ids.shape[1]");
+}
+
+void compute_capacity(const char* op, int64_t global_bs, EpShape& sh) {
+  if (global_bs > 0) {
+    if (global_bs % sh.W != 0)
+      invalid(op, ": global_bs = ", global_bs, " is not a multiple of ep_world_size = ", sh.W);
+    sh.G = global_bs;
+  } else {
+    sh.G = sh.BS * sh.W;
+  }
+  // Every product below stays far from 2^63: each factor is checked against int32 first.
+  if (sh.G > INT32_MAX || sh.BS * sh.K > INT32_MAX)
+    unsupported(op, ": global_bs * K = ", sh.G, " * ", sh.K,
+                " exceeds the int32 row counts of ep_recv_counts");
+  sh.A = sh.G * std::min(sh.L, sh.K);
+  if (sh.A > INT32_MAX)
+    unsupported(op, ": the receive capacity A = G * min(L, K) = ", sh.G, " * ",
+                std::min(sh.L, sh.K), " = ", sh.A, " exceeds int32 (ep_recv_counts)");
+  const int64_t row_bytes = sh.H * static_cast<int64_t>(dtype_size(sh.dtype));
+  if (row_bytes > INT_MAX)
+    unsupported(op, ": one row of H = ", sh.H, " ", dtype_name(sh.dtype), " elements is ",
+                row_bytes, " bytes, more than an MPI count (INT_MAX)");
+}
+
+SendPlan plan_sends(const TensorView& ids, int64_t W, int64_t L) {
+  const int64_t BS = ids.shape[0], K = ids.shape[1];
+  SendPlan p;
+  p.counts.assign(W * L, 0);
+  // Counting sort by (destination rank, local expert) = expert id, stable in the flat index.
+  std::vector<int64_t> start(W * L + 1, 0);
+  for (int64_t i = 0; i < BS; ++i)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = index_at(ids, i, k);
+      if (e >= 0) ++p.counts[e];  // e = d * L + l: the blocks are indexed by the id itself
+    }
+  for (int64_t b = 0; b < W * L; ++b) start[b + 1] = start[b] + p.counts[b];
+  p.order.resize(start[W * L]);
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < BS; ++i)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t e = index_at(ids, i, k);
+      if (e >= 0) p.order[next[e]++] = i * K + k;
+    }
+  p.rank_offset.resize(W + 1);
+  for (int64_t d = 0; d <= W; ++d) p.rank_offset[d] = start[d * L];
+  // Self-check: within a block the flat indices increase, and every entry lands in its block.
+  for (int64_t b = 0; b < W * L; ++b) {
+    MOE_EP_DCHECK(next[b] == start[b + 1]);
+    for (int64_t j = start[b]; j < start[b + 1]; ++j) {
+      MOE_EP_DCHECK(j == start[b] || p.order[j - 1] < p.order[j]);
+      MOE_EP_DCHECK(index_at(ids, p.order[j] / K, p.order[j] % K) == b);
+    }
+  }
+  return p;
+}
+
+namespace {
+RecvPlan finish_recv_plan(std::vector<int32_t> rows_ls, int64_t W, int64_t L) {
+  RecvPlan p;
+  p.block_rows = std::move(rows_ls);
+  p.inclusive.resize(W * L);
+  p.block_offset.resize(W * L);
+  p.source_rows.assign(W, 0);
+  int64_t run = 0;
+  for (int64_t b = 0; b < W * L; ++b) {
+    p.block_offset[b] = run;
+    run += p.block_rows[b];
+    p.inclusive[b] = static_cast<int32_t>(run);
+    p.source_rows[b % W] += p.block_rows[b];
+  }
+  p.valid = run;
+  MOE_EP_DCHECK(std::is_sorted(p.inclusive.begin(), p.inclusive.end()));
+  return p;
+}
+}  // namespace
+
+RecvPlan plan_recvs_from_counts(const std::vector<int32_t>& from_source, int64_t W, int64_t L) {
+  std::vector<int32_t> rows(W * L);
+  int64_t total = 0;
+  for (int64_t s = 0; s < W; ++s)
+    for (int64_t l = 0; l < L; ++l) {
+      const int32_t c = from_source[s * L + l];
+      MOE_EP_CHECK(c >= 0);
+      rows[l * W + s] = c;
+      total += c;
+    }
+  MOE_EP_CHECK(total <= INT32_MAX);
+  return finish_recv_plan(std::move(rows), W, L);
+}
+
+RecvPlan plan_recvs_from_inclusive(const char* op, const TensorView& c, int64_t W, int64_t L,
+                                   int64_t capacity) {
+  expect_dtype(op, "ep_send_counts", c, {DType::kI32});
+  expect_ndim(op, "ep_send_counts", c, 1);
+  expect_memory(op, "ep_send_counts", c);
+  if (c.shape[0] != W * L)
+    invalid(op, ": ep_send_counts.shape[0] = ", c.shape[0], " must equal ep_world_size * L = ", W,
+            " * ", L, " = ", W * L, " (dispatch_v2's ep_recv_counts)");
+  std::vector<int32_t> rows(W * L);
+  int64_t prev = 0;
+  for (int64_t b = 0; b < W * L; ++b) {
+    const int64_t v = index_at(c, b);
+    if (v < prev)
+      invalid(op, ": ep_send_counts[", b, "] = ", v, " is less than ",
+              b == 0 ? "0" : cat("ep_send_counts[", b - 1, "] = ", prev),
+              " (an inclusive running sum is non-decreasing)");
+    rows[b] = static_cast<int32_t>(v - prev);
+    prev = v;
+  }
+  if (prev > capacity)
+    invalid(op, ": expand_x.shape[0] = ", capacity, " is less than the valid rows ",
+            "ep_send_counts[", W * L - 1, "] = ", prev);
+  return finish_recv_plan(std::move(rows), W, L);
+}
+
+}  // namespace moe_ep::detail

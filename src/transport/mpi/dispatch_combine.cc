@@ -1,0 +1,406 @@
+// dispatch_v2 / combine_v2 over MPI point-to-point (SPEC §1, §2).
+//
+// dispatch_v2, on every rank:
+//   1. header:  validate locally, exchange an OpHeader with every rank, agree (exchange.h);
+//   2. counts:  send rank d the W*L counts row [d*L, d*L+L) (entries for each of its local
+//   experts),
+//               receive L counts from every source: the receive layout (ep_recv_counts) follows;
+//   3. rows:    one message per peer each way. The sender describes its rows for rank d with an
+//               hindexed-block datatype over x's row addresses (no packing, strided x welcome);
+//               the receiver describes the L blocks (l, s) of source s as an hindexed datatype over
+//               expand_x, so rows land at their final position. A second message per peer carries
+//               (token, slot, expert_scale) per row for assist_info_for_combine and expand_scales.
+// combine_v2 is the way back: the expert side sends blocks (l, s) to s (from ep_send_counts), the
+// source recomputes dispatch's send order from expert_ids and receives each row at i*K+k of a
+// (BS*K, H) buffer, then reduces in the SPEC §2.3 order.
+// Every message is posted even when empty, so a disagreement between ranks shows up as a count
+// mismatch (an error) instead of a stray message that would poison the next op.
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "core/check.h"
+#include "core/ep_layout.h"
+#include "core/validate.h"
+#include "kernels/cpu/convert.h"
+#include "moe_ep/dispatch.h"
+#include "transport/mpi/exchange.h"
+
+namespace moe_ep {
+
+namespace {
+
+using detail::EpShape;
+using detail::Exchange;
+using detail::MpiType;
+using detail::OpHeader;
+
+constexpr int32_t kOpDispatch = 1;
+constexpr int32_t kOpCombine = 2;
+
+struct RowMeta {
+  int32_t token;
+  int32_t slot;
+  float scale;
+};
+
+const Communicator& require_comm(const char* op, const EpConfig& cfg) {
+  if (cfg.group_ep == nullptr) detail::invalid(op, ": group_ep is null");
+  return *cfg.group_ep;
+}
+
+OpHeader base_header(int32_t op, const EpConfig& cfg) {
+  OpHeader h;
+  h.op = op;
+  h.ep_world_size = cfg.ep_world_size;
+  h.moe_expert_num = cfg.moe_expert_num;
+  h.tp_world_size = cfg.tp_world_size;
+  h.shared_expert_num = cfg.shared_expert_num;
+  h.shared_expert_rank_num = cfg.shared_expert_rank_num;
+  h.expert_shard_type = cfg.expert_shard_type;
+  h.global_bs = cfg.global_bs;
+  h.zero_expert_num = cfg.zero_expert_num;
+  h.copy_expert_num = cfg.copy_expert_num;
+  h.const_expert_num = cfg.const_expert_num;
+  h.comm_alg = (cfg.comm_alg.empty() || cfg.comm_alg == "fullmesh") ? 0
+               : cfg.comm_alg == "hierarchy"                        ? 1
+                                                                    : 2;
+  return h;
+}
+
+void record_failure(OpHeader& h, std::optional<Error>& local, Error e) {
+  h.ok = 0;
+  h.kind = static_cast<int32_t>(e.kind());
+  std::strncpy(h.message, e.what(), sizeof(h.message) - 1);
+  local.emplace(std::move(e));
+}
+
+// Runs the local validation `f`; a failure is recorded (not thrown) until the headers are agreed.
+template <typename F>
+void capture(OpHeader& h, std::optional<Error>& local, F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    record_failure(h, local, e);
+  } catch (const std::bad_alloc&) {
+    record_failure(h, local, Error(ErrorKind::kSystem, "out of memory while planning"));
+  }
+}
+
+// BS may differ across ranks only with global_bs = W * m, m >= max BS (SPEC §1.3, §1.6).
+void check_batch_sizes(const char* op, const std::vector<OpHeader>& h, int64_t global_bs,
+                       const char* bs_name) {
+  const int64_t W = static_cast<int64_t>(h.size());
+  int64_t max_bs = 0, max_rank = 0;
+  for (int64_t p = 0; p < W; ++p) {
+    if (global_bs == 0 && h[p].BS != h[0].BS)
+      detail::invalid(op, ": BS (", bs_name,
+                      ") differs across ranks with global_bs = 0: rank 0 has ", h[0].BS, ", rank ",
+                      p, " has ", h[p].BS, " (pass global_bs = ep_world_size * max BS)");
+    if (h[p].BS > max_bs) max_bs = h[p].BS, max_rank = p;
+  }
+  if (global_bs > 0 && global_bs < W * max_bs)
+    detail::invalid(op, ": global_bs = ", global_bs, " is less than ep_world_size * max BS = ", W,
+                    " * ", max_bs, " = ", W * max_bs, " (rank ", max_rank, " has BS = ", max_bs,
+                    ")");
+}
+
+int to_int(int64_t v) {
+  MOE_EP_CHECK(v >= 0 && v <= INT_MAX);
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
+  const char* op = "dispatch_v2";
+  const Communicator& comm = require_comm(op, cfg);
+  OpHeader hdr = base_header(kOpDispatch, cfg);
+  hdr.BS = in.x.ndim >= 1 ? in.x.shape[0] : -1;
+  hdr.H = in.x.ndim == 2 ? in.x.shape[1] : -1;
+  hdr.K = in.expert_ids.ndim == 2 ? in.expert_ids.shape[1] : -1;
+  hdr.dtype = static_cast<int64_t>(in.x.dtype);
+
+  std::optional<Error> local;
+  EpShape sh;
+  detail::SendPlan send;
+  capture(hdr, local, [&] {
+    detail::check_ep_config(op, cfg, comm.rank(), comm.size());
+    const std::pair<const char*, bool> absent[] = {
+        {"scales", in.scales.has_value()},
+        {"x_active_mask", in.x_active_mask.has_value()},
+        {"elastic_info", in.elastic_info.has_value()},
+        {"performance_info", in.performance_info.has_value()}};
+    for (const auto& [name, given] : absent)
+      if (given) detail::unsupported(op, ": ", name, " is not supported by this build");
+    if (in.quant_mode == 2)
+      detail::unsupported(op, ": quant_mode = 2 (int8) is not supported by this build");
+    if (in.quant_mode != 0)
+      detail::invalid(op, ": quant_mode = ", in.quant_mode, " is not one of {0, 2}");
+    if (in.expert_token_nums_type != 0 && in.expert_token_nums_type != 1)
+      detail::invalid(op, ": expert_token_nums_type = ", in.expert_token_nums_type,
+                      " is not one of {0, 1}");
+    detail::expect_rows(op, "x", in.x);
+    sh.W = cfg.ep_world_size;
+    sh.rank = cfg.ep_rank_id;
+    sh.E = cfg.moe_expert_num;
+    sh.L = sh.E / sh.W;
+    sh.BS = in.x.shape[0];
+    sh.H = in.x.shape[1];
+    sh.dtype = in.x.dtype;
+    detail::check_expert_ids(op, in.expert_ids, sh.BS, sh.E);
+    sh.K = in.expert_ids.shape[1];
+    if (in.expert_scales) detail::check_expert_scales(op, *in.expert_scales, sh.BS, sh.K);
+    detail::compute_capacity(op, cfg.global_bs, sh);
+    send = detail::plan_sends(in.expert_ids, sh.W, sh.L);
+  });
+  const auto headers = detail::agree_on_headers(comm, op, hdr, local ? &*local : nullptr);
+  check_batch_sizes(op, headers, cfg.global_bs, "x.shape[0]");
+
+  const int W = to_int(sh.W), L = to_int(sh.L);
+  // Phase "counts": rank d learns how many rows each source sends for each of its local experts.
+  auto counts_out = std::make_shared<std::vector<int32_t>>(send.counts);
+  auto counts_in = std::make_shared<std::vector<int32_t>>(sh.W * sh.L, 0);
+  {
+    Exchange ex(comm, op, "counts");
+    ex.keep_alive(counts_out);
+    ex.keep_alive(counts_in);
+    for (int p = 0; p < W; ++p)
+      ex.irecv(counts_in->data() + p * L, L, MPI_INT32_T, p, detail::kTagCounts);
+    for (int p = 0; p < W; ++p)
+      ex.isend(counts_out->data() + p * L, L, MPI_INT32_T, p, detail::kTagCounts);
+    ex.wait();
+  }
+  const detail::RecvPlan recv = detail::plan_recvs_from_counts(*counts_in, sh.W, sh.L);
+  MOE_EP_CHECK(recv.valid <= sh.A);
+
+  DispatchOutputs out;
+  const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
+  const int64_t row_bytes = sh.H * esize;
+  out.expand_x = Tensor::empty(sh.dtype, {sh.A, sh.H});
+  if (sh.A > recv.valid)
+    std::memset(out.expand_x.ptr<char>() + recv.valid * row_bytes, 0,
+                static_cast<std::size_t>((sh.A - recv.valid) * row_bytes));
+  out.assist_info_for_combine = Tensor::zeros(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
+  out.expand_scales = Tensor::zeros(DType::kF32, {sh.A});
+
+  // Phase "rows": rows and their metadata, one message each per peer and direction.
+  {
+    Exchange ex(comm, op, "rows");
+    auto expand_x = std::make_shared<Tensor>(out.expand_x);
+    ex.keep_alive(expand_x);
+    const MpiType row = detail::contiguous_bytes(row_bytes, op);
+    const MpiType meta_type = detail::contiguous_bytes(sizeof(RowMeta), op);
+    std::vector<MpiType> types;
+    types.reserve(2 * W);
+    std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in(W), meta_out(W);
+    for (int s = 0; s < W; ++s) {
+      std::vector<int> len(L);
+      std::vector<MPI_Aint> disp(L);
+      for (int l = 0; l < L; ++l) {
+        len[l] = recv.block_rows[l * W + s];
+        disp[l] = static_cast<MPI_Aint>(recv.block_offset[l * W + s] * row_bytes);
+      }
+      types.push_back(detail::blocks_at(len, disp, row.get(), op));
+      ex.irecv(out.expand_x.data(), 1, types.back().get(), s, detail::kTagRows);
+      meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
+      ex.keep_alive(meta_in[s]);
+      ex.irecv(meta_in[s]->data(), to_int(recv.source_rows[s]), meta_type.get(), s,
+               detail::kTagMeta);
+    }
+    const int64_t x_row_stride = in.x.strides[0] * esize;
+    for (int d = 0; d < W; ++d) {
+      const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
+      std::vector<MPI_Aint> disp(n);
+      meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
+      ex.keep_alive(meta_out[d]);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t flat = send.order[first + j], i = flat / sh.K, k = flat % sh.K;
+        disp[j] = static_cast<MPI_Aint>(i * x_row_stride);
+        (*meta_out[d])[j] =
+            RowMeta{static_cast<int32_t>(i), static_cast<int32_t>(k),
+                    in.expert_scales ? detail::float_at(*in.expert_scales, i, k) : 0.0f};
+      }
+      types.push_back(detail::rows_at(disp, row.get(), op));
+      ex.isend(in.x.data, 1, types.back().get(), d, detail::kTagRows);
+      ex.isend(meta_out[d]->data(), to_int(n), meta_type.get(), d, detail::kTagMeta);
+    }
+    ex.wait();
+
+    int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
+    float* scales = out.expand_scales.ptr<float>();
+    for (int s = 0; s < W; ++s) {
+      const RowMeta* m = meta_in[s]->data();
+      for (int l = 0; l < L; ++l) {
+        const int64_t b = static_cast<int64_t>(l) * W + s;
+        for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
+             ++j, ++m) {
+          assist[3 * j] = s;
+          assist[3 * j + 1] = m->token;
+          assist[3 * j + 2] = m->slot;
+          scales[j] = m->scale;
+        }
+      }
+    }
+  }
+
+  out.ep_recv_counts = Tensor::empty(DType::kI32, {sh.W * sh.L});
+  std::copy(recv.inclusive.begin(), recv.inclusive.end(), out.ep_recv_counts.ptr<int32_t>());
+  out.expert_token_nums = Tensor::empty(DType::kI64, {sh.L});
+  int64_t running = 0;
+  for (int l = 0; l < L; ++l) {
+    int64_t rows = 0;
+    for (int s = 0; s < W; ++s) rows += recv.block_rows[l * W + s];
+    running += rows;
+    out.expert_token_nums.ptr<int64_t>()[l] = in.expert_token_nums_type == 0 ? running : rows;
+  }
+  out.tp_recv_counts = Tensor::empty(DType::kI32, {1});
+  out.tp_recv_counts.ptr<int32_t>()[0] = static_cast<int32_t>(recv.valid);
+  return out;
+}
+
+Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
+  const char* op = "combine_v2";
+  const Communicator& comm = require_comm(op, cfg);
+  OpHeader hdr = base_header(kOpCombine, cfg);
+  hdr.BS = in.expert_ids.ndim >= 1 ? in.expert_ids.shape[0] : -1;
+  hdr.H = in.expand_x.ndim == 2 ? in.expand_x.shape[1] : -1;
+  hdr.K = in.expert_ids.ndim == 2 ? in.expert_ids.shape[1] : -1;
+  hdr.dtype = static_cast<int64_t>(in.expand_x.dtype);
+
+  std::optional<Error> local;
+  EpShape sh;
+  detail::SendPlan back;  // what this rank sent in dispatch = what it receives now
+  detail::RecvPlan blocks;
+  capture(hdr, local, [&] {
+    detail::check_ep_config(op, cfg, comm.rank(), comm.size());
+    const std::pair<const char*, bool> absent[] = {
+        {"tp_send_counts", in.tp_send_counts.has_value()},
+        {"x_active_mask", in.x_active_mask.has_value()},
+        {"shared_expert_x", in.shared_expert_x.has_value()},
+        {"elastic_info", in.elastic_info.has_value()},
+        {"ori_x", in.ori_x.has_value()},
+        {"const_expert_alpha_1", in.const_expert_alpha_1.has_value()},
+        {"const_expert_alpha_2", in.const_expert_alpha_2.has_value()},
+        {"const_expert_v", in.const_expert_v.has_value()},
+        {"performance_info", in.performance_info.has_value()}};
+    for (const auto& [name, given] : absent)
+      if (given) detail::unsupported(op, ": ", name, " is not supported by this build");
+    if (in.comm_quant_mode == 2)
+      detail::unsupported(op, ": comm_quant_mode = 2 (int8) is not supported by this build");
+    if (in.comm_quant_mode != 0)
+      detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");
+    detail::expect_rows(op, "expand_x", in.expand_x);
+    detail::expect_ndim(op, "expert_ids", in.expert_ids, 2);
+    sh.W = cfg.ep_world_size;
+    sh.rank = cfg.ep_rank_id;
+    sh.E = cfg.moe_expert_num;
+    sh.L = sh.E / sh.W;
+    sh.BS = in.expert_ids.shape[0];
+    sh.H = in.expand_x.shape[1];
+    sh.dtype = in.expand_x.dtype;
+    detail::check_expert_ids(op, in.expert_ids, sh.BS, sh.E);
+    sh.K = in.expert_ids.shape[1];
+    detail::check_expert_scales(op, in.expert_scales, sh.BS, sh.K);
+    detail::compute_capacity(op, cfg.global_bs, sh);
+    blocks =
+        detail::plan_recvs_from_inclusive(op, in.ep_send_counts, sh.W, sh.L, in.expand_x.shape[0]);
+    if (blocks.valid > sh.A)
+      detail::invalid(op, ": ep_send_counts[", sh.W * sh.L - 1, "] = ", blocks.valid,
+                      " exceeds the receive capacity A = ", sh.A, " of this rank");
+    const TensorView& ai = in.assist_info_for_combine;
+    detail::expect_dtype(op, "assist_info_for_combine", ai, {DType::kI32});
+    detail::expect_ndim(op, "assist_info_for_combine", ai, 1);
+    detail::expect_memory(op, "assist_info_for_combine", ai);
+    const int64_t ai_size = std::max(sh.BS * sh.K, sh.A * 128);
+    if (ai.shape[0] != ai_size)
+      detail::invalid(op, ": assist_info_for_combine.shape[0] = ", ai.shape[0], " must equal ",
+                      "max(BS * K, A * 128) = ", ai_size, " (dispatch_v2's output)");
+    // The layout says which source each row goes back to; assist_info must agree.
+    for (int64_t b = 0; b < sh.W * sh.L; ++b)
+      for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
+           ++j)
+        if (detail::index_at(ai, 3 * j) != b % sh.W)
+          detail::invalid(op, ": assist_info_for_combine[", 3 * j,
+                          "] = ", detail::index_at(ai, 3 * j), " (the source rank of row ", j,
+                          ") does not match ep_send_counts, which puts row ", j,
+                          " in a block of source rank ", b % sh.W);
+    back = detail::plan_sends(in.expert_ids, sh.W, sh.L);
+  });
+  const auto headers = detail::agree_on_headers(comm, op, hdr, local ? &*local : nullptr);
+  check_batch_sizes(op, headers, cfg.global_bs, "expert_ids.shape[0]");
+
+  const int W = to_int(sh.W), L = to_int(sh.L);
+  const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
+  const int64_t row_bytes = sh.H * esize;
+  // y: the expert output of entry (i, k) at row i*K+k (rows of inactive entries stay unused).
+  auto y = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {sh.BS * sh.K, sh.H}));
+  {
+    Exchange ex(comm, op, "rows");
+    ex.keep_alive(y);
+    const MpiType row = detail::contiguous_bytes(row_bytes, op);
+    std::vector<MpiType> types;
+    types.reserve(2 * W);
+    std::vector<int64_t> expected(W);
+    for (int d = 0; d < W; ++d) {
+      const int64_t first = back.rank_offset[d], n = back.rank_offset[d + 1] - first;
+      std::vector<MPI_Aint> disp(n);
+      for (int64_t j = 0; j < n; ++j)
+        disp[j] = static_cast<MPI_Aint>(back.order[first + j] * row_bytes);
+      types.push_back(detail::rows_at(disp, row.get(), op));
+      ex.irecv(y->data(), 1, types.back().get(), d, detail::kTagCombineRows);
+      expected[d] = n * row_bytes;
+    }
+    const int64_t stride = in.expand_x.strides[0] * esize;
+    for (int s = 0; s < W; ++s) {
+      std::vector<MPI_Aint> disp;
+      disp.reserve(blocks.source_rows[s]);
+      for (int l = 0; l < L; ++l) {
+        const int64_t b = static_cast<int64_t>(l) * W + s;
+        for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
+             ++j)
+          disp.push_back(static_cast<MPI_Aint>(j * stride));
+      }
+      types.push_back(detail::rows_at(disp, row.get(), op));
+      ex.isend(in.expand_x.data, 1, types.back().get(), s, detail::kTagCombineRows);
+    }
+    std::vector<MPI_Status> st = ex.wait();
+    for (int d = 0; d < W; ++d) {
+      MPI_Count got = 0;
+      detail::check_mpi(MPI_Get_elements_x(&st[d], types[d].get(), &got), op, "MPI_Get_elements_x");
+      if (got != expected[d])
+        detail::invalid(op, ": rank ", d, " sent back ", got / std::max<int64_t>(row_bytes, 1),
+                        " rows but expert_ids on rank ", comm.rank(), " route ",
+                        expected[d] / std::max<int64_t>(row_bytes, 1),
+                        " entries to it: expert_ids and ep_send_counts must be those of the "
+                        "matching dispatch_v2");
+    }
+  }
+
+  // SPEC §2.3: per token, fp32 acc += expert_scales[i,k] * fp32(y_ik) for k in order, one rounding.
+  Tensor out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
+  const char* ybase = y->ptr<char>();
+  char* obase = out.ptr<char>();
+  const int64_t BS = sh.BS, K = sh.K, H = sh.H;
+  const DType dtype = sh.dtype;
+#pragma omp parallel if (BS * H > (1 << 16))
+  {
+    std::vector<float> acc(static_cast<std::size_t>(H));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < BS; ++i) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t k = 0; k < K; ++k) {
+        if (detail::index_at(in.expert_ids, i, k) < 0) continue;
+        detail::axpy_row_f32(acc.data(), detail::float_at(in.expert_scales, i, k),
+                             ybase + (i * K + k) * row_bytes, dtype, H);
+      }
+      detail::store_row_f32(obase + i * row_bytes, dtype, acc.data(), H);
+    }
+  }
+  return out;
+}
+
+}  // namespace moe_ep

@@ -1,0 +1,264 @@
+#include "transport/mpi/exchange.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "core/check.h"
+#include "moe_ep/tensor.h"
+
+namespace moe_ep::detail {
+
+namespace {
+
+std::string mpi_error_string(int rc) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) return cat("MPI error code ", rc);
+  return std::string(msg, len);
+}
+
+// Buffers of abandoned requests: never freed (MPI may still write into them).
+void bury(std::vector<std::shared_ptr<const void>>&& buffers) {
+  static std::mutex mu;
+  static auto* graveyard = new std::vector<std::shared_ptr<const void>>();  // leaked on purpose
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& b : buffers) graveyard->push_back(std::move(b));
+}
+
+const char* op_name(int32_t op) {
+  return op == 1 ? "dispatch_v2" : op == 2 ? "combine_v2" : "an unknown op";
+}
+
+}  // namespace
+
+void check_mpi(int rc, const char* op, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  fail(ErrorKind::kSystem, op, ": ", what, " failed: ", mpi_error_string(rc));
+}
+
+MpiType::~MpiType() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (t_ != MPI_DATATYPE_NULL && !finalized) MPI_Type_free(&t_);
+}
+
+MpiType& MpiType::operator=(MpiType&& o) noexcept {
+  if (this != &o) {
+    MpiType tmp(std::move(*this));
+    t_ = o.t_;
+    o.t_ = MPI_DATATYPE_NULL;
+  }
+  return *this;
+}
+
+MpiType contiguous_bytes(int64_t bytes, const char* op) {
+  MOE_EP_CHECK(bytes >= 0 && bytes <= INT_MAX);
+  MPI_Datatype t;
+  check_mpi(MPI_Type_contiguous(static_cast<int>(bytes), MPI_BYTE, &t), op, "MPI_Type_contiguous");
+  MpiType owned(t);
+  check_mpi(MPI_Type_commit(&t), op, "MPI_Type_commit");
+  return owned;
+}
+
+MpiType rows_at(const std::vector<MPI_Aint>& disp, MPI_Datatype row, const char* op) {
+  MOE_EP_CHECK(disp.size() <= static_cast<std::size_t>(INT_MAX));
+  MPI_Datatype t;
+  check_mpi(MPI_Type_create_hindexed_block(static_cast<int>(disp.size()), 1, disp.data(), row, &t),
+            op, "MPI_Type_create_hindexed_block");
+  MpiType owned(t);
+  check_mpi(MPI_Type_commit(&t), op, "MPI_Type_commit");
+  return owned;
+}
+
+MpiType blocks_at(const std::vector<int>& len, const std::vector<MPI_Aint>& disp, MPI_Datatype row,
+                  const char* op) {
+  MOE_EP_CHECK(len.size() == disp.size() && len.size() <= static_cast<std::size_t>(INT_MAX));
+  MPI_Datatype t;
+  check_mpi(
+      MPI_Type_create_hindexed(static_cast<int>(len.size()), len.data(), disp.data(), row, &t), op,
+      "MPI_Type_create_hindexed");
+  MpiType owned(t);
+  check_mpi(MPI_Type_commit(&t), op, "MPI_Type_commit");
+  return owned;
+}
+
+Exchange::Exchange(const Communicator& comm, const char* op, const char* phase)
+    : comm_(comm), op_(op), phase_(phase) {}
+
+Exchange::~Exchange() {
+  bool abandoned = false;
+  for (std::size_t i = 0; i < reqs_.size(); ++i) {
+    if (reqs_[i] == MPI_REQUEST_NULL) continue;
+    abandoned = true;
+    if (is_recv_[i]) MPI_Cancel(&reqs_[i]);
+    MPI_Request_free(&reqs_[i]);
+  }
+  if (abandoned) bury(std::move(keep_));
+}
+
+void Exchange::isend(const void* buf, int count, MPI_Datatype type, int peer, int tag) {
+  MPI_Request r = MPI_REQUEST_NULL;
+  check_mpi(MPI_Isend(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Isend");
+  reqs_.push_back(r);
+  peer_.push_back(peer);
+  is_recv_.push_back(0);
+}
+
+void Exchange::irecv(void* buf, int count, MPI_Datatype type, int peer, int tag) {
+  MPI_Request r = MPI_REQUEST_NULL;
+  check_mpi(MPI_Irecv(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Irecv");
+  reqs_.push_back(r);
+  peer_.push_back(peer);
+  is_recv_.push_back(1);
+}
+
+std::vector<MPI_Status> Exchange::wait() {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(comm_.timeout_s()));
+  const int n = static_cast<int>(reqs_.size());
+  std::vector<MPI_Status> all(n), got(n);
+  std::vector<int> idx(n);
+  std::string mpi_failure;
+  bool truncated = false;
+  int idle = 0;
+  for (;;) {
+    int outcount = 0;
+    const int rc = MPI_Testsome(n, reqs_.data(), &outcount, idx.data(), got.data());
+    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) check_mpi(rc, op_, "MPI_Testsome");
+    if (outcount == MPI_UNDEFINED) break;  // every request is complete
+    for (int j = 0; j < outcount; ++j) {
+      all[idx[j]] = got[j];
+      if (rc == MPI_ERR_IN_STATUS && got[j].MPI_ERROR != MPI_SUCCESS && mpi_failure.empty()) {
+        int cls = 0;
+        MPI_Error_class(got[j].MPI_ERROR, &cls);
+        truncated = cls == MPI_ERR_TRUNCATE;
+        mpi_failure = cat((is_recv_[idx[j]] ? "receive from rank " : "send to rank "),
+                          peer_[idx[j]], ": ", mpi_error_string(got[j].MPI_ERROR));
+      }
+    }
+    if (outcount > 0) {
+      idle = 0;
+      continue;
+    }
+    if (Clock::now() >= deadline) {
+      std::vector<int> late;
+      int pending = 0;
+      for (int i = 0; i < n; ++i)
+        if (reqs_[i] != MPI_REQUEST_NULL) {
+          ++pending;
+          late.push_back(peer_[i]);
+        }
+      std::sort(late.begin(), late.end());
+      late.erase(std::unique(late.begin(), late.end()), late.end());
+      std::ostringstream peers;
+      for (std::size_t i = 0; i < late.size(); ++i) peers << (i ? ", " : "") << late[i];
+      fail(ErrorKind::kTimeout, op_, ": rank ", comm_.rank(), " timed out after ",
+           comm_.timeout_s(), " s in phase '", phase_, "' waiting for rank(s) ", peers.str(), " (",
+           pending, " of ", n, " requests pending; a rank may not have called ", op_,
+           " or may have failed)");
+    }
+    // Backoff: oversubscribed ranks (more ranks than cores) must leave the CPU to their peers.
+    // sched_yield first (cheap when nobody else is runnable), then sleeps of 20 us doubling to
+    // 200 us, reset whenever a request completes.
+    ++idle;
+    if (idle < 64) {
+      sched_yield();
+    } else {
+      const int us = std::min(200, 20 << std::min(idle - 64, 4));
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+    }
+  }
+  if (truncated)
+    invalid(op_, ": rank ", comm_.rank(), " received more data than expected in phase '", phase_,
+            "' (", mpi_failure, "): the ranks' arguments disagree (combine_v2's expert_ids and ",
+            "ep_send_counts must be those of the matching dispatch_v2)");
+  if (!mpi_failure.empty())
+    fail(ErrorKind::kSystem, op_, ": MPI failed in phase '", phase_, "' on rank ", comm_.rank(),
+         ": ", mpi_failure);
+  std::vector<MPI_Status> recv_status;
+  for (int i = 0; i < n; ++i)
+    if (is_recv_[i]) recv_status.push_back(all[i]);
+  return recv_status;
+}
+
+std::vector<OpHeader> agree_on_headers(const Communicator& comm, const char* op,
+                                       const OpHeader& mine, const Error* local) {
+  const int W = comm.size(), me = comm.rank();
+  auto headers = std::make_shared<std::vector<OpHeader>>(W);
+  auto sent = std::make_shared<OpHeader>(mine);
+  (*headers)[me] = mine;
+  {
+    Exchange ex(comm, op, "header");
+    ex.keep_alive(headers);
+    ex.keep_alive(sent);
+    for (int p = 0; p < W; ++p) {
+      if (p == me) continue;
+      ex.irecv(&(*headers)[p], sizeof(OpHeader), MPI_BYTE, p, kTagHeader);
+      ex.isend(sent.get(), sizeof(OpHeader), MPI_BYTE, p, kTagHeader);
+    }
+    ex.wait();
+  }
+  const std::vector<OpHeader>& h = *headers;
+  if (local != nullptr) throw *local;
+  for (int p = 0; p < W; ++p) {
+    if (h[p].magic != mine.magic)
+      invalid(op, ": rank ", p, " sent a malformed header (is it running another library on the ",
+              "same communicator?)");
+    if (h[p].op != mine.op)
+      invalid(op, ": the ranks called different ops: rank ", me, " called ", op_name(mine.op),
+              ", rank ", p, " called ", op_name(h[p].op),
+              " (collective ops must be called in the "
+              "same order on every rank)");
+  }
+  for (int p = 0; p < W; ++p)
+    if (!h[p].ok) {
+      std::string msg(h[p].message, strnlen(h[p].message, sizeof(h[p].message)));
+      fail(ErrorKind::kRemote, op, ": rank ", p, " failed: ", msg);
+    }
+  struct Field {
+    const char* name;
+    int64_t OpHeader::*member;
+  };
+  static constexpr Field fields[] = {
+      {"ep_world_size", &OpHeader::ep_world_size},
+      {"moe_expert_num", &OpHeader::moe_expert_num},
+      {"tp_world_size", &OpHeader::tp_world_size},
+      {"shared_expert_num", &OpHeader::shared_expert_num},
+      {"shared_expert_rank_num", &OpHeader::shared_expert_rank_num},
+      {"expert_shard_type", &OpHeader::expert_shard_type},
+      {"global_bs", &OpHeader::global_bs},
+      {"zero_expert_num", &OpHeader::zero_expert_num},
+      {"copy_expert_num", &OpHeader::copy_expert_num},
+      {"const_expert_num", &OpHeader::const_expert_num},
+      {"comm_alg", &OpHeader::comm_alg},
+      {"K (expert_ids.shape[1])", &OpHeader::K},
+  };
+  const bool dispatch = mine.op == 1;
+  for (const Field& f : fields)
+    for (int p = 1; p < W; ++p)
+      if (h[p].*f.member != h[0].*f.member)
+        invalid(op, ": ", f.name, " differs across ranks: rank 0 has ", h[0].*f.member, ", rank ",
+                p, " has ", h[p].*f.member, " (every rank must pass the same value)");
+  const char* xname = dispatch ? "x" : "expand_x";
+  for (int p = 1; p < W; ++p) {
+    if (h[p].H != h[0].H)
+      invalid(op, ": H (", xname, ".shape[1]) differs across ranks: rank 0 has ", h[0].H, ", rank ",
+              p, " has ", h[p].H, " (every rank must pass the same value)");
+    if (h[p].dtype != h[0].dtype)
+      invalid(op, ": ", xname, " dtype differs across ranks: rank 0 has ",
+              dtype_name(static_cast<DType>(h[0].dtype)), ", rank ", p, " has ",
+              dtype_name(static_cast<DType>(h[p].dtype)), " (every rank must pass the same dtype)");
+  }
+  return h;
+}
+
+}  // namespace moe_ep::detail

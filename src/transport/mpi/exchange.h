@@ -1,0 +1,113 @@
+// Internal: point-to-point exchanges with a deadline, and the header agreement that makes the
+// collective ops safe (a bad argument on one rank never hangs the others).
+//
+// Every wait polls non-blocking requests (MPI_Testsome) with a backoff (sched_yield, then short
+// sleeps: oversubscribed ranks must not starve their peers) against Communicator::timeout_s();
+// on expiry it throws Error(kTimeout) naming this rank, the phase and the peers still pending.
+// Point-to-point only (no non-blocking collectives), so a timeout knows which peers are late and
+// can cancel its receives.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe_ep/comm.h"
+#include "moe_ep/error.h"
+
+namespace moe_ep::detail {
+
+// Message tags of the ops (one per phase; MPI's non-overtaking order keeps consecutive ops apart).
+enum Tag : int {
+  kTagHeader = 0x4d01,
+  kTagCounts = 0x4d02,
+  kTagMeta = 0x4d03,
+  kTagRows = 0x4d04,
+  kTagCombineRows = 0x4d05,
+};
+
+// Throws Error(kSystem) "<op>: <what> failed: <MPI_Error_string>" unless rc == MPI_SUCCESS.
+void check_mpi(int rc, const char* op, const char* what);
+
+// An owned, committed MPI datatype (freed on destruction; MPI lets pending requests finish).
+class MpiType {
+ public:
+  MpiType() = default;
+  explicit MpiType(MPI_Datatype t) : t_(t) {}
+  ~MpiType();
+  MpiType(MpiType&& o) noexcept : t_(o.t_) { o.t_ = MPI_DATATYPE_NULL; }
+  MpiType& operator=(MpiType&& o) noexcept;
+  MpiType(const MpiType&) = delete;
+  MpiType& operator=(const MpiType&) = delete;
+  MPI_Datatype get() const { return t_; }
+
+ private:
+  MPI_Datatype t_ = MPI_DATATYPE_NULL;
+};
+
+// `bytes` contiguous bytes as one element (bytes <= INT_MAX, checked by the caller).
+MpiType contiguous_bytes(int64_t bytes, const char* op);
+// One element = n elements of `row`, the i-th at byte displacement disp[i] (n <= INT_MAX).
+MpiType rows_at(const std::vector<MPI_Aint>& disp, MPI_Datatype row, const char* op);
+// One element = blocks of len[i] `row`s at byte displacement disp[i].
+MpiType blocks_at(const std::vector<int>& len, const std::vector<MPI_Aint>& disp, MPI_Datatype row,
+                  const char* op);
+
+// One phase of point-to-point traffic: post sends and receives, then wait() for all of them.
+// If the phase is abandoned (an exception, a timeout), the destructor cancels the pending receives,
+// frees the pending requests and keeps the buffers registered with keep_alive() alive for the rest
+// of the process, so MPI never writes into freed memory. The communicator is unusable afterwards.
+class Exchange {
+ public:
+  Exchange(const Communicator& comm, const char* op, const char* phase);
+  ~Exchange();
+  Exchange(const Exchange&) = delete;
+  Exchange& operator=(const Exchange&) = delete;
+
+  void isend(const void* buf, int count, MPI_Datatype type, int peer, int tag);
+  void irecv(void* buf, int count, MPI_Datatype type, int peer, int tag);
+  void keep_alive(std::shared_ptr<const void> buffer) { keep_.push_back(std::move(buffer)); }
+
+  // Waits for every request until the deadline (now + comm.timeout_s()). Returns the statuses of
+  // the receives in the order they were posted. Throws Error(kTimeout) on expiry, Error(kSystem)
+  // on an MPI error, Error(kInvalidArgument) when a receive got more data than posted for (the
+  // ranks' arguments disagree).
+  std::vector<MPI_Status> wait();
+
+ private:
+  const Communicator& comm_;
+  const char* op_;
+  const char* phase_;
+  std::vector<MPI_Request> reqs_;
+  std::vector<int> peer_;
+  std::vector<char> is_recv_;
+  std::vector<std::shared_ptr<const void>> keep_;
+};
+
+// The fixed-size header every rank sends every other rank before an op moves data.
+struct OpHeader {
+  int32_t magic = 0x4d4f4550;  // "MOEP"
+  int32_t op = 0;              // 1 = dispatch_v2, 2 = combine_v2
+  int32_t ok = 1;              // 0: local validation failed, see kind and message
+  int32_t kind = 0;            // ErrorKind of the local failure
+  int64_t ep_world_size = 0, moe_expert_num = 0, tp_world_size = 0, shared_expert_num = 0,
+          shared_expert_rank_num = 0, expert_shard_type = 0, global_bs = 0, zero_expert_num = 0,
+          copy_expert_num = 0, const_expert_num = 0, comm_alg = 0;
+  int64_t BS = 0, H = 0, K = 0, dtype = 0;
+  char message[400] = {};  // the local error, truncated
+};
+
+// Exchanges `mine` with every rank of `comm` (phase "header") and returns all headers, indexed by
+// rank. Then, in this order:
+//   - `local` is set (this rank failed validation): rethrows it;
+//   - another rank failed: throws Error(kRemote) "<op>: rank <r> failed: <its message>" (lowest r);
+//   - the ranks disagree on an argument that must be equal (op, ep_world_size, moe_expert_num,
+//     global_bs, H, K, dtype, ...): throws Error(kInvalidArgument) on every rank naming the
+//     argument, two ranks and their values.
+std::vector<OpHeader> agree_on_headers(const Communicator& comm, const char* op,
+                                       const OpHeader& mine, const Error* local);
+
+}  // namespace moe_ep::detail

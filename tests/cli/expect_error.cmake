@@ -1,0 +1,21 @@
+# Runs CMD (space-separated) and passes when it exits with a non-zero code (not a signal, not a
+# timeout) within TIMEOUT seconds and its stderr matches REGEX.
+separate_arguments(cmd UNIX_COMMAND "${CMD}")
+if(NOT TIMEOUT)
+  set(TIMEOUT 30)
+endif()
+string(TIMESTAMP t0 "%s")
+execute_process(COMMAND ${cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
+                TIMEOUT ${TIMEOUT})
+string(TIMESTAMP t1 "%s")
+math(EXPR seconds "${t1} - ${t0}")
+message(STATUS "exit '${rc}' after ${seconds} s\nstdout:\n${out}\nstderr:\n${err}")
+if(NOT rc MATCHES "^[0-9]+$")
+  message(FATAL_ERROR "expected a non-zero exit code, got '${rc}'")
+endif()
+if(rc EQUAL 0)
+  message(FATAL_ERROR "expected a failure, the command succeeded")
+endif()
+if(NOT err MATCHES "${REGEX}")
+  message(FATAL_ERROR "stderr does not match '${REGEX}'")
+endif()

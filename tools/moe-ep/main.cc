@@ -1,0 +1,173 @@
+// moe-ep: the command-line tool. `moe-ep run` runs one MoE layer forward across the MPI ranks
+// (see run.h); errors print "moe-ep: error: <kind>: <message>" and abort the whole MPI job.
+#include <mpi.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <exception>
+#include <new>
+#include <sstream>
+#include <thread>
+
+#include "moe_ep/error.h"
+#include "presets.h"
+#include "run.h"
+
+namespace {
+
+using moe_ep_tool::RunOptions;
+
+std::string preset_help() {
+  std::ostringstream s;
+  s << "model preset (default olmoe):";
+  for (const auto& p : moe_ep_tool::presets()) {
+    s << "\n  " << p.name << ": H " << p.hidden << ", " << p.experts << " experts, top-" << p.top_k
+      << ", FFN " << p.ffn << ", " << moe_ep_tool::describe_scoring(p);
+    if (!p.note.empty()) s << "; NOTE: " << p.note;
+  }
+  s << "\nLarge presets need a reduced --ffn to fit (one expert's fp32 weights: 3 x H x FFN x 4 B "
+       "per rank at a time).";
+  return s.str();
+}
+
+// "must be >= 0" / "must be > 0" (CLI11's own range validators print the whole double range).
+CLI::Validator at_least(double low, const char* words) {
+  return CLI::Validator(
+      [low, words](std::string& value) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(value, v) || !(v >= low)) {
+          return std::string("must be ") + words + ", got " + value;
+        }
+        return {};
+      },
+      words);
+}
+
+void add_run_options(CLI::App* run, RunOptions& o) {
+  const CLI::Validator non_negative = at_least(0, ">= 0");
+  const CLI::Validator positive = at_least(1, ">= 1");
+  std::vector<std::string> names;
+  for (const auto& p : moe_ep_tool::presets()) names.push_back(p.name);
+  run->add_option("--preset", o.preset, preset_help())->check(CLI::IsMember(names));
+  run->add_option("--tokens", o.tokens, "tokens per rank (default 64)")->check(non_negative);
+  run->add_option("--hidden", o.hidden, "override the preset's hidden size H")->check(positive);
+  run->add_option("--experts", o.experts, "override the preset's number of experts E")
+      ->check(positive);
+  run->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
+      ->check(positive);
+  run->add_option("--ffn", o.ffn, "override the preset's expert intermediate size FFN")
+      ->check(positive);
+  run->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  run->add_option("--seed", o.seed,
+                  "seed of every generated value (default 0; with --load-routing: the file's)");
+  run->add_option("--expert-fn", o.expert_fn,
+                  "expert function: swiglu (default; y = W2 (silu(W1 x) * (W3 x)), fp32 OpenBLAS "
+                  "GEMMs, checked with a tolerance), scale (expert e: y = x * (1 + e/E) in fp32, "
+                  "checked bitwise), identity (checked bitwise)")
+      ->check(CLI::IsMember({"swiglu", "scale", "identity"}));
+  run->add_option("--routing", o.routing,
+                  "routing: real (default; sampled from real per-expert top-k counts), gate "
+                  "(random router matrix, top-k of x @ Wr), uniform")
+      ->check(CLI::IsMember({"real", "gate", "uniform"}));
+  run->add_option("--routing-model", o.routing_model,
+                  "real routing data: olmoe, olmoe-sft, olmoe-dpo (64 experts, top-8), mistral "
+                  "(8 experts, top-2); default: mistral for mixtral-8x7b, olmoe otherwise; other "
+                  "expert counts are mapped by splitting (or merging) consecutive experts")
+      ->check(CLI::IsMember({"olmoe", "olmoe-sft", "olmoe-dpo", "mistral"}));
+  run->add_option("--domain", o.domain,
+                  "real routing text domain (default c4; arxiv, book, c4, github, wikipedia; "
+                  "tulu for the olmoe models)");
+  run->add_option("--layer", o.layer, "real routing MoE layer: 0, 7 (default) or 15")
+      ->check(non_negative);
+  run->add_option("--routing-file", o.routing_file,
+                  "expert_counts.csv (default: <exe dir>/../share/moe-ep/real-routing/"
+                  "expert_counts.csv)");
+  run->add_option("--save-routing", o.save_routing,
+                  "write the global batch (expert_ids, expert_scales, x, tokens_per_rank) as "
+                  "safetensors");
+  run->add_option("--load-routing", o.load_routing,
+                  "read the batch from a --save-routing file instead of generating it; H and K "
+                  "must match the preset; rank r takes its slice (tokens_per_rank when it has W "
+                  "entries, else an even split)")
+      ->check(CLI::ExistingFile);
+  run->add_option("--save-output", o.save_output,
+                  "write the combined output (N, H) as safetensors tensor 'output'");
+  run->add_option("--timeout", o.timeout_s,
+                  "deadline of every blocking wait inside dispatch/combine, seconds "
+                  "(default: $MOE_EP_TIMEOUT_S, else 300)")
+      ->check(CLI::PositiveNumber);
+}
+
+// The checks one flag cannot make alone.
+void validate(CLI::App& run, const RunOptions& o) {
+  const auto* p = moe_ep_tool::find_preset(o.preset);
+  const int64_t E = o.experts.value_or(p->experts), K = o.top_k.value_or(p->top_k);
+  if (K > E) {
+    throw CLI::ValidationError(
+        "--top-k",
+        "K = " + std::to_string(K) + " exceeds the number of experts E = " + std::to_string(E));
+  }
+  if (!o.save_routing.empty() && o.save_routing == o.load_routing) {
+    throw CLI::ValidationError("--save-routing", "must differ from --load-routing");
+  }
+  (void)run;
+}
+
+[[noreturn]] void fail(const char* kind, const char* message, bool remote) {
+  std::fprintf(stderr, "moe-ep: error: %s: %s\n", kind, message);
+  std::fflush(stderr);
+  // A Remote error repeats another rank's: give that rank a moment to print its own first.
+  if (remote) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  MPI_Abort(MPI_COMM_WORLD, 2);
+  std::_Exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+
+  CLI::App app{"moe-ep: mixture-of-experts expert parallelism over MPI"};
+  app.require_subcommand(1);
+  RunOptions options;
+  CLI::App* run = app.add_subcommand(
+      "run",
+      "Forward of one MoE layer across the MPI ranks: router -> dispatch_v2 -> local experts -> "
+      "combine_v2, checked against a single-process dense reference on rank 0. Run it under "
+      "mpirun; prints the configuration, load balance, time per phase, bandwidth and PASS/FAIL.");
+  add_run_options(run, options);
+  try {
+    app.parse(argc, argv);
+    options.dtype_given = run->count("--dtype") > 0;
+    options.seed_given = run->count("--seed") > 0;
+    validate(*run, options);
+  } catch (const CLI::ParseError& e) {
+    // Every rank parsed the same argv; rank 0 speaks for all.
+    int code;
+    if (rank == 0) {
+      code = app.exit(e);
+    } else {
+      std::ostringstream sink;
+      code = app.exit(e, sink, sink);
+    }
+    MPI_Finalize();
+    return code;
+  }
+
+  int code = 0;
+  try {
+    code = moe_ep_tool::run_command(options);
+  } catch (const moe_ep::Error& e) {
+    fail(moe_ep::error_kind_name(e.kind()), e.what(), e.kind() == moe_ep::ErrorKind::kRemote);
+  } catch (const std::bad_alloc&) {
+    fail("System", "out of memory (std::bad_alloc); use fewer --tokens or a smaller --ffn", false);
+  } catch (const std::exception& e) {
+    fail("Internal", e.what(), false);
+  }
+  MPI_Finalize();
+  return code;
+}

@@ -1,0 +1,36 @@
+#include "presets.h"
+
+#include <sstream>
+
+namespace moe_ep_tool {
+
+const std::vector<Preset>& presets() {
+  // Shapes and routers from the models' published configs: OLMoE-1B-7B-0924 (norm_topk_prob
+  // false), Mixtral-8x7B-v0.1 (softmax over the top-2 logits), Qwen3-30B-A3B (norm_topk_prob true),
+  // DeepSeek-V3 (sigmoid scores, norm_topk_prob true, routed_scaling_factor 2.5).
+  static const std::vector<Preset> kPresets = {
+      {"olmoe", 2048, 64, 8, 1024, Scoring::kSoftmax, false, 1.0, "olmoe", ""},
+      {"mixtral-8x7b", 4096, 8, 2, 14336, Scoring::kSoftmax, true, 1.0, "mistral", ""},
+      {"qwen3-30b-a3b", 2048, 128, 8, 768, Scoring::kSoftmax, true, 1.0, "olmoe", ""},
+      {"deepseek-v3", 7168, 256, 8, 2048, Scoring::kSigmoid, true, 2.5, "olmoe",
+       "its shared expert and group-limited routing are not modelled (routed experts only)"},
+  };
+  return kPresets;
+}
+
+const Preset* find_preset(const std::string& name) {
+  for (const Preset& p : presets()) {
+    if (p.name == name) return &p;
+  }
+  return nullptr;
+}
+
+std::string describe_scoring(const Preset& preset) {
+  std::ostringstream s;
+  s << (preset.scoring == Scoring::kSoftmax ? "softmax over all experts" : "sigmoid");
+  s << (preset.normalise_top_k ? ", normalised over the top-k" : ", not normalised over the top-k");
+  if (preset.scaling != 1.0) s << ", x" << preset.scaling;
+  return s.str();
+}
+
+}  // namespace moe_ep_tool

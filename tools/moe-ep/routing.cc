@@ -1,0 +1,241 @@
+#include "routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <set>
+#include <sstream>
+
+#include "moe_ep/error.h"
+#include "numeric.h"
+#include "rng.h"
+
+namespace moe_ep_tool {
+
+using moe_ep::Error;
+using moe_ep::ErrorKind;
+
+namespace {
+
+std::string join(const std::set<std::string>& items) {
+  std::string s;
+  for (const auto& i : items) s += (s.empty() ? "" : ", ") + i;
+  return s;
+}
+
+}  // namespace
+
+ExpertDistribution load_real_distribution(const RealRoutingSource& source, int64_t experts,
+                                          int64_t top_k) {
+  std::ifstream in(source.file);
+  if (!in) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "real routing: cannot open '" + source.file +
+                    "' (set --routing-file to data/real-routing/expert_counts.csv)");
+  }
+  std::string line;
+  std::getline(in, line);
+  if (line.rfind("model,domain,selection,layer,expert,count", 0) != 0) {
+    throw Error(ErrorKind::kInvalidArgument, "real routing: '" + source.file +
+                                                 "' does not start with the header "
+                                                 "model,domain,selection,layer,expert,count");
+  }
+  std::map<int64_t, double> counts;
+  std::set<std::string> models, domains, layers;
+  int64_t line_no = 1;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.empty()) continue;
+    std::vector<std::string> f;
+    std::stringstream ss(line);
+    for (std::string cell; std::getline(ss, cell, ',');) f.push_back(cell);
+    if (f.size() != 6) {
+      throw Error(ErrorKind::kInvalidArgument, "real routing: " + source.file + ":" +
+                                                   std::to_string(line_no) + " has " +
+                                                   std::to_string(f.size()) + " fields, not 6");
+    }
+    if (f[2] != "topk") continue;
+    models.insert(f[0]);
+    if (f[0] != source.model) continue;
+    domains.insert(f[1]);
+    if (f[1] != source.domain) continue;
+    layers.insert(f[3]);
+    if (f[3] != std::to_string(source.layer)) continue;
+    try {
+      counts[std::stoll(f[4])] += std::stod(f[5]);
+    } catch (const std::exception&) {
+      throw Error(ErrorKind::kInvalidArgument, "real routing: " + source.file + ":" +
+                                                   std::to_string(line_no) +
+                                                   " has a non-numeric expert or count");
+    }
+  }
+  const std::string what =
+      source.model + "/" + source.domain + "/layer " + std::to_string(source.layer);
+  if (models.count(source.model) == 0) {
+    throw Error(ErrorKind::kInvalidArgument, "real routing: model '" + source.model +
+                                                 "' is not in " + source.file + " (has " +
+                                                 join(models) + ")");
+  }
+  if (domains.count(source.domain) == 0) {
+    throw Error(ErrorKind::kInvalidArgument, "real routing: domain '" + source.domain +
+                                                 "' is not in " + source.file + " for model " +
+                                                 source.model + " (has " + join(domains) + ")");
+  }
+  if (counts.empty()) {
+    throw Error(ErrorKind::kInvalidArgument, "real routing: layer " + std::to_string(source.layer) +
+                                                 " is not in " + source.file + " for " +
+                                                 source.model + "/" + source.domain + " (has " +
+                                                 join(layers) + ")");
+  }
+  const int64_t data_experts = counts.rbegin()->first + 1;
+  if (counts.begin()->first < 0 || static_cast<int64_t>(counts.size()) != data_experts) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "real routing: " + what + " does not list experts 0.." +
+                    std::to_string(data_experts - 1) + " exactly once each");
+  }
+  double total = 0;
+  for (const auto& [e, c] : counts) total += c;
+  if (!(total > 0)) {
+    throw Error(ErrorKind::kInvalidArgument, "real routing: " + what + " has no counts");
+  }
+
+  ExpertDistribution d;
+  d.p.assign(experts, 0.0);
+  std::ostringstream desc;
+  desc << "real (" << what << ", top-k counts of " << data_experts << " experts";
+  if (experts == data_experts) {
+    for (const auto& [e, c] : counts) d.p[e] = c / total;
+  } else if (experts % data_experts == 0) {
+    const int64_t m = experts / data_experts;
+    for (const auto& [e, c] : counts) {
+      for (int64_t j = 0; j < m; ++j) d.p[e * m + j] = c / total / static_cast<double>(m);
+    }
+    desc << "; each data expert's probability split evenly over " << m
+         << " consecutive experts of the preset's " << experts;
+  } else if (data_experts % experts == 0) {
+    const int64_t m = data_experts / experts;
+    for (const auto& [e, c] : counts) d.p[e / m] += c / total;
+    desc << "; each " << m << " consecutive data experts merged into one of the preset's "
+         << experts;
+  } else {
+    throw Error(ErrorKind::kInvalidArgument,
+                "real routing: " + what + " has " + std::to_string(data_experts) +
+                    " experts, which cannot be mapped onto E = " + std::to_string(experts) +
+                    " (neither divides the other)");
+  }
+  desc << ")";
+  d.description = desc.str();
+  const auto nonzero = std::count_if(d.p.begin(), d.p.end(), [](double p) { return p > 0; });
+  if (nonzero < top_k) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "real routing: only " + std::to_string(nonzero) + " experts of " + what +
+                    " have a nonzero count; top-k " + std::to_string(top_k) +
+                    " needs at least that many");
+  }
+  return d;
+}
+
+std::vector<std::byte> make_tokens(uint64_t seed, int64_t first, int64_t count, int64_t hidden,
+                                   moe_ep::DType dtype) {
+  std::vector<std::byte> x(static_cast<size_t>(count * hidden) * moe_ep::dtype_size(dtype));
+  for (int64_t i = 0; i < count; ++i) {
+    const Counter c(seed, Stream::kTokenX, static_cast<uint64_t>(first + i));
+    for (int64_t h = 0; h < hidden; ++h) store(dtype, x.data(), i * hidden + h, c.uniform(h));
+  }
+  return x;
+}
+
+Router::Router(const Preset& layer, RoutingKind kind, uint64_t seed, std::vector<double> real_p)
+    : layer_(layer), kind_(kind), seed_(seed), p_(std::move(real_p)) {
+  const int64_t H = layer_.hidden, E = layer_.experts;
+  if (kind_ == RoutingKind::kUniform) p_.assign(E, 1.0 / static_cast<double>(E));
+  if (kind_ == RoutingKind::kGate) {
+    router_.resize(static_cast<size_t>(H * E));
+    const Counter c(seed_, Stream::kRouterMatrix, 0);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(H));
+    for (int64_t i = 0; i < H * E; ++i) router_[i] = c.uniform(i) * scale;
+  }
+}
+
+void Router::sample(int64_t token, const std::vector<double>& p, int32_t* ids,
+                    std::vector<double>& logits) const {
+  const int64_t E = layer_.experts, K = layer_.top_k;
+  const Counter draws(seed_, Stream::kRouteSample, static_cast<uint64_t>(token));
+  std::vector<char> taken(E, 0);
+  double remaining = std::accumulate(p.begin(), p.end(), 0.0);
+  for (int64_t k = 0; k < K; ++k) {
+    const double u = draws.unit(k) * remaining;
+    double cum = 0;
+    int64_t pick = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      if (taken[e] || p[e] <= 0) continue;
+      pick = e;  // the last candidate catches rounding at the top end
+      cum += p[e];
+      if (u < cum) break;
+    }
+    taken[pick] = 1;
+    remaining -= p[pick];
+    ids[k] = static_cast<int32_t>(pick);
+  }
+  // Router logits: the k-th drawn expert gets the k-th largest of E normals.
+  const Counter normals(seed_, Stream::kRouteLogits, static_cast<uint64_t>(token));
+  std::vector<double> drawn(E);
+  for (int64_t e = 0; e < E; ++e) drawn[e] = normals.normal(e);
+  std::sort(drawn.begin(), drawn.end(), std::greater<>());
+  int64_t next = K;
+  for (int64_t k = 0; k < K; ++k) logits[ids[k]] = drawn[k];
+  for (int64_t e = 0; e < E; ++e) {
+    if (!taken[e]) logits[e] = drawn[next++];
+  }
+}
+
+void Router::scores(const std::vector<double>& logits, const int32_t* ids, float* out) const {
+  const int64_t K = layer_.top_k;
+  std::vector<double> s(K);
+  if (layer_.scoring == Scoring::kSoftmax) {
+    const double m = *std::max_element(logits.begin(), logits.end());
+    double denom = 0;
+    for (double l : logits) denom += std::exp(l - m);
+    for (int64_t k = 0; k < K; ++k) s[k] = std::exp(logits[ids[k]] - m) / denom;
+  } else {
+    for (int64_t k = 0; k < K; ++k) s[k] = 1.0 / (1.0 + std::exp(-logits[ids[k]]));
+  }
+  double sum = 0;
+  for (double v : s) sum += v;
+  for (int64_t k = 0; k < K; ++k) {
+    const double v = layer_.normalise_top_k ? s[k] / sum : s[k];
+    out[k] = static_cast<float>(v * layer_.scaling);
+  }
+}
+
+void Router::route(int64_t first, int64_t count, const void* x, moe_ep::DType dtype,
+                   int32_t* expert_ids, float* expert_scales) const {
+  const int64_t H = layer_.hidden, E = layer_.experts, K = layer_.top_k;
+  std::vector<double> logits(E);
+  std::vector<float> acc(E);
+  std::vector<int32_t> order(E);
+  for (int64_t i = 0; i < count; ++i) {
+    int32_t* ids = expert_ids + i * K;
+    if (kind_ == RoutingKind::kGate) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t h = 0; h < H; ++h) {
+        const float xv = load(dtype, x, i * H + h);
+        const float* row = router_.data() + h * E;
+        for (int64_t e = 0; e < E; ++e) acc[e] += xv * row[e];
+      }
+      for (int64_t e = 0; e < E; ++e) logits[e] = acc[e];
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t a, int32_t b) {
+        return acc[a] > acc[b] || (acc[a] == acc[b] && a < b);
+      });
+      std::copy(order.begin(), order.begin() + K, ids);
+    } else {
+      sample(first + i, p_, ids, logits);
+    }
+    scores(logits, ids, expert_scales + i * K);
+  }
+}
+
+}  // namespace moe_ep_tool

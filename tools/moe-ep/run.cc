@@ -1,0 +1,427 @@
+#include "run.h"
+
+#include <cblas.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <thread>
+
+#include "batch.h"
+#include "experts.h"
+#include "moe_ep/comm.h"
+#include "moe_ep/dispatch.h"
+#include "moe_ep/error.h"
+#include "numeric.h"
+#include "presets.h"
+#include "reference.h"
+#include "routing.h"
+
+namespace moe_ep_tool {
+
+using moe_ep::DType;
+using moe_ep::Error;
+using moe_ep::ErrorKind;
+
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Waits for a non-blocking collective without spinning: with more ranks than cores (CI runs
+// oversubscribed) a spinning rank would steal the CPU from the one doing the work.
+void wait_idle(MPI_Request* request) {
+  int done = 0;
+  for (int polls = 0;; ++polls) {
+    MPI_Test(request, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    if (polls > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
+void barrier_idle() {
+  MPI_Request request;
+  MPI_Ibarrier(MPI_COMM_WORLD, &request);
+  wait_idle(&request);
+}
+
+// Concatenates every rank's bytes on rank 0, in rank order.
+std::vector<std::byte> gather_bytes(const void* data, size_t bytes, int rank, int world) {
+  if (bytes > static_cast<size_t>(INT_MAX)) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "moe-ep run: " + std::to_string(bytes) +
+                    " bytes on one rank exceed what MPI_Gatherv moves (2^31-1); use fewer "
+                    "--tokens");
+  }
+  const int n = static_cast<int>(bytes);
+  std::vector<int> counts(world), displs(world);
+  MPI_Gather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+  std::vector<std::byte> all;
+  if (rank == 0) {
+    int64_t total = 0;
+    for (int r = 0; r < world; ++r) {
+      displs[r] = static_cast<int>(total);
+      total += counts[r];
+      if (total > INT_MAX) {
+        throw Error(ErrorKind::kInvalidArgument,
+                    "moe-ep run: the gathered batch exceeds 2^31-1 bytes on rank 0; use fewer "
+                    "--tokens");
+      }
+    }
+    all.resize(static_cast<size_t>(total));
+  }
+  MPI_Request request;
+  MPI_Igatherv(data, n, MPI_BYTE, all.data(), counts.data(), displs.data(), MPI_BYTE, 0,
+               MPI_COMM_WORLD, &request);
+  wait_idle(&request);
+  return all;
+}
+
+template <typename T>
+std::vector<T> gather_values(const std::vector<T>& local, int rank, int world) {
+  const auto bytes = gather_bytes(local.data(), local.size() * sizeof(T), rank, world);
+  std::vector<T> all(bytes.size() / sizeof(T));
+  if (!all.empty()) std::memcpy(all.data(), bytes.data(), bytes.size());
+  return all;
+}
+
+Preset effective_layer(const RunOptions& o) {
+  const Preset* p = find_preset(o.preset);
+  if (p == nullptr) {
+    throw Error(ErrorKind::kInvalidArgument, "moe-ep run: unknown preset '" + o.preset + "'");
+  }
+  Preset layer = *p;
+  if (o.hidden) layer.hidden = *o.hidden;
+  if (o.experts) layer.experts = *o.experts;
+  if (o.top_k) layer.top_k = *o.top_k;
+  if (o.ffn) layer.ffn = *o.ffn;
+  return layer;
+}
+
+// What each rank measures; gathered to rank 0.
+struct RankStats {
+  double route_s, dispatch_s, experts_s, generate_s, combine_s;
+  double received_rows;        // dispatch's valid rows
+  double sent_other_rows;      // entries this rank dispatched to another rank
+  double received_other_rows;  // rows it received from another rank (and sends back in combine)
+};
+
+std::string fmt(const char* format, double a) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, a);
+  return buf;
+}
+
+}  // namespace
+
+std::string default_routing_file() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const auto dir = ec ? std::filesystem::path(".") : exe.parent_path();
+  return (dir / ".." / "share" / "moe-ep" / "real-routing" / "expert_counts.csv")
+      .lexically_normal()
+      .string();
+}
+
+int run_command(const RunOptions& o) {
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int64_t W = world;
+  // One BLAS thread per rank unless asked otherwise: ranks already fill the cores.
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+
+  Preset layer = effective_layer(o);
+  DType dtype = parse_float_dtype(o.dtype);
+  uint64_t seed = o.seed;
+
+  // ---- inputs: this rank's tokens, expert_ids, expert_scales -----------------------------
+  Batch file;  // --load-routing
+  std::vector<int64_t> bs;
+  std::string routing_desc;
+  if (!o.load_routing.empty()) {
+    file = load_routing(o.load_routing);
+    const std::string where = "--load-routing '" + o.load_routing + "': ";
+    if (file.hidden != layer.hidden) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  where + "x has H = " + std::to_string(file.hidden) + ", the preset " +
+                      layer.name + " has H = " + std::to_string(layer.hidden) +
+                      " (choose the preset or --hidden it was saved with)");
+    }
+    if (file.top_k != layer.top_k) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  where + "expert_ids has K = " + std::to_string(file.top_k) + ", the preset " +
+                      layer.name + " has K = " + std::to_string(layer.top_k) +
+                      " (choose the preset or --top-k it was saved with)");
+    }
+    if (auto it = file.metadata.find("moe_expert_num");
+        it != file.metadata.end() && it->second != std::to_string(layer.experts)) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  where + "saved with E = " + it->second + ", the preset " + layer.name +
+                      " has E = " + std::to_string(layer.experts) +
+                      " (choose the preset or --experts it was saved with)");
+    }
+    if (o.dtype_given && file.dtype != dtype) {
+      throw Error(ErrorKind::kInvalidArgument, where + "x is " + moe_ep::dtype_name(file.dtype) +
+                                                   ", --dtype says " + moe_ep::dtype_name(dtype));
+    }
+    dtype = file.dtype;
+    if (!o.seed_given) {
+      if (auto it = file.metadata.find("seed"); it != file.metadata.end()) {
+        seed = std::stoull(it->second);
+      }
+    }
+    bs = split_tokens(file.tokens, file.tokens_per_rank, W);
+    const bool own_split = static_cast<int64_t>(file.tokens_per_rank.size()) == W;
+    routing_desc =
+        "loaded from " + o.load_routing + " (" + std::to_string(file.tokens) + " tokens, " +
+        (own_split ? std::string("its tokens_per_rank")
+                   : std::string("split evenly over the ranks")) +
+        (file.metadata.count("routing") ? "; saved routing: " + file.metadata.at("routing")
+                                        : std::string()) +
+        ")";
+  } else {
+    bs.assign(W, o.tokens);
+  }
+  if (layer.experts % W != 0) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "moe-ep run: E = " + std::to_string(layer.experts) +
+                    " experts cannot be split evenly over W = " + std::to_string(W) +
+                    " ranks (SPEC §1.3: moe_expert_num % ep_world_size == 0)");
+  }
+  const int64_t H = layer.hidden, E = layer.experts, K = layer.top_k, L = E / W;
+  const int64_t N = std::accumulate(bs.begin(), bs.end(), int64_t{0});
+  const int64_t BS = bs[rank];
+  const int64_t first = std::accumulate(bs.begin(), bs.begin() + rank, int64_t{0});
+  const int64_t max_bs = *std::max_element(bs.begin(), bs.end());
+  const bool uneven = std::any_of(bs.begin(), bs.end(), [&](int64_t n) { return n != bs[0]; });
+  const size_t es = moe_ep::dtype_size(dtype);
+  const size_t row_bytes = static_cast<size_t>(H) * es;
+  const ExpertFn fn = o.expert_fn == "scale"      ? ExpertFn::kScale
+                      : o.expert_fn == "identity" ? ExpertFn::kIdentity
+                                                  : ExpertFn::kSwiglu;
+
+  std::vector<double> real_p;
+  const RoutingKind kind = o.routing == "gate"      ? RoutingKind::kGate
+                           : o.routing == "uniform" ? RoutingKind::kUniform
+                                                    : RoutingKind::kReal;
+  const std::string routing_file = o.routing_file.empty() ? default_routing_file() : o.routing_file;
+  if (o.load_routing.empty()) {
+    if (kind == RoutingKind::kReal) {
+      RealRoutingSource src{routing_file,
+                            o.routing_model.empty() ? layer.routing_model : o.routing_model,
+                            o.domain, o.layer};
+      ExpertDistribution d = load_real_distribution(src, E, K);
+      real_p = std::move(d.p);
+      routing_desc = d.description + " from " + routing_file;
+    } else if (kind == RoutingKind::kGate) {
+      routing_desc = "gate (router matrix Wr [H, E] from the seed, logits = x @ Wr, top-k)";
+    } else {
+      routing_desc = "uniform (K distinct experts, each equally likely)";
+    }
+  }
+
+  if (rank == 0) {
+    std::printf(
+        "moe-ep run: preset %s  H %lld  E %lld  K %lld  FFN %lld  dtype %s  expert-fn %s"
+        "  W %lld  tokens/rank ",
+        layer.name.c_str(), static_cast<long long>(H), static_cast<long long>(E),
+        static_cast<long long>(K), static_cast<long long>(layer.ffn), moe_ep::dtype_name(dtype),
+        expert_fn_name(fn), static_cast<long long>(W));
+    if (uneven) {
+      for (int64_t r = 0; r < W; ++r)
+        std::printf("%s%lld", r ? "," : "", static_cast<long long>(bs[r]));
+    } else {
+      std::printf("%lld", static_cast<long long>(bs[0]));
+    }
+    std::printf(" (N %lld)  seed %llu\n", static_cast<long long>(N),
+                static_cast<unsigned long long>(seed));
+    std::printf("  router scores: %s\n", describe_scoring(layer).c_str());
+    if (!layer.note.empty()) std::printf("  note: %s\n", layer.note.c_str());
+    std::printf("  routing: %s\n", routing_desc.c_str());
+    std::printf("  placement: %lld experts per rank (expert e on rank e / %lld)%s\n",
+                static_cast<long long>(L), static_cast<long long>(L),
+                uneven ? ", global_bs = W x max tokens per rank" : "");
+    std::fflush(stdout);
+  }
+
+  auto comm = moe_ep::Communicator::from_mpi(MPI_COMM_WORLD, {o.timeout_s});
+
+  std::vector<std::byte> x;
+  std::vector<int32_t> ids(static_cast<size_t>(BS * K));
+  std::vector<float> scales(static_cast<size_t>(BS * K));
+  double route_s = 0;
+  if (!o.load_routing.empty()) {
+    x.assign(file.x.begin() + static_cast<std::ptrdiff_t>(first * row_bytes),
+             file.x.begin() + static_cast<std::ptrdiff_t>((first + BS) * row_bytes));
+    std::copy_n(file.expert_ids.begin() + first * K, BS * K, ids.begin());
+    std::copy_n(file.expert_scales.begin() + first * K, BS * K, scales.begin());
+    file = Batch{};
+  } else {
+    x = make_tokens(seed, first, BS, H, dtype);
+    const Router router(layer, kind, seed, real_p);
+    const double t0 = now_s();
+    router.route(first, BS, x.data(), dtype, ids.data(), scales.data());
+    route_s = now_s() - t0;
+  }
+
+  // ---- the global batch on rank 0 (for --save-routing and the reference) ------------------
+  Batch global;
+  global.tokens = N;
+  global.hidden = H;
+  global.top_k = K;
+  global.dtype = dtype;
+  global.x = gather_bytes(x.data(), x.size(), rank, world);
+  global.expert_ids = gather_values(ids, rank, world);
+  global.expert_scales = gather_values(scales, rank, world);
+  global.tokens_per_rank = bs;
+  global.metadata = {{"moe_expert_num", std::to_string(E)},
+                     {"seed", std::to_string(seed)},
+                     {"preset", layer.name},
+                     {"routing", routing_desc}};
+  if (rank == 0 && !o.save_routing.empty()) {
+    save_routing(o.save_routing, global);
+    std::printf("  routing saved to %s\n", o.save_routing.c_str());
+    std::fflush(stdout);
+  }
+
+  // ---- dispatch_v2 -------------------------------------------------------------------------
+  moe_ep::EpConfig cfg;
+  cfg.group_ep = comm.get();
+  cfg.ep_world_size = W;
+  cfg.ep_rank_id = rank;
+  cfg.moe_expert_num = E;
+  cfg.shared_expert_num = 0;
+  cfg.global_bs = uneven ? W * max_bs : 0;
+  moe_ep::DispatchInputs din;
+  din.x = moe_ep::TensorView::contiguous(x.data(), dtype, {BS, H});
+  din.expert_ids = moe_ep::TensorView::contiguous(ids.data(), DType::kI32, {BS, K});
+  din.expert_scales = moe_ep::TensorView::contiguous(scales.data(), DType::kF32, {BS, K});
+  barrier_idle();
+  MPI_Barrier(MPI_COMM_WORLD);
+  double t0 = now_s();
+  moe_ep::DispatchOutputs d = moe_ep::dispatch_v2(din, cfg);
+  const double dispatch_s = now_s() - t0;
+
+  // ---- the local experts -------------------------------------------------------------------
+  const int32_t* recv = d.ep_recv_counts.ptr<int32_t>();
+  const int64_t valid = W * L > 0 ? recv[W * L - 1] : 0;
+  moe_ep::Tensor expert_out = moe_ep::Tensor::zeros(dtype, {d.expand_x.size(0), H});
+  ExpertBank bank(fn, seed, E, H, layer.ffn);
+  t0 = now_s();
+  for (int64_t j = 0; j < L; ++j) {
+    const int64_t begin = j == 0 ? 0 : recv[j * W - 1];
+    const int64_t end = recv[(j + 1) * W - 1];
+    bank.forward(rank * L + j, static_cast<const std::byte*>(d.expand_x.data()) + begin * row_bytes,
+                 static_cast<std::byte*>(expert_out.data()) + begin * row_bytes, end - begin,
+                 dtype);
+  }
+  const double experts_s = now_s() - t0 - bank.generate_seconds();
+
+  // ---- combine_v2 --------------------------------------------------------------------------
+  moe_ep::CombineInputs cin;
+  cin.expand_x = expert_out;
+  cin.expert_ids = din.expert_ids;
+  cin.assist_info_for_combine = d.assist_info_for_combine;
+  cin.ep_send_counts = d.ep_recv_counts;
+  cin.expert_scales = *din.expert_scales;
+  barrier_idle();
+  MPI_Barrier(MPI_COMM_WORLD);
+  t0 = now_s();
+  moe_ep::Tensor out = moe_ep::combine_v2(cin, cfg);
+  const double combine_s = now_s() - t0;
+
+  // ---- statistics --------------------------------------------------------------------------
+  RankStats mine{route_s,   dispatch_s,
+                 experts_s, bank.generate_seconds(),
+                 combine_s, static_cast<double>(valid),
+                 0,         0};
+  for (int32_t e : ids) {
+    if (e >= 0 && e / L != rank) mine.sent_other_rows += 1;
+  }
+  for (int64_t j = 0; j < L; ++j) {
+    for (int64_t s = 0; s < W; ++s) {
+      const int64_t b = j * W + s;
+      if (s != rank) mine.received_other_rows += recv[b] - (b == 0 ? 0 : recv[b - 1]);
+    }
+  }
+  constexpr int kStats = sizeof(RankStats) / sizeof(double);
+  std::vector<RankStats> all(rank == 0 ? W : 0);
+  MPI_Gather(&mine, kStats, MPI_DOUBLE, all.data(), kStats, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+
+  const std::vector<std::byte> output = gather_bytes(out.data(), out.nbytes(), rank, world);
+
+  int result = 1;
+  if (rank == 0) {
+    auto max_of = [&](double RankStats::*f) {
+      double m = 0;
+      for (const auto& s : all) m = std::max(m, s.*f);
+      return m;
+    };
+    double rmin = all[0].received_rows, rsum = 0, cross = 0;
+    for (const auto& s : all) {
+      rmin = std::min(rmin, s.received_rows);
+      rsum += s.received_rows;
+      cross += s.sent_other_rows;
+    }
+    const double rmean = rsum / static_cast<double>(W), rmax = max_of(&RankStats::received_rows);
+    std::printf(
+        "tokens received per rank (dispatch valid rows): min %.0f  mean %.1f  max %.0f"
+        "  imbalance max/mean %s\n",
+        rmin, rmean, rmax, rmean > 0 ? fmt("%.3f", rmax / rmean).c_str() : "n/a");
+    std::printf(
+        "time per phase, ms (max over ranks): route %.3f  dispatch %.3f  experts %.3f  "
+        "combine %.3f  (expert weight generation %.1f ms, not counted)\n",
+        1e3 * max_of(&RankStats::route_s), 1e3 * max_of(&RankStats::dispatch_s),
+        1e3 * max_of(&RankStats::experts_s), 1e3 * max_of(&RankStats::combine_s),
+        1e3 * max_of(&RankStats::generate_s));
+    const double per_rank_bytes = cross / static_cast<double>(W) * static_cast<double>(row_bytes);
+    if (cross > 0) {
+      std::printf(
+          "bandwidth: dispatch %.3f GB/s  combine %.3f GB/s  (bytes per rank = rows sent "
+          "to other ranks x H x %zu B, self-traffic excluded, mean over ranks = %.3f MB; "
+          "combine sends the same rows back; time = max over ranks)\n",
+          per_rank_bytes / max_of(&RankStats::dispatch_s) / 1e9,
+          per_rank_bytes / max_of(&RankStats::combine_s) / 1e9, es, per_rank_bytes / 1e6);
+    } else {
+      std::printf("bandwidth: n/a (no rows travel between ranks)\n");
+    }
+
+    if (!o.save_output.empty()) {
+      save_output(o.save_output, output, N, H, dtype);
+      std::printf("output saved to %s\n", o.save_output.c_str());
+    }
+    ExpertBank ref_bank(fn, seed, E, H, layer.ffn);
+    const std::vector<std::byte> ref = dense_reference(global, E, ref_bank);
+    const CheckResult c = compare_outputs(output, ref, dtype, fn);
+    if (c.exact) {
+      std::printf(
+          "check vs dense single-process reference (SPEC §2.3): %s (%lld of %lld "
+          "elements differ; max abs err %.3g); rule: %s\n",
+          c.mismatches == 0 ? "exact" : "NOT exact", static_cast<long long>(c.mismatches),
+          static_cast<long long>(N * H), c.max_abs, c.rule.c_str());
+    } else {
+      std::printf(
+          "check vs dense single-process reference (SPEC §2.3): max abs err %.3g, max rel "
+          "err %.3g (max|ref| %.3g), %lld of %lld elements not bitwise equal; rule: %s\n",
+          c.max_abs, c.max_rel, c.max_ref, static_cast<long long>(c.mismatches),
+          static_cast<long long>(N * H), c.rule.c_str());
+    }
+    std::printf("%s\n", c.pass ? "PASS" : "FAIL");
+    std::fflush(stdout);
+    result = c.pass ? 0 : 1;
+  }
+  MPI_Request request;
+  MPI_Ibcast(&result, 1, MPI_INT, 0, MPI_COMM_WORLD, &request);
+  wait_idle(&request);
+  return result;
+}
+
+}  // namespace moe_ep_tool

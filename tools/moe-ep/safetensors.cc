@@ -1,0 +1,180 @@
+#include "safetensors.h"
+
+#include <bit>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "moe_ep/error.h"
+
+namespace moe_ep_tool {
+
+static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
+
+using moe_ep::DType;
+using moe_ep::Error;
+using moe_ep::ErrorKind;
+
+int64_t StTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+const char* safetensors_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    case DType::kF32:
+      return "F32";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
+    default:
+      throw Error(ErrorKind::kInternal,
+                  std::string("safetensors: no dtype name for ") + moe_ep::dtype_name(dtype));
+  }
+}
+
+namespace {
+
+bool parse_dtype(const std::string& name, DType* dtype) {
+  for (DType d : {DType::kBF16, DType::kF16, DType::kF32, DType::kI32, DType::kI64}) {
+    if (name == safetensors_dtype_name(d)) {
+      *dtype = d;
+      return true;
+    }
+  }
+  return false;
+}
+
+[[noreturn]] void malformed(const std::string& path, const std::string& what) {
+  throw Error(ErrorKind::kInvalidArgument, "safetensors file '" + path + "': " + what);
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const StFile& file) {
+  nlohmann::json header = nlohmann::json::object();
+  uint64_t offset = 0;
+  for (const auto& [name, t] : file.tensors) {
+    const uint64_t expected = static_cast<uint64_t>(t.numel()) * moe_ep::dtype_size(t.dtype);
+    if (t.data.size() != expected) {
+      throw Error(ErrorKind::kInternal, "safetensors: tensor '" + name + "' holds " +
+                                            std::to_string(t.data.size()) +
+                                            " bytes, its shape needs " + std::to_string(expected));
+    }
+    header[name] = {{"dtype", safetensors_dtype_name(t.dtype)},
+                    {"shape", t.shape},
+                    {"data_offsets", {offset, offset + t.data.size()}}};
+    offset += t.data.size();
+  }
+  if (!file.metadata.empty()) header["__metadata__"] = file.metadata;
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
+  const uint64_t n = text.size();
+
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw Error(ErrorKind::kSystem, "cannot open '" + path + "' for writing");
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  for (const auto& [name, t] : file.tensors) {
+    out.write(reinterpret_cast<const char*>(t.data.data()),
+              static_cast<std::streamsize>(t.data.size()));
+  }
+  out.close();
+  if (!out) throw Error(ErrorKind::kSystem, "writing '" + path + "' failed");
+}
+
+StFile read_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) throw Error(ErrorKind::kSystem, "cannot open '" + path + "' for reading");
+  const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+  in.seekg(0);
+  uint64_t n = 0;
+  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), 8)) {
+    malformed(path, "shorter than the 8-byte header length");
+  }
+  if (n > file_size - 8) {
+    malformed(path, "header length " + std::to_string(n) + " exceeds the file size " +
+                        std::to_string(file_size));
+  }
+  std::string text(n, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(n));
+  const uint64_t data_size = file_size - 8 - n;
+  std::vector<std::byte> data(data_size);
+  if (!in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(data_size))) {
+    throw Error(ErrorKind::kSystem, "reading '" + path + "' failed");
+  }
+
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    malformed(path, std::string("header is not valid JSON: ") + e.what());
+  }
+  if (!header.is_object()) malformed(path, "header is not a JSON object");
+
+  StFile file;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") {
+      if (!entry.is_object()) malformed(path, "__metadata__ is not an object");
+      for (const auto& [key, value] : entry.items()) {
+        if (!value.is_string()) malformed(path, "__metadata__['" + key + "'] is not a string");
+        file.metadata[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = "tensor '" + name + "': ";
+    if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+        !entry.contains("data_offsets")) {
+      malformed(path, where + "needs dtype, shape and data_offsets");
+    }
+    StTensor t;
+    if (!entry["dtype"].is_string() || !parse_dtype(entry["dtype"].get<std::string>(), &t.dtype)) {
+      malformed(path, where + "dtype " + entry["dtype"].dump() +
+                          " is not one of {BF16, F16, F32, I32, I64}");
+    }
+    const auto& shape = entry["shape"];
+    const auto& offsets = entry["data_offsets"];
+    if (!shape.is_array() || shape.size() > 8) malformed(path, where + "bad shape");
+    for (const auto& d : shape) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) {
+        malformed(path, where + "shape " + shape.dump() + " has a non-integer or negative size");
+      }
+      t.shape.push_back(d.get<int64_t>());
+    }
+    uint64_t elements = 1;
+    for (int64_t d : t.shape) {
+      const auto ud = static_cast<uint64_t>(d);
+      if (ud != 0 && elements > data_size / ud)
+        elements = data_size + 1;  // too big either way
+      else
+        elements *= ud;
+    }
+    if (elements > data_size) malformed(path, where + "shape " + shape.dump() + " is too large");
+    if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
+        !offsets[1].is_number_unsigned()) {
+      malformed(path, where + "data_offsets " + offsets.dump() + " is not [begin, end]");
+    }
+    const uint64_t begin = offsets[0].get<uint64_t>();
+    const uint64_t end = offsets[1].get<uint64_t>();
+    if (begin > end || end > data_size) {
+      malformed(path, where + "data_offsets " + offsets.dump() + " outside the " +
+                          std::to_string(data_size) + " data bytes");
+    }
+    const uint64_t expected = static_cast<uint64_t>(t.numel()) * moe_ep::dtype_size(t.dtype);
+    if (end - begin != expected) {
+      malformed(path, where + "holds " + std::to_string(end - begin) + " bytes, shape " +
+                          shape.dump() + " needs " + std::to_string(expected));
+    }
+    t.data.assign(data.begin() + static_cast<std::ptrdiff_t>(begin),
+                  data.begin() + static_cast<std::ptrdiff_t>(end));
+    file.tensors.emplace(name, std::move(t));
+  }
+  return file;
+}
+
+}  // namespace moe_ep_tool
