@@ -3,8 +3,8 @@
 //
 // Common rules for every op below:
 // - Token-like tensors (tokens, permuted_tokens, grad_*) are 2-D (rows, H), dtype bf16, fp16 or
-//   fp32. Their rows may be strided (stride(0) >= H, any value) but each row must be contiguous
-//   (stride(1) == 1). N = 0 rows is valid.
+//   fp32. Their rows may be strided (any stride(0) >= 0, even 0 or overlapping) but each row must
+//   be contiguous (stride(1) == 1). N = 0 rows is valid.
 // - Index tensors are int32 or int64 with any strides. sorted_indices is 1-D (M,) int32 with any
 //   stride; each value must lie in [0, max(rows, M)) where rows is the row count of the permuted
 //   tensor (P or R): values >= rows are dropped entries. The unpermute family requires the values

@@ -20,6 +20,7 @@ const char* error_kind_name(ErrorKind kind) {
   return "Unknown";
 }
 
-Error::Error(ErrorKind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
+Error::Error(ErrorKind kind, const std::string& message)
+    : std::runtime_error(message), kind_(kind) {}
 
 }  // namespace moe_ep

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <sstream>
 
@@ -99,7 +100,8 @@ std::string TensorView::describe() const {
 
 TensorView from_dlpack(const DLTensor& t, const char* what) {
   if (t.device.device_type != kDLCPU)
-    detail::invalid("from_dlpack: ", what, " device_type = ", static_cast<int>(t.device.device_type),
+    detail::invalid("from_dlpack: ", what,
+                    " device_type = ", static_cast<int>(t.device.device_type),
                     " is not kDLCPU (1)");
   if (t.ndim < 0 || t.ndim > kMaxDims)
     detail::invalid("from_dlpack: ", what, " ndim = ", t.ndim, " is outside [0, ", kMaxDims, "]");
@@ -178,10 +180,20 @@ DLTensor to_dlpack(TensorView& v) {
 Tensor Tensor::empty(DType dtype, const std::vector<int64_t>& shape) {
   Tensor t;
   t.view_ = TensorView::contiguous(nullptr, dtype, shape);
-  const std::size_t bytes = static_cast<std::size_t>(t.view_.numel()) * dtype_size(dtype);
+  // Ops check their own output sizes with better messages; this is the safety net.
+  int64_t elems = 1, bytes64 = 0;
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(elems, d, &elems))
+      detail::invalid("Tensor::empty: the element count of the shape overflows int64");
+  if (__builtin_mul_overflow(elems, static_cast<int64_t>(dtype_size(dtype)), &bytes64) ||
+      bytes64 > std::numeric_limits<int64_t>::max() - 64)
+    detail::invalid("Tensor::empty: ", elems, " elements of ", dtype_name(dtype),
+                    " exceed 2^63 bytes");
+  const std::size_t bytes = static_cast<std::size_t>(bytes64);
   const std::size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
-  if (p == nullptr) detail::fail(ErrorKind::kSystem, "Tensor::empty: cannot allocate ", bytes, " bytes");
+  if (p == nullptr)
+    detail::fail(ErrorKind::kSystem, "Tensor::empty: cannot allocate ", bytes, " bytes");
   t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
   t.view_.data = p;
   return t;

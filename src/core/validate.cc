@@ -31,7 +31,13 @@ void expect_size(const char* op, const char* name, const TensorView& t, int dim,
             what, ")");
 }
 
+void expect_shape(const char* op, const char* name, const TensorView& t) {
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[d] < 0) invalid(op, ": ", name, ".shape[", d, "] = ", t.shape[d], " is negative");
+}
+
 void expect_memory(const char* op, const char* name, const TensorView& t) {
+  expect_shape(op, name, t);
   for (int d = 0; d < t.ndim; ++d)
     if (t.strides[d] < 0)
       unsupported(op, ": ", name, ".stride(", d, ") = ", t.strides[d], " is negative");

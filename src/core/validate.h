@@ -20,7 +20,9 @@ void expect_size(const char* op, const char* name, const TensorView& t, int dim,
 // 2-D float rows: dtype in {bf16, fp16, fp32}, ndim 2, stride(1) == 1 (or H <= 1), stride(0) >= 0,
 // data non-null when numel > 0.
 void expect_rows(const char* op, const char* name, const TensorView& t);
-// Non-null data when numel > 0, non-negative strides.
+// Every shape[d] >= 0: "permute: tokens.shape[1] = -3 is negative".
+void expect_shape(const char* op, const char* name, const TensorView& t);
+// Sizes >= 0 (expect_shape), non-null data when numel > 0, non-negative strides.
 void expect_memory(const char* op, const char* name, const TensorView& t);
 
 // Element (i) of a 1-D or (i, j) of a 2-D int32/int64 view, any strides.

@@ -122,8 +122,8 @@ TEST(Convert, Bf16RoundsToNearestEven) {
   // 1 + 3*2^-8 lies between 1 + 2^-7 (odd mantissa) and 1 + 2^-6: ties to even (1 + 2^-6).
   EXPECT_EQ(detail::f32_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3f82);
   EXPECT_EQ(detail::bf16_to_f32(0x3f82), 1.0f + std::ldexp(1.0f, -6));
-  EXPECT_TRUE(std::isnan(detail::bf16_to_f32(
-      detail::f32_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  EXPECT_TRUE(std::isnan(
+      detail::bf16_to_f32(detail::f32_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
   EXPECT_EQ(detail::bf16_to_f32(detail::f32_to_bf16(std::numeric_limits<float>::infinity())),
             std::numeric_limits<float>::infinity());
 }

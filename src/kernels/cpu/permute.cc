@@ -27,6 +27,7 @@ using detail::expect_dtype;
 using detail::expect_memory;
 using detail::expect_ndim;
 using detail::expect_rows;
+using detail::expect_shape;
 using detail::expect_size;
 using detail::float_at;
 using detail::index_at;
@@ -58,6 +59,14 @@ void check_same_dtype(const char* op, const char* name, DType dtype, const char*
   if (dtype != other)
     invalid(op, ": ", name, " dtype ", dtype_name(dtype), " must equal ", other_name, " ",
             dtype_name(other));
+}
+
+// An output of rows x h elements of dtype must fit in 2^63 bytes; Tensor::empty does not check.
+void check_output_size(const char* op, const char* what, int64_t rows, int64_t h, DType dtype) {
+  int64_t elems = 0, bytes = 0;
+  if (__builtin_mul_overflow(rows, h, &elems) ||
+      __builtin_mul_overflow(elems, static_cast<int64_t>(dtype_size(dtype)), &bytes))
+    invalid(op, ": ", what, " = [", rows, ", ", h, "] ", dtype_name(dtype), " exceeds 2^63 bytes");
 }
 
 // M = rows * topk; sorted_indices is int32, so M may not exceed 2^31.
@@ -219,9 +228,10 @@ void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key,
 
 // grad_tokens[i] = sum over k of grad[S[i*topk+k]] for S < R (SPEC §4.3), shared by permute_grad
 // and permute_grad_v2 after validation.
-Tensor permute_grad_kernel(const TensorView& grad, const TensorView& si, int64_t n, int64_t topk,
-                           DType out_dtype) {
+Tensor permute_grad_kernel(const char* op, const TensorView& grad, const TensorView& si, int64_t n,
+                           int64_t topk, DType out_dtype) {
   const int64_t r = grad.shape[0], h = grad.shape[1];
+  check_output_size(op, "grad_tokens shape (tokens_rows, H)", n, h, out_dtype);
   Tensor out = Tensor::empty(out_dtype, {n, h});
   if (h == 0 || n == 0) return out;
   const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
@@ -275,8 +285,8 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
 
     // Rows nothing refers to are 0 (SPEC §4.3 Decision); the others are written once below. Without
     // a bitmap every row is zeroed first.
-#pragma omp parallel for schedule(static)
-  for (int64_t s = 0; s < p; ++s)
+#pragma omp parallel for schedule(static) if (row_bytes > 0)
+  for (int64_t s = 0; s < (row_bytes > 0 ? p : 0); ++s)
     if (q.seen.empty() || !bit_set(q.seen, s))
       std::memset(gp + s * row_bytes, 0, static_cast<std::size_t>(row_bytes));
 
@@ -348,6 +358,8 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
   check_restore_shape(op, args.restore_shape, n, h);
   check_sorted_distinct(op, si, std::max(p, m), "max(P, M), P = permuted_tokens.shape[0]");
 
+  check_output_size(op, "out shape (N, H)", n, h, x.dtype);
+  if (save) check_output_size(op, "permuted_tokens.shape", p, h, x.dtype);
   UnpermuteWithSavedResult res;
   res.out = Tensor::empty(x.dtype, {n, h});
   const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(x.dtype));
@@ -453,6 +465,7 @@ PermuteResult permute(const PermuteArgs& args) {
   std::vector<int64_t> order;
   stable_argsort(keys, max_key, order);
 
+  check_output_size(op, "permuted_tokens shape (rows, H)", rows, h, tokens.dtype);
   PermuteResult res;
   res.sorted_indices = Tensor::empty(DType::kI32, {m});
   int32_t* const si = res.sorted_indices.ptr<int32_t>();
@@ -478,6 +491,7 @@ Tensor permute_grad(const PermuteGradArgs& args) {
   const TensorView& grad = args.grad_permuted_tokens;
   expect_dtype(op, "tokens", tokens, {DType::kBF16, DType::kF16, DType::kF32});
   expect_ndim(op, "tokens", tokens, 2);
+  expect_shape(op, "tokens", tokens);
   const int64_t n = tokens.shape[0], h = tokens.shape[1];
   expect_rows(op, "grad_permuted_tokens", grad);
   check_same_dtype(op, "grad_permuted_tokens", grad.dtype, "tokens dtype", tokens.dtype);
@@ -487,7 +501,7 @@ Tensor permute_grad(const PermuteGradArgs& args) {
   check_sorted_indices_shape(op, args.sorted_indices, m, "M = N*topK");
   check_sorted_range(op, args.sorted_indices, std::max(grad.shape[0], m),
                      "max(R, M), R = grad_permuted_tokens.shape[0]");
-  return permute_grad_kernel(grad, args.sorted_indices, n, topk, tokens.dtype);
+  return permute_grad_kernel(op, grad, args.sorted_indices, n, topk, tokens.dtype);
 }
 
 Tensor permute_grad_v2(const PermuteGradV2Args& args) {
@@ -503,7 +517,7 @@ Tensor permute_grad_v2(const PermuteGradV2Args& args) {
   check_sorted_indices_shape(op, args.sorted_indices, m, "M = tokens_rows*num_topk");
   check_sorted_range(op, args.sorted_indices, std::max(grad.shape[0], m),
                      "max(R, M), R = grad_permuted_tokens.shape[0]");
-  return permute_grad_kernel(grad, args.sorted_indices, args.tokens_rows, args.num_topk,
+  return permute_grad_kernel(op, grad, args.sorted_indices, args.tokens_rows, args.num_topk,
                              args.tokens_dtype);
 }
 
@@ -526,6 +540,7 @@ UnpermuteGradResult unpermute_grad(const UnpermuteGradArgs& args) {
   } else {  // only its shape is used
     expect_dtype(op, "permuted_tokens", x, {DType::kBF16, DType::kF16, DType::kF32});
     expect_ndim(op, "permuted_tokens", x, 2);
+    expect_shape(op, "permuted_tokens", x);
   }
   check_same_dtype(op, "grad_out", g.dtype, "permuted_tokens dtype", x.dtype);
   expect_size(op, "permuted_tokens", x, 1, h, "H, grad_out.shape[1]");
@@ -542,6 +557,7 @@ UnpermuteGradResult unpermute_grad(const UnpermuteGradArgs& args) {
     check_sorted_indices_shape(op, si, n, "N = grad_out.shape[0]; topK = 1 without probs");
   }
   check_restore_shape(op, args.restore_shape, n, h);
+  check_output_size(op, "permuted_tokens.shape", q.p, h, q.dtype);
   q.seen =
       check_sorted_distinct(op, si, std::max(q.p, m), "max(P, M), P = permuted_tokens.shape[0]");
   return unpermute_grad_kernel(q);
@@ -583,6 +599,7 @@ UnpermuteGradResult unpermute_grad_v2(const UnpermuteGradV2Args& args) {
     check_sorted_indices_shape(op, si, n, "N = grad_out.shape[0]; topK = 1 without probs");
   }
   check_restore_shape(op, args.restore_shape, n, h);
+  check_output_size(op, "(permuted_rows, H)", q.p, h, q.dtype);
   q.seen = check_sorted_distinct(op, si, std::max(q.p, m), "max(P, M), P = permuted_rows");
   return unpermute_grad_kernel(q);
 }
