@@ -13,11 +13,11 @@ float round_bits(float v, int mant, int min_exp, int max_exp) {
   if (std::isnan(v) || std::isinf(v) || v == 0.0f) return v;
   const double x = v;
   int e = 0;
-  std::frexp(x, &e);  // x = m * 2^e, 0.5 <= |m| < 1
-  int exp = e - 1;    // x = 1.f * 2^exp
+  std::frexp(x, &e);                 // x = m * 2^e, 0.5 <= |m| < 1
+  int exp = e - 1;                   // x = 1.f * 2^exp
   if (exp < min_exp) exp = min_exp;  // subnormals share the smallest exponent's spacing
   const double ulp = std::ldexp(1.0, exp - mant);
-  const double q = x / ulp;          // exact: a power-of-two scaling
+  const double q = x / ulp;  // exact: a power-of-two scaling
   const double lo = std::floor(q);
   double r;
   if (q - lo > 0.5) {

@@ -20,11 +20,11 @@ int main(int argc, char** argv) {
     std::vector<int32_t> ids(BS * K);
     for (int i = 0; i < BS; ++i) {
       for (int h = 0; h < H; ++h) x[i * H + h] = static_cast<float>(r * 100 + i + h);
-      ids[i * K] = (r + i) % E;          // two distinct experts per token
+      ids[i * K] = (r + i) % E;  // two distinct experts per token
       ids[i * K + 1] = (r + i + 1) % E;
     }
-    moe_ep::EpConfig cfg{.group_ep = comm.get(), .ep_world_size = W, .ep_rank_id = r,
-                         .moe_expert_num = E};
+    moe_ep::EpConfig cfg{
+        .group_ep = comm.get(), .ep_world_size = W, .ep_rank_id = r, .moe_expert_num = E};
     auto xv = moe_ep::TensorView::contiguous(x.data(), moe_ep::DType::kF32, {BS, H});
     auto idv = moe_ep::TensorView::contiguous(ids.data(), moe_ep::DType::kI32, {BS, K});
     auto sv = moe_ep::TensorView::contiguous(scales.data(), moe_ep::DType::kF32, {BS, K});
@@ -39,15 +39,16 @@ int main(int argc, char** argv) {
       for (int j = begin; j < end; ++j)
         for (int h = 0; h < H; ++h) rows[j * H + h] *= static_cast<float>(r * L + e + 1);
     }
-    moe_ep::Tensor y = moe_ep::combine_v2({.expand_x = d.expand_x, .expert_ids = idv,
+    moe_ep::Tensor y = moe_ep::combine_v2({.expand_x = d.expand_x,
+                                           .expert_ids = idv,
                                            .assist_info_for_combine = d.assist_info_for_combine,
                                            .ep_send_counts = d.ep_recv_counts,
                                            .expert_scales = sv},
                                           cfg);
     for (int i = 0; i < BS; ++i)
       for (int h = 0; h < H; ++h) {
-        const float want = 0.5f * x[i * H + h] * (ids[i * K] + 1) +
-                           0.5f * x[i * H + h] * (ids[i * K + 1] + 1);
+        const float want =
+            0.5f * x[i * H + h] * (ids[i * K] + 1) + 0.5f * x[i * H + h] * (ids[i * K + 1] + 1);
         if (std::fabs(y.ptr<float>()[i * H + h] - want) > 1e-4f * std::fabs(want)) bad = 1;
       }
   } catch (const moe_ep::Error& e) {
