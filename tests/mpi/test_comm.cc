@@ -1,0 +1,98 @@
+// Communicator: duplication, deadline settings and their validation.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "moe_ep/comm.h"
+#include "moe_ep/error.h"
+
+namespace moe_ep {
+namespace {
+
+// Restores an environment variable when the test ends.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    had_ = std::getenv(name) != nullptr;
+    if (value) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST(Communicator, DuplicatesTheCallersCommunicator) {
+  auto comm = Communicator::from_mpi(MPI_COMM_WORLD, {.timeout_s = 12.5});
+  int rank = -1, size = -1, cmp = MPI_IDENT;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  EXPECT_EQ(comm->rank(), rank);
+  EXPECT_EQ(comm->size(), size);
+  EXPECT_EQ(comm->timeout_s(), 12.5);
+  MPI_Comm_compare(comm->mpi_comm(), MPI_COMM_WORLD, &cmp);
+  EXPECT_EQ(cmp, MPI_CONGRUENT);  // same group, different context: our messages never mix
+}
+
+TEST(Communicator, TimeoutFromEnvironmentOnlyWhenUnset) {
+  ScopedEnv env("MOE_EP_TIMEOUT_S", "7.25");
+  EXPECT_EQ(Communicator::from_mpi(MPI_COMM_WORLD)->timeout_s(), 7.25);
+  EXPECT_EQ(Communicator::from_mpi(MPI_COMM_WORLD, {.timeout_s = 3})->timeout_s(), 3);
+}
+
+TEST(Communicator, DefaultTimeoutIs300Seconds) {
+  ScopedEnv env("MOE_EP_TIMEOUT_S", nullptr);
+  EXPECT_EQ(Communicator::from_mpi(MPI_COMM_WORLD)->timeout_s(), 300);
+}
+
+TEST(Communicator, RejectsBadTimeouts) {
+  for (double bad : {0.0, -1.0, 1.0 / 0.0}) {
+    try {
+      Communicator::from_mpi(MPI_COMM_WORLD, {.timeout_s = bad});
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("timeout_s"), std::string::npos) << e.what();
+    }
+  }
+  for (const char* bad : {"abc", "10s", "-5", "0", "nan"}) {
+    ScopedEnv env("MOE_EP_TIMEOUT_S", bad);
+    try {
+      Communicator::from_mpi(MPI_COMM_WORLD);
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(std::string("MOE_EP_TIMEOUT_S = \"") + bad + "\""),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(Communicator, RejectsNullCommunicator) {
+  try {
+    Communicator::from_mpi(MPI_COMM_NULL);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("MPI_COMM_NULL"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace moe_ep
