@@ -62,7 +62,8 @@ std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& r
       if (en.expert / L != r) continue;  // MoE expert e lives on rank e / L
       const int64_t j = o.valid++;
       const EpRankInput& src = ranks[en.rank];
-      std::memcpy(o.expand_x.data() + j * row_bytes, row_of(src.x, en.token), row_bytes);
+      if (row_bytes > 0)
+        std::memcpy(o.expand_x.data() + j * row_bytes, row_of(src.x, en.token), row_bytes);
       o.assist_info[3 * j] = static_cast<int32_t>(en.rank);
       o.assist_info[3 * j + 1] = static_cast<int32_t>(en.token);
       o.assist_info[3 * j + 2] = static_cast<int32_t>(en.slot);

@@ -1,7 +1,29 @@
-// main() of the MPI test binary: every rank runs every test; only rank 0 prints, and the binary
-// fails when any rank fails.
+// main() of the MPI test binary: every rank runs every test; rank 0 prints the usual progress, the
+// other ranks print only their failures (prefixed with the rank), and the binary fails when any
+// rank fails.
 #include <gtest/gtest.h>
 #include <mpi.h>
+
+#include <cstdio>
+
+namespace {
+
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (!r.failed()) return;
+    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::fprintf(stderr, "[rank %d] %s.%s: %s:%d: %s\n", rank_, test ? test->test_suite_name() : "",
+                 test ? test->name() : "", r.file_name() ? r.file_name() : "?", r.line_number(),
+                 r.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
@@ -9,14 +31,14 @@ int main(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (rank != 0) {
-    // Keep failures visible on every rank but drop the progress chatter of ranks > 0.
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new RankFailurePrinter(rank));
   }
   const int local = RUN_ALL_TESTS();
   int any = 0;
   MPI_Allreduce(&local, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (local != 0) fprintf(stderr, "[rank %d] tests FAILED\n", rank);
+  if (local != 0) std::fprintf(stderr, "[rank %d] tests FAILED\n", rank);
   MPI_Finalize();
   return any;
 }

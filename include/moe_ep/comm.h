@@ -3,8 +3,10 @@
 // moe-ep duplicates the caller's MPI communicator (MPI_Comm_dup, collective over it), so its
 // messages never match the caller's. Every blocking wait inside an op polls non-blocking MPI
 // requests against a deadline; on expiry the op throws Error(kTimeout) naming this rank, the peer
-// still pending and the phase. After a timeout the communicator is unusable (requests may still be
-// posted): destroy it.
+// still pending and the phase. After a timeout the communicator is unusable: sends of the op that
+// timed out may still be posted and read the caller's input (x, expand_x) if a late peer matches
+// them, so keep those inputs alive until the job ends (or MPI is aborted), and do not reuse the
+// communicator. moe-ep's own buffers are kept alive for the rest of the process.
 #pragma once
 
 #include <mpi.h>

@@ -100,9 +100,11 @@ void compute_capacity(const char* op, int64_t global_bs, EpShape& sh) {
     sh.G = sh.BS * sh.W;
   }
   // Every product below stays far from 2^63: each factor is checked against int32 first.
-  if (sh.G > INT32_MAX || sh.BS * sh.K > INT32_MAX)
-    unsupported(op, ": global_bs * K = ", sh.G, " * ", sh.K,
-                " exceeds the int32 row counts of ep_recv_counts");
+  if (sh.G > INT32_MAX)
+    unsupported(op, ": G = ", sh.G, " tokens (global_bs, or BS * ep_world_size) exceeds int32");
+  if (sh.BS * sh.K > INT32_MAX)
+    unsupported(op, ": BS * K = ", sh.BS, " * ", sh.K, " = ", sh.BS * sh.K,
+                " entries exceed int32 (assist_info_for_combine is int32)");
   sh.A = sh.G * std::min(sh.L, sh.K);
   if (sh.A > INT32_MAX)
     unsupported(op, ": the receive capacity A = G * min(L, K) = ", sh.G, " * ",

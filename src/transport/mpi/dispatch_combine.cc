@@ -47,6 +47,15 @@ struct RowMeta {
   float scale;
 };
 
+// What combine_v2 sends back with each row, so the source can check that the row is the one its
+// expert_ids expect at that position (a caller who reorders or edits expert_ids between dispatch
+// and combine gets an error, not a wrong sum).
+struct BackMeta {
+  int32_t token;
+  int32_t slot;
+  int32_t expert;
+};
+
 const Communicator& require_comm(const char* op, const EpConfig& cfg) {
   if (cfg.group_ep == nullptr) detail::invalid(op, ": group_ep is null");
   return *cfg.group_ep;
@@ -127,6 +136,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   std::optional<Error> local;
   EpShape sh;
   detail::SendPlan send;
+  DispatchOutputs out;
   capture(hdr, local, [&] {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     const std::pair<const char*, bool> absent[] = {
@@ -156,6 +166,11 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     if (in.expert_scales) detail::check_expert_scales(op, *in.expert_scales, sh.BS, sh.K);
     detail::compute_capacity(op, cfg.global_bs, sh);
     send = detail::plan_sends(in.expert_ids, sh.W, sh.L);
+    // Allocated before the header exchange, so an allocation failure on one rank is reported to
+    // every rank instead of leaving them waiting for its rows.
+    out.expand_x = Tensor::empty(sh.dtype, {sh.A, sh.H});
+    out.assist_info_for_combine = Tensor::zeros(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
+    out.expand_scales = Tensor::zeros(DType::kF32, {sh.A});
   });
   const auto headers = detail::agree_on_headers(comm, op, hdr, local ? &*local : nullptr);
   check_batch_sizes(op, headers, cfg.global_bs, "x.shape[0]");
@@ -177,15 +192,11 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   const detail::RecvPlan recv = detail::plan_recvs_from_counts(*counts_in, sh.W, sh.L);
   MOE_EP_CHECK(recv.valid <= sh.A);
 
-  DispatchOutputs out;
   const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
   const int64_t row_bytes = sh.H * esize;
-  out.expand_x = Tensor::empty(sh.dtype, {sh.A, sh.H});
   if (sh.A > recv.valid)
     std::memset(out.expand_x.ptr<char>() + recv.valid * row_bytes, 0,
                 static_cast<std::size_t>((sh.A - recv.valid) * row_bytes));
-  out.assist_info_for_combine = Tensor::zeros(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
-  out.expand_scales = Tensor::zeros(DType::kF32, {sh.A});
 
   // Phase "rows": rows and their metadata, one message each per peer and direction.
   {
@@ -275,6 +286,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   EpShape sh;
   detail::SendPlan back;  // what this rank sent in dispatch = what it receives now
   detail::RecvPlan blocks;
+  std::shared_ptr<Tensor> y;  // the expert output of entry (i, k) at row i*K+k
+  Tensor out;
   capture(hdr, local, [&] {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     const std::pair<const char*, bool> absent[] = {
@@ -328,7 +341,15 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                           "] = ", detail::index_at(ai, 3 * j), " (the source rank of row ", j,
                           ") does not match ep_send_counts, which puts row ", j,
                           " in a block of source rank ", b % sh.W);
+    if (in.expand_scales) {
+      detail::expect_dtype(op, "expand_scales", *in.expand_scales, {DType::kF32});
+      detail::expect_ndim(op, "expand_scales", *in.expand_scales, 1);
+      detail::expect_memory(op, "expand_scales", *in.expand_scales);
+    }
     back = detail::plan_sends(in.expert_ids, sh.W, sh.L);
+    // Allocated before the header exchange (see dispatch_v2).
+    y = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {sh.BS * sh.K, sh.H}));
+    out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
   });
   const auto headers = detail::agree_on_headers(comm, op, hdr, local ? &*local : nullptr);
   check_batch_sizes(op, headers, cfg.global_bs, "expert_ids.shape[0]");
@@ -336,8 +357,6 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   const int W = to_int(sh.W), L = to_int(sh.L);
   const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
   const int64_t row_bytes = sh.H * esize;
-  // y: the expert output of entry (i, k) at row i*K+k (rows of inactive entries stay unused).
-  auto y = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {sh.BS * sh.K, sh.H}));
   {
     Exchange ex(comm, op, "rows");
     ex.keep_alive(y);
@@ -345,6 +364,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     std::vector<MpiType> types;
     types.reserve(2 * W);
     std::vector<int64_t> expected(W);
+    const MpiType meta_type = detail::contiguous_bytes(sizeof(BackMeta), op);
+    std::vector<std::shared_ptr<std::vector<BackMeta>>> meta_in(W), meta_out(W);
     for (int d = 0; d < W; ++d) {
       const int64_t first = back.rank_offset[d], n = back.rank_offset[d + 1] - first;
       std::vector<MPI_Aint> disp(n);
@@ -353,24 +374,38 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       types.push_back(detail::rows_at(disp, row.get(), op));
       ex.irecv(y->data(), 1, types.back().get(), d, detail::kTagCombineRows);
       expected[d] = n * row_bytes;
+      meta_in[d] = std::make_shared<std::vector<BackMeta>>(n);
+      ex.keep_alive(meta_in[d]);
+      ex.irecv(meta_in[d]->data(), to_int(n), meta_type.get(), d, detail::kTagCombineMeta);
     }
     const int64_t stride = in.expand_x.strides[0] * esize;
+    const TensorView& ai = in.assist_info_for_combine;
     for (int s = 0; s < W; ++s) {
       std::vector<MPI_Aint> disp;
       disp.reserve(blocks.source_rows[s]);
+      meta_out[s] = std::make_shared<std::vector<BackMeta>>();
+      meta_out[s]->reserve(blocks.source_rows[s]);
+      ex.keep_alive(meta_out[s]);
       for (int l = 0; l < L; ++l) {
         const int64_t b = static_cast<int64_t>(l) * W + s;
         for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
-             ++j)
+             ++j) {
           disp.push_back(static_cast<MPI_Aint>(j * stride));
+          meta_out[s]->push_back(BackMeta{static_cast<int32_t>(detail::index_at(ai, 3 * j + 1)),
+                                          static_cast<int32_t>(detail::index_at(ai, 3 * j + 2)),
+                                          static_cast<int32_t>(sh.rank * sh.L + l)});
+        }
       }
       types.push_back(detail::rows_at(disp, row.get(), op));
       ex.isend(in.expand_x.data, 1, types.back().get(), s, detail::kTagCombineRows);
+      ex.isend(meta_out[s]->data(), to_int(static_cast<int64_t>(meta_out[s]->size())),
+               meta_type.get(), s, detail::kTagCombineMeta);
     }
-    std::vector<MPI_Status> st = ex.wait();
+    std::vector<MPI_Status> st = ex.wait();  // receives were posted as (rows, meta) per peer
     for (int d = 0; d < W; ++d) {
       MPI_Count got = 0;
-      detail::check_mpi(MPI_Get_elements_x(&st[d], types[d].get(), &got), op, "MPI_Get_elements_x");
+      detail::check_mpi(MPI_Get_elements_x(&st[2 * d], types[d].get(), &got), op,
+                        "MPI_Get_elements_x");
       if (got != expected[d])
         detail::invalid(op, ": rank ", d, " sent back ", got / std::max<int64_t>(row_bytes, 1),
                         " rows but expert_ids on rank ", comm.rank(), " route ",
@@ -378,10 +413,24 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                         " entries to it: expert_ids and ep_send_counts must be those of the "
                         "matching dispatch_v2");
     }
+    // Every row must be the one expert_ids put at that position: same (token, slot), same expert.
+    for (int d = 0; d < W; ++d) {
+      const int64_t first = back.rank_offset[d];
+      const std::vector<BackMeta>& m = *meta_in[d];
+      for (int64_t j = 0; j < static_cast<int64_t>(m.size()); ++j) {
+        const int64_t flat = back.order[first + j], i = flat / sh.K, k = flat % sh.K;
+        const int64_t e = detail::index_at(in.expert_ids, i, k);
+        if (m[j].token != i || m[j].slot != k || m[j].expert != e)
+          detail::invalid(op, ": expert_ids[", i, ",", k, "] = ", e, ", but rank ", d,
+                          " returned the output of expert ", m[j].expert, " for (token ",
+                          m[j].token, ", slot ", m[j].slot,
+                          ") at that position: expert_ids must be those of the matching "
+                          "dispatch_v2 (same tokens, same order)");
+      }
+    }
   }
 
   // SPEC §2.3: per token, fp32 acc += expert_scales[i,k] * fp32(y_ik) for k in order, one rounding.
-  Tensor out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
   const char* ybase = y->ptr<char>();
   char* obase = out.ptr<char>();
   const int64_t BS = sh.BS, K = sh.K, H = sh.H;

@@ -27,6 +27,7 @@ enum Tag : int {
   kTagMeta = 0x4d03,
   kTagRows = 0x4d04,
   kTagCombineRows = 0x4d05,
+  kTagCombineMeta = 0x4d06,
 };
 
 // Throws Error(kSystem) "<op>: <what> failed: <MPI_Error_string>" unless rc == MPI_SUCCESS.
