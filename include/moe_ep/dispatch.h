@@ -78,10 +78,11 @@ struct DispatchOutputs {
   Tensor expand_x;        // (A, H), x's dtype; the first ep_recv_counts[W*L-1] rows are valid,
                           // in the SPEC §1.4 order (local expert, source rank, entry i*K+k);
                           // the rest is zero
-  Tensor dynamic_scales;  // undefined for quant_mode 0
+  Tensor dynamic_scales;  // undefined (defined() == false) for quant_mode 0
   Tensor assist_info_for_combine;  // (max(BS*K, A*128),) int32: [3j, 3j+1, 3j+2] = (source rank,
                                    // source token, top-k slot) of row j; the rest is zero
-  Tensor expert_token_nums;        // (L,) int64
+  Tensor expert_token_nums;        // (L,) int64: rows per local expert (expert_token_nums_type
+                                   // 1) or their running sum (type 0)
   Tensor ep_recv_counts;           // (W*L,) int32, inclusive running sum over (expert, source)
   Tensor tp_recv_counts;           // (1,) int32: the number of valid rows
   Tensor expand_scales;            // (A,) fp32: expert_scales of each row (0 when not given,

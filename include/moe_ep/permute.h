@@ -64,7 +64,7 @@ MOE_EP_API Tensor permute_grad(const PermuteGradArgs& args);  // (N, H) in token
 // SPEC §4.3, sizes instead of tensors.
 struct PermuteGradV2Args {
   TensorView grad_permuted_tokens;    // [in] (R, H) bf16/fp16/fp32, tokens_dtype
-  TensorView sorted_indices;          // [in] (tokens_rows*num_topk,) int32
+  TensorView sorted_indices;          // [in] (tokens_rows*num_topk,) int32, in [0, max(R, M))
   int64_t tokens_rows = 0;            // [in] N >= 0
   DType tokens_dtype = DType::kBF16;  // [in] dtype of grad_tokens: bf16/fp16/fp32
   int64_t num_topk = 1;               // [in] topK >= 1
@@ -121,7 +121,7 @@ struct UnpermuteGradV2Args {
   DType permuted_dtype = DType::kBF16;  // [in] dtype of grad_permuted_tokens
   std::optional<TensorView> probs;      // [in] optional (N, topK)
   bool padded_mode = false;
-  std::optional<std::vector<int64_t>> restore_shape;
+  std::optional<std::vector<int64_t>> restore_shape;  // as UnpermuteArgs: must equal {N, H}
   // [in] (P, H) in permuted_dtype; required when probs is given, checked when present.
   std::optional<TensorView> permuted_tokens;
 };

@@ -37,7 +37,8 @@ struct MOE_EP_API TensorView {
   std::array<int64_t, kMaxDims> shape{};
   std::array<int64_t, kMaxDims> strides{};
 
-  // A contiguous (row-major) view of `data` with the given shape (at most kMaxDims dims).
+  // A contiguous (row-major) view of `data` (not owned) with the given shape. Throws
+  // Error(kInvalidArgument) for more than kMaxDims dims or a negative size.
   static TensorView contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape);
   static TensorView contiguous(void* data, DType dtype, const std::vector<int64_t>& shape);
 
@@ -67,9 +68,10 @@ MOE_EP_API DLTensor to_dlpack(TensorView& view);
 class MOE_EP_API Tensor {
  public:
   Tensor() = default;
-  // Uninitialised storage of the given shape. Throws Error(kSystem) when allocation fails.
+  // Uninitialised storage of the given shape. Throws Error(kInvalidArgument) for a bad shape (as
+  // TensorView::contiguous) or one of 2^63 bytes or more, Error(kSystem) when allocation fails.
   static Tensor empty(DType dtype, const std::vector<int64_t>& shape);
-  // Storage filled with zero bytes (0, 0.0, false).
+  // Storage filled with zero bytes (0, 0.0, false); errors as empty().
   static Tensor zeros(DType dtype, const std::vector<int64_t>& shape);
 
   const TensorView& view() const { return view_; }

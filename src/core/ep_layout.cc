@@ -61,9 +61,7 @@ void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int com
 }
 
 void check_expert_ids(const char* op, const TensorView& ids, int64_t BS, int64_t E) {
-  expect_dtype(op, "expert_ids", ids, {DType::kI32});
-  expect_ndim(op, "expert_ids", ids, 2);
-  expect_memory(op, "expert_ids", ids);
+  expect_tensor(op, "expert_ids", ids, {DType::kI32}, 2);
   expect_size(op, "expert_ids", ids, 0, BS, "BS, the tokens of this rank");
   const int64_t K = ids.shape[1];
   if (K < 1 || K > E)
@@ -84,9 +82,7 @@ void check_expert_ids(const char* op, const TensorView& ids, int64_t BS, int64_t
 }
 
 void check_expert_scales(const char* op, const TensorView& s, int64_t BS, int64_t K) {
-  expect_dtype(op, "expert_scales", s, {DType::kF32});
-  expect_ndim(op, "expert_scales", s, 2);
-  expect_memory(op, "expert_scales", s);
+  expect_tensor(op, "expert_scales", s, {DType::kF32}, 2);
   expect_size(op, "expert_scales", s, 0, BS, "BS, expert_ids.shape[0]");
   expect_size(op, "expert_scales", s, 1, K, "K, expert_ids.shape[1]");
 }
@@ -183,9 +179,7 @@ RecvPlan plan_recvs_from_counts(const std::vector<int32_t>& from_source, int64_t
 
 RecvPlan plan_recvs_from_inclusive(const char* op, const TensorView& c, int64_t W, int64_t L,
                                    int64_t capacity) {
-  expect_dtype(op, "ep_send_counts", c, {DType::kI32});
-  expect_ndim(op, "ep_send_counts", c, 1);
-  expect_memory(op, "ep_send_counts", c);
+  expect_tensor(op, "ep_send_counts", c, {DType::kI32}, 1);
   if (c.shape[0] != W * L)
     invalid(op, ": ep_send_counts.shape[0] = ", c.shape[0], " must equal ep_world_size * L = ", W,
             " * ", L, " = ", W * L, " (dispatch_v2's ep_recv_counts)");

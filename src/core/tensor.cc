@@ -13,6 +13,17 @@ namespace moe_ep {
 namespace {
 // DLPack 0.6 has no bool code; later versions use 6 (kDLBool), which PyTorch exports.
 constexpr uint8_t kDLBoolCode = 6;
+
+// DType <-> DLPack (code, bits), lanes 1: the one table both directions read.
+struct DLTypeOf {
+  DType dtype;
+  uint8_t code;
+  uint8_t bits;
+};
+constexpr DLTypeOf kDLTypes[] = {{DType::kBF16, kDLBfloat, 16}, {DType::kF16, kDLFloat, 16},
+                                 {DType::kF32, kDLFloat, 32},   {DType::kI8, kDLInt, 8},
+                                 {DType::kI32, kDLInt, 32},     {DType::kI64, kDLInt, 64},
+                                 {DType::kBool, kDLBoolCode, 8}};
 }  // namespace
 
 std::size_t dtype_size(DType dtype) {
@@ -109,24 +120,13 @@ TensorView from_dlpack(const DLTensor& t, const char* what) {
     detail::invalid("from_dlpack: ", what, " dtype.lanes = ", t.dtype.lanes, " must be 1");
   TensorView v;
   const int code = t.dtype.code, bits = t.dtype.bits;
-  if (code == kDLBfloat && bits == 16) {
-    v.dtype = DType::kBF16;
-  } else if (code == kDLFloat && bits == 16) {
-    v.dtype = DType::kF16;
-  } else if (code == kDLFloat && bits == 32) {
-    v.dtype = DType::kF32;
-  } else if (code == kDLInt && bits == 8) {
-    v.dtype = DType::kI8;
-  } else if (code == kDLInt && bits == 32) {
-    v.dtype = DType::kI32;
-  } else if (code == kDLInt && bits == 64) {
-    v.dtype = DType::kI64;
-  } else if (code == kDLBoolCode && bits == 8) {
-    v.dtype = DType::kBool;
-  } else {
+  const DLTypeOf* match = nullptr;
+  for (const DLTypeOf& d : kDLTypes)
+    if (d.code == code && d.bits == bits) match = &d;
+  if (match == nullptr)
     detail::unsupported("from_dlpack: ", what, " dtype (code ", code, ", bits ", bits,
                         ") is not one of bf16, fp16, fp32, int8, int32, int64, bool");
-  }
+  v.dtype = match->dtype;
   v.data = t.data == nullptr ? nullptr : static_cast<char*>(t.data) + t.byte_offset;
   v.ndim = t.ndim;
   int64_t stride = 1;
@@ -148,29 +148,8 @@ DLTensor to_dlpack(TensorView& v) {
   t.data = v.data;
   t.device = DLDevice{kDLCPU, 0};
   t.ndim = v.ndim;
-  switch (v.dtype) {
-    case DType::kBF16:
-      t.dtype = DLDataType{kDLBfloat, 16, 1};
-      break;
-    case DType::kF16:
-      t.dtype = DLDataType{kDLFloat, 16, 1};
-      break;
-    case DType::kF32:
-      t.dtype = DLDataType{kDLFloat, 32, 1};
-      break;
-    case DType::kI8:
-      t.dtype = DLDataType{kDLInt, 8, 1};
-      break;
-    case DType::kI32:
-      t.dtype = DLDataType{kDLInt, 32, 1};
-      break;
-    case DType::kI64:
-      t.dtype = DLDataType{kDLInt, 64, 1};
-      break;
-    case DType::kBool:
-      t.dtype = DLDataType{kDLBoolCode, 8, 1};
-      break;
-  }
+  for (const DLTypeOf& d : kDLTypes)
+    if (d.dtype == v.dtype) t.dtype = DLDataType{d.code, d.bits, 1};
   t.shape = v.shape.data();
   t.strides = v.strides.data();
   t.byte_offset = 0;

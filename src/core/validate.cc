@@ -45,10 +45,15 @@ void expect_memory(const char* op, const char* name, const TensorView& t) {
     invalid(op, ": ", name, " has ", t.numel(), " elements but data is null");
 }
 
-void expect_rows(const char* op, const char* name, const TensorView& t) {
-  expect_dtype(op, name, t, {DType::kBF16, DType::kF16, DType::kF32});
-  expect_ndim(op, name, t, 2);
+void expect_tensor(const char* op, const char* name, const TensorView& t,
+                   std::initializer_list<DType> allowed, int ndim) {
+  expect_dtype(op, name, t, allowed);
+  expect_ndim(op, name, t, ndim);
   expect_memory(op, name, t);
+}
+
+void expect_rows(const char* op, const char* name, const TensorView& t) {
+  expect_tensor(op, name, t, {DType::kBF16, DType::kF16, DType::kF32}, 2);
   if (t.shape[1] > 1 && t.strides[1] != 1)
     unsupported(op, ": ", name, ".stride(1) = ", t.strides[1],
                 " is not 1 (rows may be strided, each row must be contiguous)");

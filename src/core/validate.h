@@ -17,6 +17,9 @@ void expect_ndim(const char* op, const char* name, const TensorView& t, int ndim
 // "combine_v2: expert_scales.shape[0] = 3 must equal 4 (BS, x.shape[0])"
 void expect_size(const char* op, const char* name, const TensorView& t, int dim, int64_t expected,
                  const char* what);
+// expect_dtype, expect_ndim and expect_memory in that order: the usual checks of a tensor argument.
+void expect_tensor(const char* op, const char* name, const TensorView& t,
+                   std::initializer_list<DType> allowed, int ndim);
 // 2-D float rows: dtype in {bf16, fp16, fp32}, ndim 2, stride(1) == 1 (or H <= 1), stride(0) >= 0,
 // data non-null when numel > 0.
 void expect_rows(const char* op, const char* name, const TensorView& t);

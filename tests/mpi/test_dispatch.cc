@@ -14,6 +14,7 @@
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
+#include "mpi/common.h"
 #include "ref/ep_ref.h"
 #include "ref/numeric.h"
 
@@ -37,18 +38,12 @@ const Mpi& mpi() {
   return m;
 }
 
-// splitmix64: a portable, seedable generator (the batch must be the same on every rank).
-struct Rng {
-  uint64_t s;
+using test::values;
+
+// One stream per global token (the batch must be the same on every rank and every W).
+struct Rng : test::SplitMix64 {
   Rng(uint64_t seed, uint64_t stream)
-      : s(seed * 0x9e3779b97f4a7c15ull + stream * 0xbf58476d1ce4e5b9ull) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+      : SplitMix64{seed * 0x9e3779b97f4a7c15ull + stream * 0xbf58476d1ce4e5b9ull} {}
   float uniform(float lo, float hi) {
     return lo + (hi - lo) * static_cast<float>(next() >> 40) / static_cast<float>(1 << 24);
   }
@@ -186,11 +181,6 @@ DispatchInputs dispatch_inputs(const Batch& b, int64_t type = 1) {
   if (b.spec.scales) in.expert_scales = mine.expert_scales;
   in.expert_token_nums_type = type;
   return in;
-}
-
-template <typename T>
-std::vector<T> values(const Tensor& t) {
-  return std::vector<T>(t.ptr<T>(), t.ptr<T>() + t.numel());
 }
 
 // Every dispatch output against the reference; a wrong row says where it came from.
@@ -377,20 +367,7 @@ INSTANTIATE_TEST_SUITE_P(Grid, DispatchCombine, ::testing::ValuesIn(grid()),
 
 void expect_error(const std::function<void()>& call, int bad, ErrorKind kind,
                   const std::vector<std::string>& needles) {
-  const int rank = mpi().rank;
-  try {
-    call();
-    ADD_FAILURE() << "no error thrown on rank " << rank;
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    if (bad < 0 || rank == bad) {
-      EXPECT_EQ(error_kind_name(e.kind()), std::string(error_kind_name(kind))) << msg;
-    } else {
-      EXPECT_EQ(e.kind(), ErrorKind::kRemote) << msg;
-      EXPECT_NE(msg.find("rank " + std::to_string(bad) + " failed: "), std::string::npos) << msg;
-    }
-    for (const std::string& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
-  }
+  test::expect_collective_error(call, mpi().rank, bad, kind, needles);
   // No stray message: a good round trip right after the error still matches the reference.
   BatchSpec s;
   s.name = "after_error";
@@ -735,7 +712,8 @@ TEST(CombineErrors, ExpertIdsDifferFromDispatch) {
   round_trip(make_batch(s, mpi().size));
 }
 
-// Must stay the last test of the binary: it leaves messages on its own communicator.
+// Runs last in this file: it leaves rank 0's messages pending on a communicator of its own (freed
+// at the end of the scope); tests that follow, here or in other files, use other communicators.
 TEST(DispatchTimeout, MissingRankTimesOut) {
   if (mpi().size == 1) GTEST_SKIP() << "needs a rank that does not call";
   Batch b = error_batch();

@@ -23,6 +23,7 @@
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
+#include "mpi/common.h"
 #include "ref/ep_ref.h"
 
 namespace moe_ep {
@@ -52,16 +53,10 @@ class DispatchAdversarial : public ::testing::Test {
 class CombineAdversarial : public DispatchAdversarial {};
 class EpLayoutAdversarial : public DispatchAdversarial {};
 
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9e3779b97f4a7c15ull + 12345) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+using test::values;
+
+struct Rng : test::SplitMix64 {
+  explicit Rng(uint64_t seed) : SplitMix64{seed * 0x9e3779b97f4a7c15ull + 12345} {}
   float small() { return static_cast<float>(below(17) - 8) / 4.0f; }  // exact in fp32
 };
 
@@ -139,11 +134,6 @@ DispatchInputs dispatch_inputs(const Case& c, int rank, int64_t type = 1) {
   return in;
 }
 
-template <typename T>
-std::vector<T> values(const Tensor& t) {
-  return std::vector<T>(t.ptr<T>(), t.ptr<T>() + t.numel());
-}
-
 void expect_matches_reference(const DispatchOutputs& out, const ref::EpRankDispatch& want,
                               int64_t H, int64_t type) {
   ASSERT_EQ(out.expand_x.ndim(), 2);
@@ -216,22 +206,7 @@ void good_round_trip() {
 // `bad` < 0: every rank throws `kind`; else rank `bad` throws `kind` and the others kRemote.
 void expect_error(const std::function<void()>& call, int bad, ErrorKind kind,
                   const std::vector<std::string>& needles) {
-  const int rank = comm()->rank();
-  try {
-    call();
-    ADD_FAILURE() << "no error thrown on rank " << rank;
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    if (bad < 0 || rank == bad) {
-      EXPECT_STREQ(error_kind_name(e.kind()), error_kind_name(kind)) << msg;
-    } else {
-      EXPECT_EQ(e.kind(), ErrorKind::kRemote) << msg;
-      EXPECT_NE(msg.find("rank " + std::to_string(bad) + " failed: "), std::string::npos) << msg;
-    }
-    for (const std::string& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "not a moe_ep::Error: " << e.what();
-  }
+  test::expect_collective_error(call, comm()->rank(), bad, kind, needles);
   good_round_trip();
 }
 
@@ -489,8 +464,8 @@ TEST_F(CombineAdversarial, InterleavedOps) {
 // Error(kInvalidArgument) on this rank)". Here one rank moves an entry to another, unused expert
 // on the SAME destination rank, so every per-rank row count still matches: the rows come back in
 // the right number but are the wrong expert's output for a different (token, slot).
-// Expected: kInvalidArgument on the changed rank. BUG: combine_v2 returns a silently wrong result
-// (it only compares per-peer row totals).
+// Expected: kInvalidArgument on the changed rank (combine_v2 checks the expert, token and slot
+// each returned row carries, not just per-peer row totals).
 TEST_F(CombineAdversarial, ExpertIdsChangedWithinDestinationRankAreDetected) {
   const int rank = world_rank(), W = world_size();
   // K = 1, L = 12 / W >= 3: token 0 goes to expert e; the change keeps the destination rank.
@@ -501,8 +476,7 @@ TEST_F(CombineAdversarial, ExpertIdsChangedWithinDestinationRankAreDetected) {
   const Tensor y = run_experts(out, rank, W, L, c.H, expert);
   const int bad = 0;  // rank 0: its failures are printed
   std::vector<int32_t> ids = c.ids[rank];
-  // Swap the experts of tokens 0 and 1 if they share a destination rank, else move token 0's
-  // expert to another one of the same rank (K = 1: no repeat possible).
+  // Move token 0's expert to the next one of the same rank (K = 1: no repeat possible).
   const int32_t e = ids[0];
   ids[0] = static_cast<int32_t>((e / L) * L + (e % L + 1) % L);
   CombineInputs in = combine_inputs(c, rank, out, y);

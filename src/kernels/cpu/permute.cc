@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -29,11 +30,11 @@ using detail::expect_ndim;
 using detail::expect_rows;
 using detail::expect_shape;
 using detail::expect_size;
+using detail::expect_tensor;
 using detail::float_at;
 using detail::index_at;
 using detail::invalid;
 using detail::row_ptr;
-using detail::row_ptr_mut;
 
 // Expert ids and M = N*topK must fit the int32 sorted_indices: values 0 .. 2^31 - 1.
 constexpr int64_t kIndexLimit = int64_t{1} << 31;
@@ -90,9 +91,7 @@ int64_t check_indices_shape(const char* op, const TensorView& indices, int64_t n
 
 // probs: (N, topK) bf16/fp16/fp32, any strides; returns topK.
 int64_t check_probs(const char* op, const TensorView& probs) {
-  expect_dtype(op, "probs", probs, {DType::kBF16, DType::kF16, DType::kF32});
-  expect_ndim(op, "probs", probs, 2);
-  expect_memory(op, "probs", probs);
+  expect_tensor(op, "probs", probs, {DType::kBF16, DType::kF16, DType::kF32}, 2);
   if (probs.shape[1] < 1)
     invalid(op, ": probs.shape[1] = ", probs.shape[1], " must be >= 1 (topK)");
   return probs.shape[1];
@@ -226,14 +225,19 @@ void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key,
   }
 }
 
-// grad_tokens[i] = sum over k of grad[S[i*topk+k]] for S < R (SPEC §4.3), shared by permute_grad
-// and permute_grad_v2 after validation.
-Tensor permute_grad_kernel(const char* op, const TensorView& grad, const TensorView& si, int64_t n,
-                           int64_t topk, DType out_dtype) {
-  const int64_t r = grad.shape[0], h = grad.shape[1];
-  check_output_size(op, "grad_tokens shape (tokens_rows, H)", n, h, out_dtype);
-  Tensor out = Tensor::empty(out_dtype, {n, h});
-  if (h == 0 || n == 0) return out;
+// Marks an unweighted reduction (permute_grad): a plain sum, no products.
+struct NoWeight {};
+
+// out[i] = sum over k (in k order) of weight(i, k) * src[S[i*topk+k]] for the entries with
+// S < src.shape[0], for i in [0, n): the reduction of unpermute (weighted by probs) and
+// permute_grad (Weight = NoWeight). The first present term starts the fp32 accumulator, each
+// product is rounded to fp32 before it is added, the sum is rounded once to out_dtype, and a row
+// without terms is 0. `out` is contiguous (n, h = src.shape[1]) and h > 0.
+template <typename Weight>
+void reduce_rows(char* out, DType out_dtype, const TensorView& src, const TensorView& si, int64_t n,
+                 int64_t topk, [[maybe_unused]] Weight weight) {
+  constexpr bool kWeighted = !std::is_same_v<Weight, NoWeight>;
+  const int64_t rows = src.shape[0], h = src.shape[1];
   const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
 #pragma omp parallel
   {
@@ -243,15 +247,23 @@ Tensor permute_grad_kernel(const char* op, const TensorView& grad, const TensorV
       bool any = false;
       for (int64_t k = 0; k < topk; ++k) {
         const int64_t s = sorted_at(si, i * topk + k);
-        if (s >= r) continue;
-        if (any) {
-          detail::add_row_f32(acc.data(), row_ptr(grad, s), grad.dtype, h);
+        if (s >= rows) continue;
+        if constexpr (kWeighted) {
+          const float w = weight(i, k);
+          if (any) {
+            detail::axpy_row_f32(acc.data(), w, row_ptr(src, s), src.dtype, h);
+          } else {
+            detail::load_row_f32(acc.data(), row_ptr(src, s), src.dtype, h);
+            for (int64_t c = 0; c < h; ++c) acc[c] = w * acc[c];
+          }
+        } else if (any) {
+          detail::add_row_f32(acc.data(), row_ptr(src, s), src.dtype, h);
         } else {
-          detail::load_row_f32(acc.data(), row_ptr(grad, s), grad.dtype, h);
-          any = true;
+          detail::load_row_f32(acc.data(), row_ptr(src, s), src.dtype, h);
         }
+        any = true;
       }
-      char* dst = static_cast<char*>(out.data()) + i * static_cast<int64_t>(out_row_bytes);
+      char* dst = out + i * static_cast<int64_t>(out_row_bytes);
       if (any) {
         detail::store_row_f32(dst, out_dtype, acc.data(), h);
       } else {
@@ -259,6 +271,17 @@ Tensor permute_grad_kernel(const char* op, const TensorView& grad, const TensorV
       }
     }
   }
+}
+
+// grad_tokens[i] = sum over k of grad[S[i*topk+k]] for S < R (SPEC §4.3), shared by permute_grad
+// and permute_grad_v2 after validation.
+Tensor permute_grad_kernel(const char* op, const TensorView& grad, const TensorView& si, int64_t n,
+                           int64_t topk, DType out_dtype) {
+  const int64_t h = grad.shape[1];
+  check_output_size(op, "grad_tokens shape (tokens_rows, H)", n, h, out_dtype);
+  Tensor out = Tensor::empty(out_dtype, {n, h});
+  if (h == 0 || n == 0) return out;
+  reduce_rows(static_cast<char*>(out.data()), out_dtype, grad, si, n, topk, NoWeight{});
   return out;
 }
 
@@ -272,6 +295,27 @@ struct UnpermuteGradProblem {
   DType dtype;                 // of grad_permuted_tokens
   std::vector<uint64_t> seen;  // values of sorted_indices as a bitmap; empty: not computed
 };
+
+// The checks unpermute_grad and unpermute_grad_v2 share once q's tensors, n, h, p and dtype are
+// set: probs (N, topK) gives topK (1 without probs), sorted_indices has M = N*topK distinct values
+// in [0, max(P, M)). Sets q.topk and q.seen. `out_what` and `bound_what` name P in messages.
+void check_unpermute_grad_entries(const char* op, UnpermuteGradProblem& q,
+                                  const std::optional<std::vector<int64_t>>& restore_shape,
+                                  const char* out_what, const char* bound_what) {
+  const TensorView& si = *q.sorted_indices;
+  int64_t m = q.n;
+  if (q.probs) {
+    q.topk = check_probs(op, *q.probs);
+    expect_size(op, "probs", *q.probs, 0, q.n, "N, grad_out.shape[0]");
+    m = checked_entries(op, q.n, q.topk, "N*topK (probs.shape)");
+    check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
+  } else {
+    check_sorted_indices_shape(op, si, q.n, "N = grad_out.shape[0]; topK = 1 without probs");
+  }
+  check_restore_shape(op, restore_shape, q.n, q.h);
+  check_output_size(op, out_what, q.p, q.h, q.dtype);
+  q.seen = check_sorted_distinct(op, si, std::max(q.p, m), bound_what);
+}
 
 UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   const int64_t n = q.n, h = q.h, topk = q.topk, p = q.p;
@@ -349,11 +393,9 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
     n = args.probs->shape[0];
     m = checked_entries(op, n, topk, "N*topK (probs.shape)");
     check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
-  } else {
-    expect_dtype(op, "sorted_indices", si, {DType::kI32});
-    expect_ndim(op, "sorted_indices", si, 1);
-    expect_memory(op, "sorted_indices", si);
+  } else {  // topK = 1: N = M = sorted_indices.shape[0] (read only after the ndim check passes)
     m = n = si.shape[0];
+    check_sorted_indices_shape(op, si, m, "M");
   }
   check_restore_shape(op, args.restore_shape, n, h);
   check_sorted_distinct(op, si, std::max(p, m), "max(P, M), P = permuted_tokens.shape[0]");
@@ -389,31 +431,8 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
   }
 
   const TensorView& probs = *args.probs;
-#pragma omp parallel
-  {
-    std::vector<float> acc(static_cast<std::size_t>(h));
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      bool any = false;
-      for (int64_t k = 0; k < topk; ++k) {
-        const int64_t s = sorted_at(si, i * topk + k);
-        if (s >= p) continue;
-        const float w = float_at(probs, i, k);
-        if (any) {
-          detail::axpy_row_f32(acc.data(), w, row_ptr(x, s), x.dtype, h);
-        } else {
-          detail::load_row_f32(acc.data(), row_ptr(x, s), x.dtype, h);
-          for (int64_t c = 0; c < h; ++c) acc[c] = w * acc[c];
-          any = true;
-        }
-      }
-      if (any) {
-        detail::store_row_f32(out + i * row_bytes, x.dtype, acc.data(), h);
-      } else {
-        std::memset(out + i * row_bytes, 0, static_cast<std::size_t>(row_bytes));
-      }
-    }
-  }
+  reduce_rows(out, x.dtype, x, si, n, topk,
+              [&probs](int64_t i, int64_t k) { return float_at(probs, i, k); });
   return res;
 }
 
@@ -544,22 +563,10 @@ UnpermuteGradResult unpermute_grad(const UnpermuteGradArgs& args) {
   }
   check_same_dtype(op, "grad_out", g.dtype, "permuted_tokens dtype", x.dtype);
   expect_size(op, "permuted_tokens", x, 1, h, "H, grad_out.shape[1]");
-  UnpermuteGradProblem q{&g, &si, nullptr, nullptr, n, h, 1, x.shape[0], x.dtype, {}};
-  int64_t m = n;
-  if (args.probs) {
-    q.topk = check_probs(op, *args.probs);
-    expect_size(op, "probs", *args.probs, 0, n, "N, grad_out.shape[0]");
-    m = checked_entries(op, n, q.topk, "N*topK (probs.shape)");
-    check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
-    q.probs = &*args.probs;
-    q.permuted_tokens = &x;
-  } else {
-    check_sorted_indices_shape(op, si, n, "N = grad_out.shape[0]; topK = 1 without probs");
-  }
-  check_restore_shape(op, args.restore_shape, n, h);
-  check_output_size(op, "permuted_tokens.shape", q.p, h, q.dtype);
-  q.seen =
-      check_sorted_distinct(op, si, std::max(q.p, m), "max(P, M), P = permuted_tokens.shape[0]");
+  const TensorView* probs = args.probs ? &*args.probs : nullptr;
+  UnpermuteGradProblem q{&g, &si, probs, probs ? &x : nullptr, n, h, 1, x.shape[0], x.dtype, {}};
+  check_unpermute_grad_entries(op, q, args.restore_shape, "permuted_tokens.shape",
+                               "max(P, M), P = permuted_tokens.shape[0]");
   return unpermute_grad_kernel(q);
 }
 
@@ -585,22 +592,11 @@ UnpermuteGradResult unpermute_grad_v2(const UnpermuteGradV2Args& args) {
     expect_size(op, "permuted_tokens", x, 0, args.permuted_rows, "P, permuted_rows");
     expect_size(op, "permuted_tokens", x, 1, h, "H, grad_out.shape[1]");
   }
-  UnpermuteGradProblem q{
-      &g, &si, nullptr, nullptr, n, h, 1, args.permuted_rows, args.permuted_dtype, {}};
-  int64_t m = n;
-  if (args.probs) {
-    q.topk = check_probs(op, *args.probs);
-    expect_size(op, "probs", *args.probs, 0, n, "N, grad_out.shape[0]");
-    m = checked_entries(op, n, q.topk, "N*topK (probs.shape)");
-    check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
-    q.probs = &*args.probs;
-    q.permuted_tokens = &*args.permuted_tokens;
-  } else {
-    check_sorted_indices_shape(op, si, n, "N = grad_out.shape[0]; topK = 1 without probs");
-  }
-  check_restore_shape(op, args.restore_shape, n, h);
-  check_output_size(op, "(permuted_rows, H)", q.p, h, q.dtype);
-  q.seen = check_sorted_distinct(op, si, std::max(q.p, m), "max(P, M), P = permuted_rows");
+  const TensorView* probs = args.probs ? &*args.probs : nullptr;
+  const TensorView* x = probs ? &*args.permuted_tokens : nullptr;
+  UnpermuteGradProblem q{&g, &si, probs, x, n, h, 1, args.permuted_rows, args.permuted_dtype, {}};
+  check_unpermute_grad_entries(op, q, args.restore_shape, "(permuted_rows, H)",
+                               "max(P, M), P = permuted_rows");
   return unpermute_grad_kernel(q);
 }
 

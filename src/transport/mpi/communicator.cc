@@ -1,10 +1,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 
 #include "core/check.h"
 #include "moe_ep/comm.h"
+#include "transport/mpi/exchange.h"
 
 namespace moe_ep {
 
@@ -29,14 +29,6 @@ double resolve_timeout(const CommOptions& options) {
   return t;
 }
 
-void check_mpi(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, msg, &len);
-  detail::fail(ErrorKind::kSystem, "Communicator: ", what, " failed: ", std::string(msg, len));
-}
-
 }  // namespace
 
 std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
@@ -48,7 +40,7 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
     detail::invalid("Communicator: MPI is not initialised (call MPI_Init first)");
   if (comm == MPI_COMM_NULL) detail::invalid("Communicator: comm is MPI_COMM_NULL");
   MPI_Comm dup = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_dup(comm, &dup), "MPI_Comm_dup");
+  detail::check_mpi(MPI_Comm_dup(comm, &dup), "Communicator", "MPI_Comm_dup");
   // Errors come back as codes that moe-ep turns into Error(kSystem), not as aborts.
   MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
   int rank = 0, size = 0;

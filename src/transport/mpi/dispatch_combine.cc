@@ -2,8 +2,7 @@
 //
 // dispatch_v2, on every rank:
 //   1. header:  validate locally, exchange an OpHeader with every rank, agree (exchange.h);
-//   2. counts:  send rank d the W*L counts row [d*L, d*L+L) (entries for each of its local
-//   experts),
+//   2. counts:  send rank d the L counts [d*L, d*L+L) (entries for each of its local experts),
 //               receive L counts from every source: the receive layout (ep_recv_counts) follows;
 //   3. rows:    one message per peer each way. The sender describes its rows for rank d with an
 //               hindexed-block datatype over x's row addresses (no packing, strided x welcome);
@@ -18,8 +17,10 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "core/check.h"
@@ -117,6 +118,25 @@ void check_batch_sizes(const char* op, const std::vector<OpHeader>& h, int64_t g
                     ")");
 }
 
+// Optional arguments outside this build's slice: kUnsupported naming the first one given.
+void reject_given(const char* op, std::initializer_list<std::pair<const char*, bool>> given) {
+  for (const auto& [name, is_given] : given)
+    if (is_given) detail::unsupported(op, ": ", name, " is not supported by this build");
+}
+
+// The sizes every op derives from the config and its token tensor (S = 0: L = E / W).
+EpShape local_shape(const EpConfig& cfg, int64_t BS, int64_t H, DType dtype) {
+  EpShape sh;
+  sh.W = cfg.ep_world_size;
+  sh.rank = cfg.ep_rank_id;
+  sh.E = cfg.moe_expert_num;
+  sh.L = sh.E / sh.W;
+  sh.BS = BS;
+  sh.H = H;
+  sh.dtype = dtype;
+  return sh;
+}
+
 int to_int(int64_t v) {
   MOE_EP_CHECK(v >= 0 && v <= INT_MAX);
   return static_cast<int>(v);
@@ -139,13 +159,10 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   DispatchOutputs out;
   capture(hdr, local, [&] {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
-    const std::pair<const char*, bool> absent[] = {
-        {"scales", in.scales.has_value()},
-        {"x_active_mask", in.x_active_mask.has_value()},
-        {"elastic_info", in.elastic_info.has_value()},
-        {"performance_info", in.performance_info.has_value()}};
-    for (const auto& [name, given] : absent)
-      if (given) detail::unsupported(op, ": ", name, " is not supported by this build");
+    reject_given(op, {{"scales", in.scales.has_value()},
+                      {"x_active_mask", in.x_active_mask.has_value()},
+                      {"elastic_info", in.elastic_info.has_value()},
+                      {"performance_info", in.performance_info.has_value()}});
     if (in.quant_mode == 2)
       detail::unsupported(op, ": quant_mode = 2 (int8) is not supported by this build");
     if (in.quant_mode != 0)
@@ -154,13 +171,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       detail::invalid(op, ": expert_token_nums_type = ", in.expert_token_nums_type,
                       " is not one of {0, 1}");
     detail::expect_rows(op, "x", in.x);
-    sh.W = cfg.ep_world_size;
-    sh.rank = cfg.ep_rank_id;
-    sh.E = cfg.moe_expert_num;
-    sh.L = sh.E / sh.W;
-    sh.BS = in.x.shape[0];
-    sh.H = in.x.shape[1];
-    sh.dtype = in.x.dtype;
+    sh = local_shape(cfg, in.x.shape[0], in.x.shape[1], in.x.dtype);
     detail::check_expert_ids(op, in.expert_ids, sh.BS, sh.E);
     sh.K = in.expert_ids.shape[1];
     if (in.expert_scales) detail::check_expert_scales(op, *in.expert_scales, sh.BS, sh.K);
@@ -290,31 +301,22 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   Tensor out;
   capture(hdr, local, [&] {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
-    const std::pair<const char*, bool> absent[] = {
-        {"tp_send_counts", in.tp_send_counts.has_value()},
-        {"x_active_mask", in.x_active_mask.has_value()},
-        {"shared_expert_x", in.shared_expert_x.has_value()},
-        {"elastic_info", in.elastic_info.has_value()},
-        {"ori_x", in.ori_x.has_value()},
-        {"const_expert_alpha_1", in.const_expert_alpha_1.has_value()},
-        {"const_expert_alpha_2", in.const_expert_alpha_2.has_value()},
-        {"const_expert_v", in.const_expert_v.has_value()},
-        {"performance_info", in.performance_info.has_value()}};
-    for (const auto& [name, given] : absent)
-      if (given) detail::unsupported(op, ": ", name, " is not supported by this build");
+    reject_given(op, {{"tp_send_counts", in.tp_send_counts.has_value()},
+                      {"x_active_mask", in.x_active_mask.has_value()},
+                      {"shared_expert_x", in.shared_expert_x.has_value()},
+                      {"elastic_info", in.elastic_info.has_value()},
+                      {"ori_x", in.ori_x.has_value()},
+                      {"const_expert_alpha_1", in.const_expert_alpha_1.has_value()},
+                      {"const_expert_alpha_2", in.const_expert_alpha_2.has_value()},
+                      {"const_expert_v", in.const_expert_v.has_value()},
+                      {"performance_info", in.performance_info.has_value()}});
     if (in.comm_quant_mode == 2)
       detail::unsupported(op, ": comm_quant_mode = 2 (int8) is not supported by this build");
     if (in.comm_quant_mode != 0)
       detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");
     detail::expect_rows(op, "expand_x", in.expand_x);
     detail::expect_ndim(op, "expert_ids", in.expert_ids, 2);
-    sh.W = cfg.ep_world_size;
-    sh.rank = cfg.ep_rank_id;
-    sh.E = cfg.moe_expert_num;
-    sh.L = sh.E / sh.W;
-    sh.BS = in.expert_ids.shape[0];
-    sh.H = in.expand_x.shape[1];
-    sh.dtype = in.expand_x.dtype;
+    sh = local_shape(cfg, in.expert_ids.shape[0], in.expand_x.shape[1], in.expand_x.dtype);
     detail::check_expert_ids(op, in.expert_ids, sh.BS, sh.E);
     sh.K = in.expert_ids.shape[1];
     detail::check_expert_scales(op, in.expert_scales, sh.BS, sh.K);
@@ -325,9 +327,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       detail::invalid(op, ": ep_send_counts[", sh.W * sh.L - 1, "] = ", blocks.valid,
                       " exceeds the receive capacity A = ", sh.A, " of this rank");
     const TensorView& ai = in.assist_info_for_combine;
-    detail::expect_dtype(op, "assist_info_for_combine", ai, {DType::kI32});
-    detail::expect_ndim(op, "assist_info_for_combine", ai, 1);
-    detail::expect_memory(op, "assist_info_for_combine", ai);
+    detail::expect_tensor(op, "assist_info_for_combine", ai, {DType::kI32}, 1);
     const int64_t ai_size = std::max(sh.BS * sh.K, sh.A * 128);
     if (ai.shape[0] != ai_size)
       detail::invalid(op, ": assist_info_for_combine.shape[0] = ", ai.shape[0], " must equal ",
@@ -341,11 +341,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                           "] = ", detail::index_at(ai, 3 * j), " (the source rank of row ", j,
                           ") does not match ep_send_counts, which puts row ", j,
                           " in a block of source rank ", b % sh.W);
-    if (in.expand_scales) {
-      detail::expect_dtype(op, "expand_scales", *in.expand_scales, {DType::kF32});
-      detail::expect_ndim(op, "expand_scales", *in.expand_scales, 1);
-      detail::expect_memory(op, "expand_scales", *in.expand_scales);
-    }
+    if (in.expand_scales)
+      detail::expect_tensor(op, "expand_scales", *in.expand_scales, {DType::kF32}, 1);
     back = detail::plan_sends(in.expert_ids, sh.W, sh.L);
     // Allocated before the header exchange (see dispatch_v2).
     y = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {sh.BS * sh.K, sh.H}));

@@ -1,0 +1,59 @@
+// Helpers shared by the MPI tests of dispatch_v2 / combine_v2 (test_dispatch.cc and
+// test_dispatch_adversarial.cc).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moe_ep/error.h"
+#include "moe_ep/tensor.h"
+
+namespace moe_ep::test {
+
+// splitmix64: portable and seedable, so every rank can build the same global batch. Each test
+// file derives its own seeding and value helpers.
+struct SplitMix64 {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+};
+
+// The elements of a contiguous tensor.
+template <typename T>
+std::vector<T> values(const Tensor& t) {
+  return std::vector<T>(t.ptr<T>(), t.ptr<T>() + t.numel());
+}
+
+// Runs the collective `call` on this rank (`rank`) and checks what it throws. `bad` < 0: every
+// rank throws `kind`; else rank `bad` throws `kind` and the others kRemote naming rank `bad`.
+// Every message must contain each of `needles`.
+inline void expect_collective_error(const std::function<void()>& call, int rank, int bad,
+                                    ErrorKind kind, const std::vector<std::string>& needles) {
+  try {
+    call();
+    ADD_FAILURE() << "no error thrown on rank " << rank;
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (bad < 0 || rank == bad) {
+      EXPECT_STREQ(error_kind_name(e.kind()), error_kind_name(kind)) << msg;
+    } else {
+      EXPECT_EQ(e.kind(), ErrorKind::kRemote) << msg;
+      EXPECT_NE(msg.find("rank " + std::to_string(bad) + " failed: "), std::string::npos) << msg;
+    }
+    for (const std::string& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a moe_ep::Error: " << e.what();
+  }
+}
+
+}  // namespace moe_ep::test
