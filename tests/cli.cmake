@@ -84,6 +84,14 @@ function(cli_expect_error name regex cmd)
   set_tests_properties(cli.error.${name} PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60
                                                     ${ARGN})
 endfunction()
+# The same, and stderr holds one "moe-ep: error:" line: ranks whose error is Remote stay quiet.
+function(cli_expect_error_once name regex cmd)
+  add_test(NAME cli.error.${name}
+           COMMAND ${CMAKE_COMMAND} "-DCMD=${cmd}" "-DREGEX=${regex}" -DTIMEOUT=45 -DONCE=1
+                   -P ${_cli}/expect_error.cmake)
+  set_tests_properties(cli.error.${name} PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60
+                                                    ${ARGN})
+endfunction()
 set(_run2 "${_mpi} -n 2 --oversubscribe ${_exe} run --preset mixtral-8x7b --expert-fn scale")
 cli_expect_error(repeated_id "moe-ep: error: [A-Za-z]+: dispatch_v2: expert_ids\\[0,[^\n]*repeat"
                  "${_run2} --load-routing ${_work}/bad_ids/repeat.safetensors"
@@ -112,6 +120,118 @@ cli_expect_error(missing_routing_file "InvalidArgument: real routing: cannot ope
                  "${_mpi} -n 2 ${_exe} run --routing-file /nonexistent/x.csv")
 cli_expect_error(unknown_domain "domain 'poetry' is not in .*\\(has arxiv, book, c4"
                  "${_mpi} -n 1 ${_exe} run --domain poetry")
+
+# Huge sizes: each flag has a bound (named in the message), products are overflow-checked and
+# the memory a rank needs is estimated against the machine's before anything is allocated.
+cli_expect_error(tokens_huge "--tokens: must be an integer in \\[0, 2147483647\\], got 4611686018427387904"
+                 "${_mpi} -n 2 --oversubscribe ${_exe} run --tokens 4611686018427387904")
+cli_expect_error(tokens_int64_max "--tokens: must be an integer in \\[0, 2147483647\\], got 9223372036854775807"
+                 "${_mpi} -n 1 ${_exe} run --tokens 9223372036854775807")
+cli_expect_error(tokens_beyond_int64 "--tokens: must be an integer in \\[0, 2147483647\\], got 99999999999999999999"
+                 "${_mpi} -n 1 ${_exe} run --tokens 99999999999999999999")
+cli_expect_error(hidden_huge "--hidden: must be an integer in \\[1, 2147483647\\], got 4611686018427387904"
+                 "${_mpi} -n 1 ${_exe} run --hidden 4611686018427387904")
+cli_expect_error(experts_huge "--experts: must be an integer in \\[1, 2147483646\\] \\(expert ids are int32\\), got 4611686018427387904"
+                 "${_mpi} -n 1 ${_exe} run --experts 4611686018427387904")
+cli_expect_error(experts_above_int32 "--experts: must be an integer in \\[1, 2147483646\\][^\n]*got 2147483648"
+                 "${_mpi} -n 1 ${_exe} run --experts 2147483648 --tokens 4")
+cli_expect_error(ffn_huge "--ffn: must be an integer in \\[1, 2147483647\\], got 9223372036854775807"
+                 "${_mpi} -n 1 ${_exe} run --ffn 9223372036854775807")
+cli_expect_error_once(size_overflow
+                      "InvalidArgument: moe-ep run: the global batch x in bytes = N 2147483647 \\(--tokens 2147483647 x W 1\\) x --hidden 2147483647 x 4 B \\(fp32\\) overflows a 64-bit integer \\(bound 2\\^63 - 1"
+                      "${_mpi} -n 1 ${_exe} run --tokens 2147483647 --hidden 2147483647 --dtype fp32 --expert-fn scale")
+cli_expect_error_once(memory_tokens
+                      "InvalidArgument: moe-ep run: --tokens 2147483647 with H 2048 [^\n]* needs about [0-9.]+ GiB on rank 0 \\(more than this machine's [0-9.]+ GiB[^\n]*; use fewer --tokens"
+                      "${_mpi} -n 2 --oversubscribe ${_exe} run --tokens 2147483647 --expert-fn scale")
+cli_expect_error_once(memory_experts
+                      "InvalidArgument: moe-ep run: --tokens 4 with --hidden 1048576 \\(--experts 2147483584,[^\n]* needs about [0-9.]+ GiB on rank 0 [^\n]*; use fewer --experts or a smaller --hidden"
+                      "${_mpi} -n 1 ${_exe} run --experts 2147483584 --routing gate --hidden 1048576 --expert-fn scale --tokens 4")
+cli_expect_error_once(swiglu_weights_too_large
+                      "moe-ep run: swiglu expert: W1 and W3 = 2 x --ffn 1048576 x H 2048 = 4294967296 weights exceed 2\\^31 - 1"
+                      "${_mpi} -n 1 ${_exe} run --ffn 1048576 --tokens 1")
+
+# Flags that are not numbers, or not in range, get a readable message.
+cli_expect_error(timeout_zero "--timeout: must be a finite number of seconds > 0, got 0"
+                 "${_mpi} -n 1 ${_exe} run --timeout 0")
+cli_expect_error(timeout_negative "--timeout: must be a finite number of seconds > 0, got -3"
+                 "${_mpi} -n 1 ${_exe} run --timeout -3")
+cli_expect_error(timeout_inf "--timeout: must be a finite number of seconds > 0, got inf"
+                 "${_mpi} -n 1 ${_exe} run --timeout inf")
+cli_expect_error(tokens_not_integer "--tokens: must be an integer [^\n]*got abc \\(not an integer\\)"
+                 "${_mpi} -n 1 ${_exe} run --tokens abc")
+cli_expect_error(seed_negative "--seed: must be an integer in \\[0, 18446744073709551615\\] \\(the seed is unsigned\\), got -1"
+                 "${_mpi} -n 1 ${_exe} run --seed -1")
+
+# Bad routing files: named file, field, index and value; one message for all ranks.
+set(_bad ${_work}/bad_ids)
+cli_expect_error_once(load_bad_seed
+                      "InvalidArgument: routing file '[^']*seed.safetensors': metadata seed = 'xyz' is not an unsigned integer"
+                      "${_run2} --load-routing ${_bad}/seed.safetensors"
+                      FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error_once(load_nan_scale
+                      "InvalidArgument: routing file '[^']*nan.safetensors': expert_scales\\[3,0\\] = nan is not finite"
+                      "${_run2} --load-routing ${_bad}/nan.safetensors"
+                      FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error_once(load_inf_x
+                      "InvalidArgument: routing file '[^']*inf.safetensors': x\\[5,17\\] = inf is not finite"
+                      "${_run2} --load-routing ${_bad}/inf.safetensors"
+                      FIXTURES_REQUIRED cli_bad_ids)
+# dispatch_v2 names rank 1's token 3; the tool adds the file's row (4 tokens per rank: row 7).
+cli_expect_error_once(id_out_of_range_file_row
+                      "InvalidArgument: dispatch_v2: expert_ids\\[3,1\\][^\n]*\\(rank 1 holds rows \\[4, 8\\) of routing file '[^']*range.safetensors': expert_ids\\[3,\\*\\] is file row 7\\)"
+                      "${_run2} --load-routing ${_bad}/range.safetensors"
+                      FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error_once(experts_not_divisible_once "E = 8 experts cannot be split evenly over W = 3"
+                      "${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --tokens 2 --ffn 8")
+
+# Flags a loaded batch would silently ignore are errors.
+cli_expect_error(load_with_tokens
+                 "--tokens cannot be combined with --load-routing: the file fixes the tokens per rank"
+                 "${_run2} --tokens 8 --load-routing ${_bad}/good.safetensors"
+                 FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error(load_with_routing
+                 "--routing cannot be combined with --load-routing: the file fixes the routing"
+                 "${_run2} --routing gate --load-routing ${_bad}/good.safetensors"
+                 FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error(load_with_domain
+                 "--domain cannot be combined with --load-routing: the file fixes the routing"
+                 "${_run2} --domain arxiv --load-routing ${_bad}/good.safetensors"
+                 FIXTURES_REQUIRED cli_bad_ids)
+# --seed with a loaded batch sets only the swiglu weights; the header says so and shows no router.
+add_test(NAME cli.load.seed_header
+         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} run --preset mixtral-8x7b --ffn 16 --seed 5
+                 --load-routing ${_bad}/good.safetensors)
+set_tests_properties(cli.load.seed_header PROPERTIES
+  ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120 FIXTURES_REQUIRED cli_bad_ids
+  PASS_REGULAR_EXPRESSION "tokens/rank 4 \\(N 8, from the file\\)  seed 5 \\(--seed; expert weights only: x and routing come from the file, saved with seed 0\\)\n.*\nPASS\n"
+  FAIL_REGULAR_EXPRESSION "router scores")
+add_test(NAME cli.load.seed_unused
+         COMMAND ${_mpi} -n 1 ${_exe} run --preset mixtral-8x7b --expert-fn identity
+                 --load-routing ${_bad}/good.safetensors)
+set_tests_properties(cli.load.seed_unused PROPERTIES
+  ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120 FIXTURES_REQUIRED cli_bad_ids
+  PASS_REGULAR_EXPRESSION "seed not used \\(x and routing come from the file; expert-fn identity has no weights\\)\n.*\nPASS\n"
+  FAIL_REGULAR_EXPRESSION "router scores")
+
+# Outputs never overwrite the input or each other (./F and F are the same file), and an output
+# path that cannot be written fails before the run.
+cli_expect_error(save_output_is_input
+                 "--save-output '[^']*/\\./good.safetensors' and --load-routing '[^']*/good.safetensors' are the same file \\(the run would overwrite its input\\)"
+                 "${_run2} --load-routing ${_bad}/good.safetensors --save-output ${_bad}/./good.safetensors"
+                 FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error(save_routing_is_input
+                 "--save-routing '[^']*' and --load-routing '[^']*' are the same file"
+                 "${_run2} --load-routing ${_bad}/good.safetensors --save-routing ${_bad}/../bad_ids/good.safetensors"
+                 FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error(save_output_is_save_routing
+                 "--save-output '[^']*' and --save-routing '[^']*' are the same file \\(one output would overwrite the other\\)"
+                 "${_run2} --tokens 2 --save-routing ${_work}/same.safetensors --save-output ${_work}/x/../same.safetensors")
+cli_expect_error_once(save_output_unwritable
+                      "InvalidArgument: moe-ep run: --save-output '/nonexistent/dir/out.safetensors': cannot create a file in directory '/nonexistent/dir': No such file or directory"
+                      "${_run2} --tokens 2 --save-output /nonexistent/dir/out.safetensors")
+cli_expect_error_once(save_routing_is_directory
+                      "InvalidArgument: moe-ep run: --save-routing '[^']*': is a directory, not a file name"
+                      "${_run2} --tokens 2 --save-routing ${_cli}")
 
 # Installed, the tool finds its data relative to itself.
 add_test(NAME cli.installed

@@ -1,5 +1,6 @@
 # Runs CMD (space-separated) and passes when it exits with a non-zero code (not a signal, not a
-# timeout) within TIMEOUT seconds and its stderr matches REGEX.
+# timeout) within TIMEOUT seconds and its stderr matches REGEX; with ONCE set, stderr must also
+# hold exactly one "moe-ep: error:" line (the failing rank's; the others stay quiet).
 separate_arguments(cmd UNIX_COMMAND "${CMD}")
 if(NOT TIMEOUT)
   set(TIMEOUT 30)
@@ -18,4 +19,11 @@ if(rc EQUAL 0)
 endif()
 if(NOT err MATCHES "${REGEX}")
   message(FATAL_ERROR "stderr does not match '${REGEX}'")
+endif()
+if(ONCE)
+  string(REGEX MATCHALL "moe-ep: error:" hits "${err}")
+  list(LENGTH hits n)
+  if(NOT n EQUAL 1)
+    message(FATAL_ERROR "expected exactly one 'moe-ep: error:' line, got ${n}")
+  endif()
 endif()

@@ -8,11 +8,23 @@
 #     PYTHON and STCHECK (with EXPERTS).
 separate_arguments(args UNIX_COMMAND "${ARGS}")
 separate_arguments(load_nps UNIX_COMMAND "${LOAD_NPS}")
+# The loading runs drop what the file fixes (--load-routing rejects these flags).
+set(load_args "")
+set(skip_value FALSE)
+foreach(a IN LISTS args)
+  if(skip_value)
+    set(skip_value FALSE)
+  elseif(a MATCHES "^--(tokens|routing|routing-model|domain|layer|routing-file)$")
+    set(skip_value TRUE)
+  else()
+    list(APPEND load_args "${a}")
+  endif()
+endforeach()
 file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}")
 set(routing "${WORK}/routing.safetensors")
 
-function(run_tool np)
+function(run_tool np args)
   execute_process(COMMAND ${MPIEXEC} -n ${np} --oversubscribe ${EXE} run ${args} ${ARGN}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
   message(STATUS "np ${np}:\n${out}${err}")
@@ -34,11 +46,11 @@ function(check_scale output)
 endfunction()
 
 set(saved "${WORK}/out_np${SAVE_NP}.safetensors")
-run_tool(${SAVE_NP} --save-routing ${routing} --save-output ${saved})
+run_tool(${SAVE_NP} "${args}" --save-routing ${routing} --save-output ${saved})
 check_scale(${saved})
 foreach(np IN LISTS load_nps)
   set(loaded "${WORK}/out_load_np${np}.safetensors")
-  run_tool(${np} --load-routing ${routing} --save-output ${loaded})
+  run_tool(${np} "${load_args}" --load-routing ${routing} --save-output ${loaded})
   execute_process(COMMAND ${CMAKE_COMMAND} -E compare_files ${saved} ${loaded} RESULT_VARIABLE rc)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "output at ${np} ranks from the loaded routing differs from the output at "

@@ -9,9 +9,10 @@
       fp32 arithmetic is emulated with doubles rounded through array('f') (exact: a product or sum of
       two floats is rounded once from a double holding it to within double rounding's innocuous
       bound).
-  stcheck.py corrupt IN OUT --mode repeat|range --experts E
-      Copies a routing file, making token 0 repeat its first expert (repeat) or giving the last
-      token's last slot the id E + 3 (range).
+  stcheck.py corrupt IN OUT --mode repeat|range|nan|inf|seed --experts E
+      Copies a routing file, making token 0 repeat its first expert (repeat), giving the last
+      token's last slot the id E + 3 (range), setting expert_scales[3,0] to NaN (nan) or x[5,17]
+      to +inf (inf), or the metadata seed to 'xyz' (seed).
 """
 import argparse
 import json
@@ -127,8 +128,20 @@ def corrupt(args):
     ids = list(struct.unpack("<%di" % (N * K), data))
     if args.mode == "repeat":
         ids[1] = ids[0]
-    else:
+    elif args.mode == "range":
         ids[N * K - 1] = args.experts + 3
+    elif args.mode == "nan":
+        sdt, shape, sdata = t["expert_scales"]
+        scales = list(struct.unpack("<%df" % (N * K), sdata))
+        scales[3 * K] = float("nan")
+        t["expert_scales"] = (sdt, shape, struct.pack("<%df" % (N * K), *scales))
+    elif args.mode == "inf":
+        xdt, (n, H), xdata = t["x"]
+        x = decode(xdt, xdata)
+        x[5 * H + 17] = float("inf")
+        t["x"] = (xdt, [n, H], encode(xdt, x))
+    else:
+        meta["seed"] = "xyz"
     t["expert_ids"] = (dtype, [N, K], struct.pack("<%di" % (N * K), *ids))
     write(args.output, t, meta)
 
@@ -144,7 +157,7 @@ def main():
     b = sub.add_parser("corrupt")
     b.add_argument("input")
     b.add_argument("output")
-    b.add_argument("--mode", choices=["repeat", "range"], required=True)
+    b.add_argument("--mode", choices=["repeat", "range", "nan", "inf", "seed"], required=True)
     b.add_argument("--experts", type=int, required=True)
     b.set_defaults(fn=corrupt)
     args = p.parse_args()

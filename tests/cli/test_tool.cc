@@ -1,5 +1,6 @@
 // Unit tests of the moe-ep tool's pure parts: safetensors I/O, the batch files, token splitting,
-// the real-routing data mapping, routing determinism and the scoring rules.
+// the real-routing data mapping, routing determinism, the scoring rules, the output check and the
+// checks made before a run (flags, sizes, memory, files).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -12,9 +13,11 @@
 #include <set>
 
 #include "batch.h"
+#include "checks.h"
 #include "moe_ep/error.h"
 #include "numeric.h"
 #include "presets.h"
+#include "reference.h"
 #include "rng.h"
 #include "routing.h"
 #include "safetensors.h"
@@ -276,6 +279,248 @@ TEST(Routing, RealSamplingFollowsTheData) {
   std::vector<double> freq(8, 0);
   for (int32_t e : ids) freq[e] += 1.0 / N;
   for (int e = 0; e < 8; ++e) EXPECT_NEAR(freq[e], p[e], 0.01) << "expert " << e;
+}
+
+// ---- the checks before a run ---------------------------------------------------------------
+
+// The message of the moe_ep::Error(kInvalidArgument) `f` throws ("" and a failure if none).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const moe_ep::Error& e) {
+    EXPECT_EQ(e.kind(), moe_ep::ErrorKind::kInvalidArgument) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return "";
+}
+
+TEST(Checks, IntegerFlagsNameTheBoundAndTheValue) {
+  EXPECT_EQ(check_integer("64", 0, 100), "");
+  EXPECT_EQ(check_integer("+7", 0, 100), "");
+  EXPECT_EQ(check_integer("0", 0, 100), "");
+  EXPECT_EQ(check_integer("abc", 0, 100),
+            "must be an integer in [0, 100], got abc (not an integer)");
+  EXPECT_EQ(check_integer("1.5", 0, 100),
+            "must be an integer in [0, 100], got 1.5 (not an integer)");
+  EXPECT_EQ(check_integer("", 0, 100), "must be an integer in [0, 100], got  (not an integer)");
+  EXPECT_EQ(check_integer("-3", 0, 100), "must be an integer in [0, 100], got -3");
+  EXPECT_EQ(check_integer("101", 0, 100, " (note)"),
+            "must be an integer in [0, 100] (note), got 101");
+  EXPECT_EQ(check_integer("99999999999999999999", 0, 100),
+            "must be an integer in [0, 100], got 99999999999999999999");
+  EXPECT_EQ(check_integer("2147483646", 1, kMaxExperts), "");
+  EXPECT_NE(check_integer("2147483647", 1, kMaxExperts), "");
+}
+
+TEST(Checks, SeedIsUnsignedAndTimeoutFinitePositive) {
+  EXPECT_EQ(check_unsigned("0"), "");
+  EXPECT_EQ(check_unsigned("18446744073709551615"), "");
+  const std::string words =
+      "must be an integer in [0, 18446744073709551615] (the seed is unsigned)";
+  EXPECT_EQ(check_unsigned("-1"), words + ", got -1");
+  EXPECT_EQ(check_unsigned("18446744073709551616"), words + ", got 18446744073709551616");
+  EXPECT_EQ(check_unsigned("x1"), words + ", got x1 (not an integer)");
+  EXPECT_EQ(check_timeout("0.5"), "");
+  EXPECT_EQ(check_timeout("300"), "");
+  for (const char* bad : {"0", "-3", "inf", "nan", "abc", "", "1e999", "5s"}) {
+    EXPECT_EQ(check_timeout(bad),
+              std::string("must be a finite number of seconds > 0, got ") + bad);
+  }
+}
+
+RunShape shape_of(const std::string& preset, int64_t tokens, int64_t world) {
+  const Preset& p = *find_preset(preset);
+  RunShape s;
+  s.world = world;
+  s.tokens_per_rank.assign(world, tokens);
+  s.hidden = p.hidden;
+  s.experts = p.experts;
+  s.top_k = p.top_k;
+  s.ffn = p.ffn;
+  s.tokens_label = "--tokens " + std::to_string(tokens);
+  s.hidden_label = "H " + std::to_string(p.hidden);
+  s.experts_label = "E " + std::to_string(p.experts);
+  s.top_k_label = "K " + std::to_string(p.top_k);
+  s.ffn_label = "FFN " + std::to_string(p.ffn);
+  return s;
+}
+
+TEST(Checks, SizeProductsAreOverflowChecked) {
+  RunShape s = shape_of("olmoe", 64, 4);
+  check_sizes(s);
+  check_gather_limits(s);
+
+  s = shape_of("olmoe", kMaxDim, 1);
+  s.hidden = kMaxDim;
+  s.hidden_label = "--hidden 2147483647";
+  s.fn = ExpertFn::kScale;
+  EXPECT_EQ(error_of([&] { check_sizes(s); }),
+            "moe-ep run: dispatch_v2's expand_x in bytes = A 17179869176 x --hidden 2147483647 x "
+            "2 B (bf16) overflows a 64-bit integer (bound 2^63 - 1 = 9223372036854775807); use "
+            "fewer --tokens");
+  s.dtype = DType::kF32;
+  EXPECT_EQ(error_of([&] { check_sizes(s); }),
+            "moe-ep run: the global batch x in bytes = N 2147483647 (--tokens 2147483647 x W 1) x "
+            "--hidden 2147483647 x 4 B (fp32) overflows a 64-bit integer (bound 2^63 - 1 = "
+            "9223372036854775807); use fewer --tokens");
+
+  // One expert's swiglu weights: the GEMMs take int sizes.
+  s = shape_of("olmoe", 1, 1);
+  s.ffn = 1 << 20;
+  s.ffn_label = "--ffn 1048576";
+  EXPECT_NE(error_of([&] { check_sizes(s); }).find("W1 and W3 = 2 x --ffn 1048576 x H 2048"),
+            std::string::npos);
+  s.fn = ExpertFn::kIdentity;  // no weights
+  check_sizes(s);
+
+  // MPI_Gatherv moves at most 2^31 - 1 bytes to rank 0.
+  s = shape_of("olmoe", 300000, 2);
+  check_sizes(s);
+  EXPECT_NE(error_of([&] { check_gather_limits(s); })
+                .find("the batch x gathered on rank 0 = N 600000 (--tokens 300000 x W 2) x H "
+                      "2048 x 2 B (bf16) = 2457600000 bytes exceeds 2^31 - 1"),
+            std::string::npos);
+}
+
+TEST(Checks, MemoryEstimateAgainstThePhysicalMemory) {
+  const uint64_t GiB = uint64_t{1} << 30;
+  EXPECT_GT(physical_memory_bytes(), 0u);
+  RunShape s = shape_of("olmoe", 64, 4);
+  const MemoryEstimate m0 = estimate_rank_memory(s, 0), m1 = estimate_rank_memory(s, 1);
+  EXPECT_GT(m0.bytes, m1.bytes);  // rank 0 also gathers the batch and runs the reference
+  EXPECT_LT(m0.bytes, 0.5 * GiB);
+  check_memory(s, {0, 1, 2, 3}, 16 * GiB);
+
+  // 1M tokens at H 2048: dispatch's receive buffers alone are A x H x 2 B = 8M x 4 KiB.
+  s = shape_of("olmoe", 1000000, 1);
+  const std::string msg = error_of([&] { check_memory(s, {0}, 64 * GiB); });
+  EXPECT_EQ(msg.rfind("moe-ep run: --tokens 1000000 with H 2048 (E 64, K 8, FFN 1024, bf16, W 1) "
+                      "needs about ",
+                      0),
+            0u)
+      << msg;
+  EXPECT_NE(msg.find(" GiB on rank 0 (more than this machine's 64 GiB; mostly "), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("); use fewer --tokens"), std::string::npos) << msg;
+
+  // Each rank fits, the ranks of one machine together do not.
+  s = shape_of("olmoe", 20000, 4);
+  const double one = estimate_rank_memory(s, 0).bytes;
+  const uint64_t phys = static_cast<uint64_t>(one * 2);
+  check_memory(s, {0}, phys);
+  EXPECT_NE(error_of([&] {
+              check_memory(s, {0, 1, 2, 3}, phys);
+            }).find("on the 4 ranks of this machine"),
+            std::string::npos);
+
+  // The experts' tables: E near 2^31 with a gate router of H 2^20.
+  s = shape_of("olmoe", 4, 1);
+  s.experts = kMaxExperts - 62;
+  s.experts_label = "--experts " + std::to_string(s.experts);
+  s.hidden = 1 << 20;
+  s.hidden_label = "--hidden 1048576";
+  s.routing = RoutingKind::kGate;
+  s.fn = ExpertFn::kScale;
+  check_sizes(s);
+  EXPECT_NE(error_of([&] {
+              check_memory(s, {0}, 1024 * GiB);
+            }).find("use fewer --experts or a smaller --hidden"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              check_load_memory("big.safetensors", 100 * GiB, 64 * GiB);
+            }).find("--load-routing 'big.safetensors' holds 100 GiB"),
+            std::string::npos);
+}
+
+TEST(Checks, OutputPaths) {
+  EXPECT_EQ(error_of([] { check_writable("--save-output", "/nonexistent/dir/o.safetensors"); }),
+            "moe-ep run: --save-output '/nonexistent/dir/o.safetensors': cannot create a file in "
+            "directory '/nonexistent/dir': " +
+                std::string(std::strerror(ENOENT)));
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  EXPECT_EQ(error_of([&] { check_writable("--save-routing", dir); }),
+            "moe-ep run: --save-routing '" + dir + "': is a directory, not a file name");
+  check_writable("--save-output", temp_path("new.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(temp_path("new.safetensors")));  // nothing created
+
+  EXPECT_TRUE(same_path("./F.safetensors", "F.safetensors"));
+  EXPECT_TRUE(same_path("a/../F.safetensors", "F.safetensors"));
+  EXPECT_TRUE(same_path(dir + "/x.st", dir + "/./x.st"));
+  EXPECT_FALSE(same_path("F.safetensors", "G.safetensors"));
+}
+
+TEST(Checks, DispatchErrorsOnALoadedBatchNameTheFileRow) {
+  EXPECT_EQ(
+      file_rows_context("dispatch_v2: expert_ids[6,1] = 300 is outside [0, 64)", 1, 64, 64, "F"),
+      "(rank 1 holds rows [64, 128) of routing file 'F': expert_ids[6,*] is file row 70)");
+  EXPECT_EQ(file_rows_context("dispatch_v2: expert_scales[2] bad", 0, 0, 4, "F"),
+            "(rank 0 holds rows [0, 4) of routing file 'F': expert_scales[2,*] is file row 2)");
+  EXPECT_EQ(file_rows_context("combine_v2: expand_x[6,1] has no row", 1, 64, 64, "F"),
+            "(rank 1 holds rows [64, 128) of routing file 'F')");
+  EXPECT_EQ(format_value(NAN), "nan");
+  EXPECT_EQ(format_value(-INFINITY), "-inf");
+  EXPECT_EQ(format_value(0.5), "0.5");
+}
+
+TEST(Batch, LoadRejectsNonFiniteValuesAndABadSeed) {
+  Batch b;
+  b.tokens = 4;
+  b.hidden = 3;
+  b.top_k = 2;
+  b.dtype = DType::kBF16;
+  b.x = make_tokens(1, 0, 4, 3, DType::kBF16);
+  b.expert_ids = {0, 1, 2, 3, 4, 5, 6, 7};
+  b.expert_scales = {1, 1, 1, 1, 1, 1, 1, 1};
+  b.metadata = {{"seed", "42"}};
+  const std::string path = temp_path("finite.safetensors");
+  save_routing(path, b);
+  EXPECT_EQ(load_routing(path).seed, std::optional<uint64_t>(42));
+
+  Batch c = b;
+  c.expert_scales[3 * 2 + 0] = NAN;
+  save_routing(path, c);
+  EXPECT_EQ(error_of([&] { load_routing(path); }),
+            "routing file '" + path + "': expert_scales[3,0] = nan is not finite");
+  c = b;
+  store(DType::kBF16, c.x.data(), 2 * 3 + 1, -INFINITY);
+  save_routing(path, c);
+  EXPECT_EQ(error_of([&] { load_routing(path); }),
+            "routing file '" + path + "': x[2,1] = -inf is not finite");
+  for (const char* bad : {"xyz", "-1", "", "1e3", "18446744073709551616"}) {
+    c = b;
+    c.metadata["seed"] = bad;
+    save_routing(path, c);
+    EXPECT_EQ(
+        error_of([&] { load_routing(path); }),
+        "routing file '" + path + "': metadata seed = '" + bad + "' is not an unsigned integer");
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(Reference, NaNCountsAsAMismatchEvenWithEqualBits) {
+  std::vector<std::byte> out(4 * 4), ref(4 * 4);
+  for (int i = 0; i < 4; ++i) {
+    store(DType::kF32, out.data(), i, 1.0f + i);
+    store(DType::kF32, ref.data(), i, 1.0f + i);
+  }
+  store(DType::kF32, out.data(), 1, NAN);
+  store(DType::kF32, ref.data(), 1, NAN);  // the same bits
+  store(DType::kF32, out.data(), 3, NAN);
+  for (ExpertFn fn : {ExpertFn::kScale, ExpertFn::kSwiglu}) {
+    const CheckResult c = compare_outputs(out, ref, DType::kF32, fn);
+    EXPECT_FALSE(c.pass);
+    EXPECT_EQ(c.nans, 2);
+    EXPECT_EQ(c.mismatches, 2);  // the printed count agrees with the verdict
+    EXPECT_EQ(c.max_abs, 0.0);   // over the elements without a NaN
+    EXPECT_NE(c.rule.find("2 element(s) NaN"), std::string::npos) << c.rule;
+  }
+  const CheckResult c =
+      compare_outputs(std::vector<std::byte>(8), ref, DType::kF32, ExpertFn::kScale);
+  EXPECT_FALSE(c.pass);
+  EXPECT_EQ(c.mismatches, 4);
+  EXPECT_TRUE(c.size_mismatch);
 }
 
 }  // namespace

@@ -1,9 +1,13 @@
 #include "batch.h"
 
+#include <charconv>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 
+#include "checks.h"
 #include "moe_ep/error.h"
+#include "numeric.h"
 #include "safetensors.h"
 
 namespace moe_ep_tool {
@@ -56,6 +60,19 @@ std::vector<T> values(const StTensor& t) {
   return v;
 }
 
+// The first NaN or infinity of a (rows, cols) tensor, named with its index.
+void check_finite(const std::string& path, const std::string& name, DType dtype, const void* data,
+                  int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    const float v = load(dtype, data, i);
+    if (!std::isfinite(v)) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "routing file '" + path + "': " + name + "[" + std::to_string(i / cols) + "," +
+                      std::to_string(i % cols) + "] = " + format_value(v) + " is not finite");
+    }
+  }
+}
+
 }  // namespace
 
 void save_routing(const std::string& path, const Batch& b) {
@@ -87,6 +104,8 @@ Batch load_routing(const std::string& path) {
                     ", expert_scales " + shape_str(scales.shape) + " and x " + shape_str(x.shape) +
                     " disagree on the number of tokens or top-k");
   }
+  check_finite(path, "x", b.dtype, x.data.data(), b.tokens, b.hidden);
+  check_finite(path, "expert_scales", DType::kF32, scales.data.data(), b.tokens, b.top_k);
   b.x = x.data;
   b.expert_ids = values<int32_t>(ids);
   b.expert_scales = values<float>(scales);
@@ -109,6 +128,16 @@ Batch load_routing(const std::string& path) {
     }
   }
   b.metadata = f.metadata;
+  if (auto it = b.metadata.find("seed"); it != b.metadata.end()) {
+    const std::string& text = it->second;
+    uint64_t seed = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), seed);
+    if (text.empty() || ec != std::errc() || end != text.data() + text.size()) {
+      throw Error(ErrorKind::kInvalidArgument, "routing file '" + path + "': metadata seed = '" +
+                                                   text + "' is not an unsigned integer");
+    }
+    b.seed = seed;
+  }
   return b;
 }
 

@@ -9,13 +9,17 @@
 //                   length is not the loading run's W) the N tokens are split evenly, the first
 //                   N % W ranks getting one more.
 //   __metadata__    moe_expert_num, seed, preset, routing (strings; informative except
-//                   moe_expert_num, which must match, and seed, the default --seed on loading).
+//                   moe_expert_num, which must match, and seed, the default --seed on loading:
+//                   with a loaded batch the seed only generates the swiglu expert weights).
+// Loading rejects non-finite values in x and expert_scales and a seed that is not an unsigned
+// integer.
 // Output file (--save-output): `output` (N, H) in x's dtype.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,11 +37,13 @@ struct Batch {
   std::vector<float> expert_scales;      // (N, K)
   std::vector<int64_t> tokens_per_rank;  // (W) or empty
   std::map<std::string, std::string> metadata;
+  std::optional<uint64_t> seed;  // metadata "seed", parsed by load_routing
 };
 
 void save_routing(const std::string& path, const Batch& batch);
 // Throws moe_ep::Error(kInvalidArgument) naming the file when a tensor is missing or its shape
-// or dtype is wrong.
+// or dtype is wrong, when x or expert_scales holds a NaN or an infinity ("routing file 'F':
+// expert_scales[3,0] = nan is not finite") or when metadata seed is not an unsigned integer.
 Batch load_routing(const std::string& path);
 void save_output(const std::string& path, const std::vector<std::byte>& output, int64_t tokens,
                  int64_t hidden, moe_ep::DType dtype);

@@ -1,15 +1,20 @@
 // moe-ep: the command-line tool. `moe-ep run` runs one MoE layer forward across the MPI ranks
-// (see run.h); errors print "moe-ep: error: <kind>: <message>" and abort the whole MPI job.
+// (see run.h); errors print "moe-ep: error: <kind>: <message>" and abort the whole MPI job. A rank
+// whose error is Remote (another rank failed and prints the real error) prints nothing.
 #include <mpi.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <exception>
+#include <functional>
 #include <new>
 #include <sstream>
 #include <thread>
+#include <utility>
+#include <vector>
 
+#include "checks.h"
 #include "moe_ep/error.h"
 #include "presets.h"
 #include "run.h"
@@ -31,37 +36,44 @@ std::string preset_help() {
   return s.str();
 }
 
-// "must be >= 0" / "must be > 0" (CLI11's own range validators print the whole double range).
-CLI::Validator at_least(double low, const char* words) {
-  return CLI::Validator(
-      [low, words](std::string& value) -> std::string {
-        double v = 0;
-        if (!CLI::detail::lexical_cast(value, v) || !(v >= low)) {
-          return std::string("must be ") + words + ", got " + value;
-        }
-        return {};
-      },
-      words);
+// A CLI11 validator from a check of checks.h ("" when valid); CLI11 prefixes the flag name:
+// "--timeout: must be a finite number of seconds > 0, got 0".
+CLI::Validator validator(std::function<std::string(const std::string&)> check,
+                         const std::string& words) {
+  return CLI::Validator([check](std::string& value) { return check(value); }, words);
+}
+
+CLI::Validator integer(int64_t low, int64_t high, const std::string& note = "") {
+  return validator(
+      [=](const std::string& v) { return moe_ep_tool::check_integer(v, low, high, note); },
+      "[" + std::to_string(low) + ", " + std::to_string(high) + "]");
 }
 
 void add_run_options(CLI::App* run, RunOptions& o) {
-  const CLI::Validator non_negative = at_least(0, ">= 0");
-  const CLI::Validator positive = at_least(1, ">= 1");
+  using moe_ep_tool::kMaxDim;
+  using moe_ep_tool::kMaxExperts;
   std::vector<std::string> names;
   for (const auto& p : moe_ep_tool::presets()) names.push_back(p.name);
   run->add_option("--preset", o.preset, preset_help())->check(CLI::IsMember(names));
-  run->add_option("--tokens", o.tokens, "tokens per rank (default 64)")->check(non_negative);
-  run->add_option("--hidden", o.hidden, "override the preset's hidden size H")->check(positive);
+  run->add_option("--tokens", o.tokens,
+                  "tokens per rank (default 64; not with --load-routing, whose file fixes them)")
+      ->check(integer(0, kMaxDim));
+  run->add_option("--hidden", o.hidden, "override the preset's hidden size H")
+      ->check(integer(1, kMaxDim));
   run->add_option("--experts", o.experts, "override the preset's number of experts E")
-      ->check(positive);
+      ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
   run->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
-      ->check(positive);
+      ->check(integer(1, kMaxExperts));
   run->add_option("--ffn", o.ffn, "override the preset's expert intermediate size FFN")
-      ->check(positive);
+      ->check(integer(1, kMaxDim));
   run->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   run->add_option("--seed", o.seed,
-                  "seed of every generated value (default 0; with --load-routing: the file's)");
+                  "unsigned seed (default 0) of every generated value: the tokens x, the routing "
+                  "and the swiglu expert weights. With --load-routing x and the routing come from "
+                  "the file and the seed sets only the swiglu expert weights (default: the seed "
+                  "the file was saved with); the header prints the seed used and what it set")
+      ->check(validator(moe_ep_tool::check_unsigned, "[0, 2^64 - 1]"));
   run->add_option("--expert-fn", o.expert_fn,
                   "expert function: swiglu (default; y = W2 (silu(W1 x) * (W3 x)), fp32 OpenBLAS "
                   "GEMMs, checked with a tolerance), scale (expert e: y = x * (1 + e/E) in fp32, "
@@ -69,7 +81,7 @@ void add_run_options(CLI::App* run, RunOptions& o) {
       ->check(CLI::IsMember({"swiglu", "scale", "identity"}));
   run->add_option("--routing", o.routing,
                   "routing: real (default; sampled from real per-expert top-k counts), gate "
-                  "(random router matrix, top-k of x @ Wr), uniform")
+                  "(random router matrix, top-k of x @ Wr), uniform; not with --load-routing")
       ->check(CLI::IsMember({"real", "gate", "uniform"}));
   run->add_option("--routing-model", o.routing_model,
                   "real routing data: olmoe, olmoe-sft, olmoe-dpo (64 experts, top-8), mistral "
@@ -80,7 +92,7 @@ void add_run_options(CLI::App* run, RunOptions& o) {
                   "real routing text domain (default c4; arxiv, book, c4, github, wikipedia; "
                   "tulu for the olmoe models)");
   run->add_option("--layer", o.layer, "real routing MoE layer: 0, 7 (default) or 15")
-      ->check(non_negative);
+      ->check(integer(0, kMaxDim));
   run->add_option("--routing-file", o.routing_file,
                   "expert_counts.csv (default: <exe dir>/../share/moe-ep/real-routing/"
                   "expert_counts.csv)");
@@ -90,14 +102,14 @@ void add_run_options(CLI::App* run, RunOptions& o) {
   run->add_option("--load-routing", o.load_routing,
                   "read the batch from a --save-routing file instead of generating it; H and K "
                   "must match the preset; rank r takes its slice (tokens_per_rank when it has W "
-                  "entries, else an even split)")
+                  "entries, else an even split). Excludes --tokens and the routing flags")
       ->check(CLI::ExistingFile);
   run->add_option("--save-output", o.save_output,
                   "write the combined output (N, H) as safetensors tensor 'output'");
   run->add_option("--timeout", o.timeout_s,
-                  "deadline of every blocking wait inside dispatch/combine, seconds "
+                  "deadline of every blocking wait inside dispatch/combine, seconds > 0 "
                   "(default: $MOE_EP_TIMEOUT_S, else 300)")
-      ->check(CLI::PositiveNumber);
+      ->check(validator(moe_ep_tool::check_timeout, "> 0"));
 }
 
 // The checks one flag cannot make alone.
@@ -109,17 +121,47 @@ void validate(CLI::App& run, const RunOptions& o) {
         "--top-k",
         "K = " + std::to_string(K) + " exceeds the number of experts E = " + std::to_string(E));
   }
-  if (!o.save_routing.empty() && o.save_routing == o.load_routing) {
-    throw CLI::ValidationError("--save-routing", "must differ from --load-routing");
+  if (!o.load_routing.empty()) {
+    // What the file fixes.
+    const std::pair<const char*, const char*> fixed[] = {
+        {"--tokens", "the tokens per rank"}, {"--routing", "the routing"},
+        {"--routing-model", "the routing"},  {"--domain", "the routing"},
+        {"--layer", "the routing"},          {"--routing-file", "the routing"},
+    };
+    for (const auto& [flag, what] : fixed) {
+      if (run.count(flag) > 0) {
+        throw CLI::ValidationError(std::string(flag) + " cannot be combined with --load-routing: " +
+                                   "the file fixes " + what);
+      }
+    }
   }
-  (void)run;
+  // Outputs must not overwrite the input or each other.
+  const std::pair<const char*, const std::string*> files[] = {{"--load-routing", &o.load_routing},
+                                                              {"--save-routing", &o.save_routing},
+                                                              {"--save-output", &o.save_output}};
+  for (size_t i = 0; i < 3; ++i) {
+    for (size_t j = i + 1; j < 3; ++j) {
+      const std::string &a = *files[i].second, &b = *files[j].second;
+      if (!a.empty() && !b.empty() && moe_ep_tool::same_path(a, b)) {
+        throw CLI::ValidationError(std::string(files[j].first) + " '" + b + "' and " +
+                                   files[i].first + " '" + a + "' are the same file (" +
+                                   (i == 0 ? "the run would overwrite its input"
+                                           : "one output would overwrite the other") +
+                                   ")");
+      }
+    }
+  }
 }
 
+// Prints the error, unless it is kRemote: then another rank failed and prints the real error;
+// this rank gives it a moment to do so before aborting the job.
 [[noreturn]] void fail(const char* kind, const char* message, bool remote) {
-  std::fprintf(stderr, "moe-ep: error: %s: %s\n", kind, message);
-  std::fflush(stderr);
-  // A Remote error repeats another rank's: give that rank a moment to print its own first.
-  if (remote) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  if (remote) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  } else {
+    std::fprintf(stderr, "moe-ep: error: %s: %s\n", kind, message);
+    std::fflush(stderr);
+  }
   MPI_Abort(MPI_COMM_WORLD, 2);
   std::_Exit(2);
 }
@@ -143,6 +185,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
     options.dtype_given = run->count("--dtype") > 0;
+    options.tokens_given = run->count("--tokens") > 0;
     options.seed_given = run->count("--seed") > 0;
     validate(*run, options);
   } catch (const CLI::ParseError& e) {

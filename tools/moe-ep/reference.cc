@@ -65,19 +65,26 @@ CheckResult compare_outputs(const std::vector<std::byte>& out, const std::vector
   c.exact = fn != ExpertFn::kSwiglu;
   const int64_t n = static_cast<int64_t>(ref.size() / moe_ep::dtype_size(dtype));
   const size_t es = moe_ep::dtype_size(dtype);
-  bool nan = out.size() != ref.size();
-  for (int64_t i = 0; i < n && !nan; ++i) {
-    if (std::memcmp(out.data() + i * es, ref.data() + i * es, es) != 0) ++c.mismatches;
-    const double o = load(dtype, out.data(), i), r = load(dtype, ref.data(), i);
-    if (std::isnan(o) || std::isnan(r)) nan = true;
-    c.max_abs = std::max(c.max_abs, std::fabs(o - r));
-    c.max_ref = std::max(c.max_ref, std::fabs(r));
+  if (out.size() != ref.size()) {
+    c.size_mismatch = true;
+    c.mismatches = n;
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const double o = load(dtype, out.data(), i), r = load(dtype, ref.data(), i);
+      const bool nan = std::isnan(o) || std::isnan(r);
+      if (nan) ++c.nans;
+      if (nan || std::memcmp(out.data() + i * es, ref.data() + i * es, es) != 0) ++c.mismatches;
+      if (nan) continue;
+      c.max_abs = std::max(c.max_abs, std::fabs(o - r));
+      c.max_ref = std::max(c.max_ref, std::fabs(r));
+    }
   }
+  const bool bad = c.size_mismatch || c.nans > 0;
   c.max_rel = c.max_ref > 0 ? c.max_abs / c.max_ref : c.max_abs;
   if (c.exact) {
     c.rule = "bitwise equality (exact: expert-fn " + std::string(expert_fn_name(fn)) +
              " is computed identically by both)";
-    c.pass = !nan && c.mismatches == 0;
+    c.pass = !bad && c.mismatches == 0;
   } else {
     c.tolerance = dtype == moe_ep::DType::kBF16 ? 1e-2 : dtype == moe_ep::DType::kF16 ? 1e-3 : 1e-5;
     char buf[160];
@@ -86,9 +93,14 @@ CheckResult compare_outputs(const std::vector<std::byte>& out, const std::vector
                   "the low bits)",
                   c.tolerance, moe_ep::dtype_name(dtype));
     c.rule = buf;
-    c.pass = !nan && c.max_rel <= c.tolerance;
+    c.pass = !bad && c.max_rel <= c.tolerance;
   }
-  if (nan) c.rule += "; NaN or size mismatch found";
+  if (c.size_mismatch) {
+    c.rule += "; the output has " + std::to_string(out.size()) + " bytes, the reference " +
+              std::to_string(ref.size());
+  } else if (c.nans > 0) {
+    c.rule += "; " + std::to_string(c.nans) + " element(s) NaN in the output or the reference";
+  }
   return c;
 }
 

@@ -9,11 +9,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 #include "batch.h"
+#include "checks.h"
 #include "experts.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
@@ -130,24 +133,80 @@ std::string default_routing_file() {
       .string();
 }
 
-int run_command(const RunOptions& o) {
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  const int64_t W = world;
-  // One BLAS thread per rank unless asked otherwise: ranks already fill the cores.
-  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+namespace {
 
-  Preset layer = effective_layer(o);
-  DType dtype = parse_float_dtype(o.dtype);
-  uint64_t seed = o.seed;
+// The ranks of MPI_COMM_WORLD that share this machine (for the memory check). Collective.
+std::vector<int> ranks_on_this_machine(int rank) {
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+  int n = 1;
+  MPI_Comm_size(node, &n);
+  std::vector<int> ranks(static_cast<size_t>(n));
+  MPI_Request request;
+  MPI_Iallgather(&rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, node, &request);
+  wait_idle(&request);
+  MPI_Comm_free(&node);
+  return ranks;
+}
 
-  // ---- inputs: this rank's tokens, expert_ids, expert_scales -----------------------------
-  Batch file;  // --load-routing
-  std::vector<int64_t> bs;
-  std::string routing_desc;
-  if (!o.load_routing.empty()) {
-    file = load_routing(o.load_routing);
+// Collective. When any rank's setup failed, the lowest such rank rethrows its error and every
+// other rank throws kRemote (main prints only the former, so a failure every rank shares is
+// reported once).
+void agree_on_setup(const std::exception_ptr& error, int rank) {
+  int mine = error ? rank : INT_MAX, lowest = INT_MAX;
+  MPI_Request request;
+  MPI_Iallreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, &request);
+  wait_idle(&request);
+  if (lowest == INT_MAX) return;
+  if (rank == lowest) std::rethrow_exception(error);
+  throw Error(ErrorKind::kRemote, "moe-ep run: rank " + std::to_string(lowest) +
+                                      " failed before the run (its message says why)");
+}
+
+// Everything decided before the first allocation of the run's size and the first message.
+struct Plan {
+  Preset layer;
+  DType dtype = DType::kBF16;
+  ExpertFn fn = ExpertFn::kSwiglu;
+  RoutingKind kind = RoutingKind::kReal;
+  uint64_t seed = 0;                   // of every value generated here
+  std::optional<uint64_t> batch_seed;  // the seed x and the routing were generated with
+  Batch file;                          // --load-routing
+  std::vector<int64_t> bs;             // tokens per rank
+  std::vector<double> real_p;
+  std::string routing_desc, seed_desc;
+};
+
+std::string label(const char* flag, const char* name, const std::optional<int64_t>& given,
+                  int64_t value) {
+  return std::string(given ? flag : name) + " " + std::to_string(value);
+}
+
+// Throws on any rank whose setup fails (every rank alike for a bad flag or file).
+Plan plan_run(const RunOptions& o, int rank, int64_t W, const std::vector<int>& node_ranks) {
+  Plan p;
+  p.layer = effective_layer(o);
+  p.dtype = parse_float_dtype(o.dtype);
+  p.seed = o.seed;
+  p.fn = o.expert_fn == "scale"      ? ExpertFn::kScale
+         : o.expert_fn == "identity" ? ExpertFn::kIdentity
+                                     : ExpertFn::kSwiglu;
+  p.kind = o.routing == "gate"      ? RoutingKind::kGate
+           : o.routing == "uniform" ? RoutingKind::kUniform
+                                    : RoutingKind::kReal;
+  const Preset& layer = p.layer;
+  const bool loaded = !o.load_routing.empty();
+  const uint64_t physical = physical_memory_bytes();
+  uint64_t file_bytes = 0;
+
+  // ---- inputs: --load-routing, or --tokens per rank --------------------------------------
+  if (loaded) {
+    std::error_code ec;
+    file_bytes = std::filesystem::file_size(o.load_routing, ec);
+    if (ec) file_bytes = 0;
+    check_load_memory(o.load_routing, file_bytes, physical);
+    p.file = load_routing(o.load_routing);
+    const Batch& file = p.file;
     const std::string where = "--load-routing '" + o.load_routing + "': ";
     if (file.hidden != layer.hidden) {
       throw Error(ErrorKind::kInvalidArgument,
@@ -168,19 +227,16 @@ int run_command(const RunOptions& o) {
                       " has E = " + std::to_string(layer.experts) +
                       " (choose the preset or --experts it was saved with)");
     }
-    if (o.dtype_given && file.dtype != dtype) {
+    if (o.dtype_given && file.dtype != p.dtype) {
       throw Error(ErrorKind::kInvalidArgument, where + "x is " + moe_ep::dtype_name(file.dtype) +
-                                                   ", --dtype says " + moe_ep::dtype_name(dtype));
+                                                   ", --dtype says " + moe_ep::dtype_name(p.dtype));
     }
-    dtype = file.dtype;
-    if (!o.seed_given) {
-      if (auto it = file.metadata.find("seed"); it != file.metadata.end()) {
-        seed = std::stoull(it->second);
-      }
-    }
-    bs = split_tokens(file.tokens, file.tokens_per_rank, W);
+    p.dtype = file.dtype;
+    p.batch_seed = file.seed;
+    if (!o.seed_given && file.seed) p.seed = *file.seed;
+    p.bs = split_tokens(file.tokens, file.tokens_per_rank, W);
     const bool own_split = static_cast<int64_t>(file.tokens_per_rank.size()) == W;
-    routing_desc =
+    p.routing_desc =
         "loaded from " + o.load_routing + " (" + std::to_string(file.tokens) + " tokens, " +
         (own_split ? std::string("its tokens_per_rank")
                    : std::string("split evenly over the ranks")) +
@@ -188,7 +244,8 @@ int run_command(const RunOptions& o) {
                                         : std::string()) +
         ")";
   } else {
-    bs.assign(W, o.tokens);
+    p.bs.assign(W, o.tokens);
+    p.batch_seed = p.seed;
   }
   if (layer.experts % W != 0) {
     throw Error(ErrorKind::kInvalidArgument,
@@ -196,6 +253,101 @@ int run_command(const RunOptions& o) {
                     " experts cannot be split evenly over W = " + std::to_string(W) +
                     " ranks (SPEC §1.3: moe_expert_num % ep_world_size == 0)");
   }
+
+  // ---- sizes and memory, before anything of the run's size is allocated -------------------
+  RunShape shape;
+  shape.world = W;
+  shape.tokens_per_rank = p.bs;
+  shape.hidden = layer.hidden;
+  shape.experts = layer.experts;
+  shape.top_k = layer.top_k;
+  shape.ffn = layer.ffn;
+  shape.dtype = p.dtype;
+  shape.fn = p.fn;
+  shape.routing = p.kind;
+  shape.loaded = loaded;
+  shape.file_bytes = file_bytes;
+  shape.tokens_label = loaded ? "--load-routing '" + o.load_routing + "' (" +
+                                    std::to_string(p.file.tokens) + " tokens)"
+                              : "--tokens " + std::to_string(o.tokens);
+  shape.hidden_label = label("--hidden", "H", o.hidden, layer.hidden);
+  shape.experts_label = label("--experts", "E", o.experts, layer.experts);
+  shape.top_k_label = label("--top-k", "K", o.top_k, layer.top_k);
+  shape.ffn_label = label("--ffn", "FFN", o.ffn, layer.ffn);
+  check_sizes(shape);
+  check_memory(shape, node_ranks, physical);
+  check_gather_limits(shape);
+
+  // ---- output files: writable (rank 0 writes them) ----------------------------------------
+  if (rank == 0) {
+    if (!o.save_routing.empty()) check_writable("--save-routing", o.save_routing);
+    if (!o.save_output.empty()) check_writable("--save-output", o.save_output);
+  }
+
+  // ---- routing source -----------------------------------------------------------------------
+  if (!loaded) {
+    if (p.kind == RoutingKind::kReal) {
+      const std::string routing_file =
+          o.routing_file.empty() ? default_routing_file() : o.routing_file;
+      RealRoutingSource src{routing_file,
+                            o.routing_model.empty() ? layer.routing_model : o.routing_model,
+                            o.domain, o.layer};
+      ExpertDistribution d = load_real_distribution(src, layer.experts, layer.top_k);
+      p.real_p = std::move(d.p);
+      p.routing_desc = d.description + " from " + routing_file;
+    } else if (p.kind == RoutingKind::kGate) {
+      p.routing_desc = "gate (router matrix Wr [H, E] from the seed, logits = x @ Wr, top-k)";
+    } else {
+      p.routing_desc = "uniform (K distinct experts, each equally likely)";
+    }
+  }
+
+  // ---- what the seed does -------------------------------------------------------------------
+  const std::string seed = std::to_string(p.seed);
+  if (!loaded) {
+    p.seed_desc = "seed " + seed;
+  } else if (p.fn != ExpertFn::kSwiglu) {
+    p.seed_desc = std::string("seed not used (x and routing come from the file; expert-fn ") +
+                  expert_fn_name(p.fn) + " has no weights)";
+  } else {
+    const std::string saved =
+        p.file.seed ? "saved with seed " + std::to_string(*p.file.seed) : "saved without a seed";
+    p.seed_desc = "seed " + seed + " (" +
+                  (o.seed_given  ? "--seed"
+                   : p.file.seed ? "the file's"
+                                 : "default") +
+                  "; expert weights only: x and routing come from the file, " + saved + ")";
+  }
+  return p;
+}
+
+}  // namespace
+
+int run_command(const RunOptions& o) {
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int64_t W = world;
+  // One BLAS thread per rank unless asked otherwise: ranks already fill the cores.
+  if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
+
+  const std::vector<int> node_ranks = ranks_on_this_machine(rank);
+  Plan plan;
+  std::exception_ptr setup_error;
+  try {
+    plan = plan_run(o, rank, W, node_ranks);
+  } catch (...) {
+    setup_error = std::current_exception();
+  }
+  agree_on_setup(setup_error, rank);
+
+  const bool loaded = !o.load_routing.empty();
+  const Preset& layer = plan.layer;
+  const DType dtype = plan.dtype;
+  const ExpertFn fn = plan.fn;
+  const uint64_t seed = plan.seed;
+  const std::vector<int64_t>& bs = plan.bs;
+  Batch& file = plan.file;
   const int64_t H = layer.hidden, E = layer.experts, K = layer.top_k, L = E / W;
   const int64_t N = std::accumulate(bs.begin(), bs.end(), int64_t{0});
   const int64_t BS = bs[rank];
@@ -204,29 +356,6 @@ int run_command(const RunOptions& o) {
   const bool uneven = std::any_of(bs.begin(), bs.end(), [&](int64_t n) { return n != bs[0]; });
   const size_t es = moe_ep::dtype_size(dtype);
   const size_t row_bytes = static_cast<size_t>(H) * es;
-  const ExpertFn fn = o.expert_fn == "scale"      ? ExpertFn::kScale
-                      : o.expert_fn == "identity" ? ExpertFn::kIdentity
-                                                  : ExpertFn::kSwiglu;
-
-  std::vector<double> real_p;
-  const RoutingKind kind = o.routing == "gate"      ? RoutingKind::kGate
-                           : o.routing == "uniform" ? RoutingKind::kUniform
-                                                    : RoutingKind::kReal;
-  const std::string routing_file = o.routing_file.empty() ? default_routing_file() : o.routing_file;
-  if (o.load_routing.empty()) {
-    if (kind == RoutingKind::kReal) {
-      RealRoutingSource src{routing_file,
-                            o.routing_model.empty() ? layer.routing_model : o.routing_model,
-                            o.domain, o.layer};
-      ExpertDistribution d = load_real_distribution(src, E, K);
-      real_p = std::move(d.p);
-      routing_desc = d.description + " from " + routing_file;
-    } else if (kind == RoutingKind::kGate) {
-      routing_desc = "gate (router matrix Wr [H, E] from the seed, logits = x @ Wr, top-k)";
-    } else {
-      routing_desc = "uniform (K distinct experts, each equally likely)";
-    }
-  }
 
   if (rank == 0) {
     std::printf(
@@ -241,11 +370,11 @@ int run_command(const RunOptions& o) {
     } else {
       std::printf("%lld", static_cast<long long>(bs[0]));
     }
-    std::printf(" (N %lld)  seed %llu\n", static_cast<long long>(N),
-                static_cast<unsigned long long>(seed));
-    std::printf("  router scores: %s\n", describe_scoring(layer).c_str());
+    std::printf(" (N %lld%s)  %s\n", static_cast<long long>(N), loaded ? ", from the file" : "",
+                plan.seed_desc.c_str());
+    if (!loaded) std::printf("  router scores: %s\n", describe_scoring(layer).c_str());
     if (!layer.note.empty()) std::printf("  note: %s\n", layer.note.c_str());
-    std::printf("  routing: %s\n", routing_desc.c_str());
+    std::printf("  routing: %s\n", plan.routing_desc.c_str());
     std::printf("  placement: %lld experts per rank (expert e on rank e / %lld)%s\n",
                 static_cast<long long>(L), static_cast<long long>(L),
                 uneven ? ", global_bs = W x max tokens per rank" : "");
@@ -258,7 +387,7 @@ int run_command(const RunOptions& o) {
   std::vector<int32_t> ids(static_cast<size_t>(BS * K));
   std::vector<float> scales(static_cast<size_t>(BS * K));
   double route_s = 0;
-  if (!o.load_routing.empty()) {
+  if (loaded) {
     x.assign(file.x.begin() + static_cast<std::ptrdiff_t>(first * row_bytes),
              file.x.begin() + static_cast<std::ptrdiff_t>((first + BS) * row_bytes));
     std::copy_n(file.expert_ids.begin() + first * K, BS * K, ids.begin());
@@ -266,11 +395,23 @@ int run_command(const RunOptions& o) {
     file = Batch{};
   } else {
     x = make_tokens(seed, first, BS, H, dtype);
-    const Router router(layer, kind, seed, real_p);
+    const Router router(layer, plan.kind, seed, std::move(plan.real_p));
     const double t0 = now_s();
     router.route(first, BS, x.data(), dtype, ids.data(), scales.data());
     route_s = now_s() - t0;
   }
+
+  // A dispatch/combine error on a loaded batch names this rank's token index: add the file's.
+  auto with_file_rows = [&](auto&& op) {
+    if (!loaded) return op();
+    try {
+      return op();
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::kRemote) throw;
+      throw Error(e.kind(), std::string(e.what()) + " " +
+                                file_rows_context(e.what(), rank, first, BS, o.load_routing));
+    }
+  };
 
   // ---- the global batch on rank 0 (for --save-routing and the reference) ------------------
   Batch global;
@@ -283,9 +424,9 @@ int run_command(const RunOptions& o) {
   global.expert_scales = gather_values(scales, rank, world);
   global.tokens_per_rank = bs;
   global.metadata = {{"moe_expert_num", std::to_string(E)},
-                     {"seed", std::to_string(seed)},
                      {"preset", layer.name},
-                     {"routing", routing_desc}};
+                     {"routing", plan.routing_desc}};
+  if (plan.batch_seed) global.metadata["seed"] = std::to_string(*plan.batch_seed);
   if (rank == 0 && !o.save_routing.empty()) {
     save_routing(o.save_routing, global);
     std::printf("  routing saved to %s\n", o.save_routing.c_str());
@@ -307,7 +448,7 @@ int run_command(const RunOptions& o) {
   barrier_idle();
   MPI_Barrier(MPI_COMM_WORLD);
   double t0 = now_s();
-  moe_ep::DispatchOutputs d = moe_ep::dispatch_v2(din, cfg);
+  moe_ep::DispatchOutputs d = with_file_rows([&] { return moe_ep::dispatch_v2(din, cfg); });
   const double dispatch_s = now_s() - t0;
 
   // ---- the local experts -------------------------------------------------------------------
@@ -335,7 +476,7 @@ int run_command(const RunOptions& o) {
   barrier_idle();
   MPI_Barrier(MPI_COMM_WORLD);
   t0 = now_s();
-  moe_ep::Tensor out = moe_ep::combine_v2(cin, cfg);
+  moe_ep::Tensor out = with_file_rows([&] { return moe_ep::combine_v2(cin, cfg); });
   const double combine_s = now_s() - t0;
 
   // ---- statistics --------------------------------------------------------------------------
@@ -401,18 +542,21 @@ int run_command(const RunOptions& o) {
     ExpertBank ref_bank(fn, seed, E, H, layer.ffn);
     const std::vector<std::byte> ref = dense_reference(global, E, ref_bank);
     const CheckResult c = compare_outputs(output, ref, dtype, fn);
+    const std::string nan_note =
+        c.nans > 0 ? " (" + std::to_string(c.nans) + " of them NaN)" : std::string();
     if (c.exact) {
       std::printf(
           "check vs dense single-process reference (SPEC §2.3): %s (%lld of %lld "
-          "elements differ; max abs err %.3g); rule: %s\n",
-          c.mismatches == 0 ? "exact" : "NOT exact", static_cast<long long>(c.mismatches),
-          static_cast<long long>(N * H), c.max_abs, c.rule.c_str());
+          "elements differ%s; max abs err %.3g); rule: %s\n",
+          c.mismatches == 0 && c.pass ? "exact" : "NOT exact", static_cast<long long>(c.mismatches),
+          static_cast<long long>(N * H), nan_note.c_str(), c.max_abs, c.rule.c_str());
     } else {
       std::printf(
           "check vs dense single-process reference (SPEC §2.3): max abs err %.3g, max rel "
-          "err %.3g (max|ref| %.3g), %lld of %lld elements not bitwise equal; rule: %s\n",
-          c.max_abs, c.max_rel, c.max_ref, static_cast<long long>(c.mismatches),
-          static_cast<long long>(N * H), c.rule.c_str());
+          "err %.3g (max|ref| %.3g)%s, %lld of %lld elements not bitwise equal%s; rule: %s\n",
+          c.max_abs, c.max_rel, c.max_ref, c.nans > 0 ? " over the non-NaN elements" : "",
+          static_cast<long long>(c.mismatches), static_cast<long long>(N * H), nan_note.c_str(),
+          c.rule.c_str());
     }
     std::printf("%s\n", c.pass ? "PASS" : "FAIL");
     std::fflush(stdout);

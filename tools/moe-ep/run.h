@@ -11,7 +11,8 @@ namespace moe_ep_tool {
 
 struct RunOptions {
   std::string preset = "olmoe";
-  int64_t tokens = 64;                                 // per rank
+  int64_t tokens = 64;  // per rank
+  bool tokens_given = false;
   std::optional<int64_t> hidden, experts, top_k, ffn;  // overrides of the preset
   std::string dtype = "bf16";
   bool dtype_given = false;

@@ -1,0 +1,104 @@
+// moe-ep tool: the checks `moe-ep run` makes before it allocates or communicates.
+//
+//   - flag text: integers in a range, the unsigned seed, a finite positive timeout (CLI11
+//     validators; each message names the bound and the value given);
+//   - sizes: every product of the layer's sizes (N = tokens x W, N x H x dtype bytes, A x H, the
+//     expert weights 3 x H x FFN x 4 B, ...) computed with overflow checks, and the MPI_Gatherv
+//     limit of 2^31 - 1 bytes on rank 0;
+//   - memory: an estimate of what each rank allocates, compared with the machine's physical
+//     memory before anything large is allocated;
+//   - files: output paths writable, distinct from each other and from the input.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "experts.h"
+#include "moe_ep/tensor.h"
+#include "routing.h"
+
+namespace moe_ep_tool {
+
+// The largest number of experts: expert ids are int32 and E itself must fit one.
+constexpr int64_t kMaxExperts = (int64_t{1} << 31) - 2;
+// The largest tokens per rank, H and FFN: token indices, row sizes and GEMM dimensions are int.
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
+
+// CLI11 validator bodies: "" when `text` is valid, else what is wrong with it (CLI11 prefixes the
+// flag name). check_integer: a decimal integer in [low, high], e.g.
+// "must be an integer in [0, 2147483647], got abc (not an integer)"; `note` follows the range.
+std::string check_integer(const std::string& text, int64_t low, int64_t high,
+                          const std::string& note = "");
+// An unsigned 64-bit integer (the seed).
+std::string check_unsigned(const std::string& text);
+// A finite number of seconds > 0.
+std::string check_timeout(const std::string& text);
+
+// What the run's sizes are and where they came from (for the messages).
+struct RunShape {
+  int64_t world = 1;                     // W
+  std::vector<int64_t> tokens_per_rank;  // BS of each rank (W entries)
+  int64_t hidden = 0, experts = 0, top_k = 0, ffn = 0;
+  moe_ep::DType dtype = moe_ep::DType::kBF16;
+  ExpertFn fn = ExpertFn::kSwiglu;
+  RoutingKind routing = RoutingKind::kReal;
+  bool loaded = false;      // the batch comes from --load-routing
+  uint64_t file_bytes = 0;  // its size when loaded
+  // "--tokens 64" / "--load-routing 'F' (128 tokens)", "H 2048" / "--hidden 2048", ...
+  std::string tokens_label, hidden_label, experts_label, top_k_label, ffn_label;
+};
+
+// Throws moe_ep::Error(kInvalidArgument) naming the flags, their values and the bound when a
+// product of the sizes overflows int64 or when one expert's swiglu weights exceed the int GEMM
+// sizes.
+void check_sizes(const RunShape& shape);
+// Throws moe_ep::Error(kInvalidArgument) when x or expert_ids gathered on rank 0 exceed 2^31 - 1
+// bytes (one MPI_Gatherv). Call after check_sizes.
+void check_gather_limits(const RunShape& shape);
+
+struct MemoryPart {
+  std::string name;
+  double bytes = 0;
+  std::string advice;  // "fewer --tokens", "a smaller --ffn", ...
+};
+struct MemoryEstimate {
+  double bytes = 0;
+  std::vector<MemoryPart> parts;
+};
+// What rank `rank` allocates, roughly (the largest buffers: tokens, routing tables, dispatch's
+// receive buffers, expert outputs, one expert's weights, combine, and on rank 0 the gathered
+// batch, the gathered output and the dense reference). Call after check_sizes.
+MemoryEstimate estimate_rank_memory(const RunShape& shape, int64_t rank);
+
+// sysconf(_SC_PHYS_PAGES) x page size (0 when unknown).
+uint64_t physical_memory_bytes();
+
+// Throws moe_ep::Error(kInvalidArgument) when one rank's estimate, or the sum over `node_ranks`
+// (the ranks sharing this machine), exceeds `physical` bytes: "moe-ep run: --tokens 1000000 with
+// H 2048 (...) needs about X GiB on rank 0 (more than this machine's Y GiB; mostly ...); use
+// fewer --tokens". No check when `physical` is 0.
+void check_memory(const RunShape& shape, const std::vector<int>& node_ranks, uint64_t physical);
+
+// Throws moe_ep::Error(kInvalidArgument) when reading a routing file of `file_bytes` (about three
+// copies of it on every rank) would exceed `physical` bytes. No check when `physical` is 0.
+void check_load_memory(const std::string& path, uint64_t file_bytes, uint64_t physical);
+
+// Throws moe_ep::Error(kInvalidArgument) unless `path` can be written: an existing writable file,
+// or a new name in an existing writable directory (the message gives strerror's text).
+void check_writable(const std::string& flag, const std::string& path);
+
+// Whether the two paths name the same file (std::filesystem::weakly_canonical: ./F and F are).
+bool same_path(const std::string& a, const std::string& b);
+
+// "nan", "inf", "-inf" or the value (%g).
+std::string format_value(double v);
+
+// The context added to a dispatch/combine error on a run that loaded its batch: "(rank 1 holds
+// rows [64, 128) of routing file 'F': expert_ids[6,*] is file row 70)"; the row part only when
+// the message names a token of expert_ids, expert_scales or x.
+std::string file_rows_context(const std::string& message, int rank, int64_t first, int64_t count,
+                              const std::string& file);
+
+}  // namespace moe_ep_tool
