@@ -34,17 +34,36 @@ using moe_ep::ErrorKind;
 
 namespace {
 
+std::string fmt(const char* format, double a) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, format, a);
+  return buf;
+}
+
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// The deadline of the tool's own waits: the library communicator's (--timeout, $MOE_EP_TIMEOUT_S,
+// else 300 s), set once the communicator exists.
+double g_wait_timeout_s = 300;
+
 // Waits for a non-blocking collective without spinning: with more ranks than cores (CI runs
-// oversubscribed) a spinning rank would steal the CPU from the one doing the work.
+// oversubscribed) a spinning rank would steal the CPU from the one doing the work. Throws
+// Error(kTimeout) past the deadline.
 void wait_idle(MPI_Request* request) {
+  const double deadline = now_s() + g_wait_timeout_s;
   int done = 0;
   for (int polls = 0;; ++polls) {
     MPI_Test(request, &done, MPI_STATUS_IGNORE);
     if (done) return;
+    if (now_s() > deadline) {
+      int rank = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      throw Error(ErrorKind::kTimeout, "moe-ep run: rank " + std::to_string(rank) +
+                                           " timed out after " + fmt("%g", g_wait_timeout_s) +
+                                           " s waiting for the other ranks (gather or barrier)");
+    }
     if (polls > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
 }
@@ -115,12 +134,6 @@ struct RankStats {
   double sent_other_rows;      // entries this rank dispatched to another rank
   double received_other_rows;  // rows it received from another rank (and sends back in combine)
 };
-
-std::string fmt(const char* format, double a) {
-  char buf[64];
-  std::snprintf(buf, sizeof buf, format, a);
-  return buf;
-}
 
 }  // namespace
 
@@ -331,6 +344,10 @@ int run_command(const RunOptions& o) {
   // One BLAS thread per rank unless asked otherwise: ranks already fill the cores.
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
 
+  // Created first (collective), so that its deadline also bounds the tool's own waits.
+  auto comm = moe_ep::Communicator::from_mpi(MPI_COMM_WORLD, {o.timeout_s});
+  g_wait_timeout_s = comm->timeout_s();
+
   const std::vector<int> node_ranks = ranks_on_this_machine(rank);
   Plan plan;
   std::exception_ptr setup_error;
@@ -380,8 +397,6 @@ int run_command(const RunOptions& o) {
                 uneven ? ", global_bs = W x max tokens per rank" : "");
     std::fflush(stdout);
   }
-
-  auto comm = moe_ep::Communicator::from_mpi(MPI_COMM_WORLD, {o.timeout_s});
 
   std::vector<std::byte> x;
   std::vector<int32_t> ids(static_cast<size_t>(BS * K));
