@@ -233,6 +233,138 @@ cli_expect_error_once(save_routing_is_directory
                       "InvalidArgument: moe-ep run: --save-routing '[^']*': is a directory, not a file name"
                       "${_run2} --tokens 2 --save-routing ${_cli}")
 
+# ---- Shared experts, special experts, x_active_mask, global_bs (issue 3) ----------------------
+# Each run checks itself against the dense reference: bitwise for scale/identity (SPEC §2.2, §2.3:
+# shared outputs added without weight after the K terms; inactive tokens 0), a tolerance for swiglu.
+# deepseek-v3's shared expert on every rank, entering combine_v2 as shared_expert_x (S = 0).
+moe_ep_add_mpi_test(NAME cli.run.deepseek_shared_local_scale
+                    COMMAND ${_exe} run --preset deepseek-v3 --hidden 256 --tokens 8
+                            --expert-fn scale
+                    NPROCS 1 2 4 TIMEOUT 120)
+# The issue's run with one shared-expert rank: 256 experts cannot be split over the 3 MoE ranks
+# (SPEC §1.3), so the tool asks for --experts 192 (a multiple of 3 the real data's 64 experts map
+# onto); with it the run passes.
+moe_ep_add_mpi_test(NAME cli.run.deepseek_shared_rank_real
+                    COMMAND ${_exe} run --preset deepseek-v3 --ffn 128 --tokens 16
+                            --shared-experts 1 --shared-expert-ranks 1 --routing real
+                            --experts 192
+                    NPROCS 4 TIMEOUT 180)
+moe_ep_add_mpi_test(NAME cli.run.shared_ranks_scale
+                    COMMAND ${_exe} run --preset deepseek-v3 --hidden 256 --tokens 8
+                            --shared-expert-ranks 2 --expert-fn scale
+                    NPROCS 3 4 TIMEOUT 120)
+# Two shared experts, each replicated on S/Ns ranks; uneven traffic to them (odd tokens).
+moe_ep_add_mpi_test(NAME cli.run.two_shared_experts_identity
+                    COMMAND ${_exe} run --shared-experts 2 --shared-expert-ranks 2 --experts 2
+                            --top-k 2 --hidden 128 --tokens 5 --expert-fn identity
+                    NPROCS 3 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.shared_rank_swiglu_fp32
+                    COMMAND ${_exe} run --preset mixtral-8x7b --shared-experts 1
+                            --shared-expert-ranks 1 --hidden 128 --ffn 32 --tokens 6
+                            --routing gate --dtype fp32
+                    NPROCS 2 3 TIMEOUT 120)
+# Zero, copy and const experts (ori_x = x; alpha_1, alpha_2, v from the seed).
+moe_ep_add_mpi_test(NAME cli.run.special_experts_scale
+                    COMMAND ${_exe} run --zero-experts 1 --copy-experts 1 --const-experts 1
+                            --hidden 256 --tokens 8 --expert-fn scale
+                    NPROCS 1 2 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.special_experts_swiglu_fp16
+                    COMMAND ${_exe} run --preset mixtral-8x7b --zero-experts 2 --copy-experts 1
+                            --const-experts 2 --hidden 128 --ffn 16 --tokens 8 --dtype fp16
+                            --routing uniform
+                    NPROCS 2 TIMEOUT 120)
+# Only special experts for some tokens: K = 3 over E 2 + Z 1 + C 1 + Q 1.
+moe_ep_add_mpi_test(NAME cli.run.special_experts_many_identity
+                    COMMAND ${_exe} run --experts 2 --top-k 3 --zero-experts 1 --copy-experts 1
+                            --const-experts 1 --hidden 64 --tokens 9 --routing uniform
+                            --expert-fn identity
+                    NPROCS 1 2 TIMEOUT 120)
+# x_active_mask: 1-D prefix and 2-D entries; inactive tokens give 0.
+moe_ep_add_mpi_test(NAME cli.run.mask_prefix_identity
+                    COMMAND ${_exe} run --mask prefix --hidden 128 --tokens 7 --expert-fn identity
+                    NPROCS 1 2 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.mask_entries_scale
+                    COMMAND ${_exe} run --mask entries --hidden 128 --tokens 9 --expert-fn scale
+                    NPROCS 1 2 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.mask_entries_swiglu
+                    COMMAND ${_exe} run --preset mixtral-8x7b --mask entries --hidden 128
+                            --ffn 16 --tokens 8
+                    NPROCS 2 TIMEOUT 120)
+# Everything at once: shared-expert rank, special experts and a 2-D mask.
+moe_ep_add_mpi_test(NAME cli.run.shared_special_mask_scale
+                    COMMAND ${_exe} run --preset deepseek-v3 --experts 192 --hidden 128
+                            --shared-expert-ranks 1 --zero-experts 1 --copy-experts 1
+                            --const-experts 2 --mask entries --tokens 6 --expert-fn scale
+                    NPROCS 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.global_bs_scale
+                    COMMAND ${_exe} run --global-bs 64 --hidden 128 --tokens 8 --expert-fn scale
+                    NPROCS 4 TIMEOUT 120)
+# The mask and the special-expert counts travel with a saved batch; reloaded at other W the
+# output is byte-for-byte the same (a 2-D mask needs BS equal on all ranks: SPEC §1.3). A 1-D
+# prefix mask is a prefix only for the W it was made at: replayed at the same W, the inactive
+# tokens stay 0.
+cli_roundtrip(mask_special_scale 2 "1 4" ""
+              "--expert-fn scale --hidden 64 --tokens 4 --mask entries --zero-experts 1 --copy-experts 1 --const-experts 2")
+cli_roundtrip(mask_prefix_shared 2 "2" ""
+              "--preset deepseek-v3 --hidden 64 --ffn 16 --tokens 4 --mask prefix")
+
+# Errors of the new flags: non-zero exit, a message naming the parameter.
+cli_expect_error(mask_not_prefix
+                 "dispatch_v2: x_active_mask\\[2\\] = true follows x_active_mask\\[1\\] = false"
+                 "${_mpi} -n 2 --oversubscribe ${_exe} run --mask bad-prefix --tokens 4 --hidden 64 --expert-fn scale")
+# A 1-D prefix mask saved at 2 ranks is no prefix for 1 rank.
+add_test(NAME cli.mask_file.setup
+         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} run --mask prefix --tokens 4 --hidden 64
+                 --expert-fn scale --save-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_prefix.safetensors)
+set_tests_properties(cli.mask_file.setup PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120
+                                                    FIXTURES_SETUP cli_mask_file)
+cli_expect_error(mask_file_not_prefix
+                 "dispatch_v2: x_active_mask\\[4\\] = true follows x_active_mask\\[3\\] = false[^\n]*routing file"
+                 "${_mpi} -n 1 ${_exe} run --expert-fn scale --hidden 64 --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_prefix.safetensors"
+                 FIXTURES_REQUIRED cli_mask_file)
+cli_expect_error(load_with_mask
+                 "--mask cannot be combined with --load-routing: the file fixes x_active_mask"
+                 "${_mpi} -n 1 ${_exe} run --expert-fn scale --hidden 64 --mask entries --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_prefix.safetensors"
+                 FIXTURES_REQUIRED cli_mask_file)
+cli_expect_error_once(load_other_special_counts
+                      "InvalidArgument: --load-routing '[^']*': saved with zero_expert_num = 0, this run has --zero-experts 1"
+                      "${_run2} --load-routing ${_bad}/good.safetensors --zero-experts 1"
+                      FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error(copy_without_ori_x "combine_v2: ori_x is required when copy_expert_num = 1"
+                 "${_mpi} -n 2 --oversubscribe ${_exe} run --copy-experts 1 --debug-omit-ori-x --tokens 4 --hidden 64 --expert-fn scale")
+cli_expect_error(const_without_ori_x "combine_v2: ori_x is required when const_expert_num = 2"
+                 "${_mpi} -n 1 ${_exe} run --const-experts 2 --debug-omit-ori-x --tokens 4 --hidden 64 --expert-fn scale")
+cli_expect_error(shared_ranks_not_multiple
+                 "--shared-expert-ranks 3 \\(shared_expert_rank_num\\) is not a multiple of --shared-experts 2 \\(shared_expert_num\\)"
+                 "${_mpi} -n 1 ${_exe} run --shared-experts 2 --shared-expert-ranks 3")
+cli_expect_error(shared_ranks_without_shared
+                 "--shared-expert-ranks 1 \\(shared_expert_rank_num\\) needs shared experts, but --shared-experts 0 \\(shared_expert_num, the preset's\\) is 0"
+                 "${_mpi} -n 2 ${_exe} run --shared-expert-ranks 1")
+cli_expect_error(two_shared_without_ranks
+                 "--shared-experts 2 \\(shared_expert_num\\) needs --shared-expert-ranks > 0"
+                 "${_mpi} -n 1 ${_exe} run --shared-experts 2")
+cli_expect_error_once(shared_ranks_all
+                      "--shared-expert-ranks 2 \\(shared_expert_rank_num\\) must be below the 2 EP ranks"
+                      "${_mpi} -n 2 --oversubscribe ${_exe} run --preset deepseek-v3 --shared-expert-ranks 2")
+# The issue's command as given: 256 experts over W - S = 3 MoE ranks is impossible (SPEC §1.3).
+cli_expect_error_once(deepseek_shared_rank_w4
+                      "InvalidArgument: moe-ep run: E = 256 experts cannot be split evenly over the W_ep - S = 4 - 1 = 3 MoE ranks \\(SPEC §1.3: moe_expert_num % \\(ep_world_size - shared_expert_rank_num\\) == 0[^\n]*; use --experts 192, --shared-expert-ranks 2 or 5 ranks \\(with --routing real, E must also map onto the data's 64 experts\\)"
+                      "${_mpi} -n 4 --oversubscribe ${_exe} run --preset deepseek-v3 --ffn 128 --tokens 16 --shared-experts 1 --shared-expert-ranks 1 --routing real")
+cli_expect_error(top_k_above_all_experts "K = 5 exceeds the number of experts E = 2 \\+ Z \\+ C \\+ Q = 4"
+                 "${_mpi} -n 1 ${_exe} run --experts 2 --top-k 5 --zero-experts 1 --copy-experts 1")
+cli_expect_error(bad_mask "--mask" "${_mpi} -n 1 ${_exe} run --mask half")
+cli_expect_error(bad_quant "--quant" "${_mpi} -n 1 ${_exe} run --quant int4")
+cli_expect_error(global_bs_too_small "dispatch_v2: global_bs = 16 is less than"
+                 "${_mpi} -n 4 --oversubscribe ${_exe} run --global-bs 16 --tokens 8 --hidden 64 --expert-fn scale")
+# TP: an even world, one expert per MoE rank, no combine quantisation.
+cli_expect_error_once(tp_odd_world "--tp 2 needs a multiple of 2 ranks \\(W_ep x T\\), got 3"
+                      "${_mpi} -n 3 --oversubscribe ${_exe} run --tp 2")
+cli_expect_error_once(tp_many_experts_per_rank
+                      "--tp 2 needs one expert per MoE rank \\(SPEC §1.3: with tp_world_size 2, local_expert_num must be 1\\), but E = 64 over W_ep = 2 ranks gives 32 per rank; use --experts 2 --top-k 2"
+                      "${_mpi} -n 4 --oversubscribe ${_exe} run --tp 2")
+cli_expect_error(tp_comm_quant "--comm-quant int8 cannot be combined with --tp 2"
+                 "${_mpi} -n 1 ${_exe} run --tp 2 --comm-quant int8")
+
 # Installed, the tool finds its data relative to itself.
 add_test(NAME cli.installed
          COMMAND ${CMAKE_COMMAND} -DBUILD_DIR=${PROJECT_BINARY_DIR} -DPREFIX=${_work}/prefix

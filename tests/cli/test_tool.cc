@@ -35,6 +35,13 @@ std::string temp_path(const std::string& name) {
 
 std::string routing_csv() { return MOE_EP_TEST_ROUTING_CSV; }
 
+// v rounded to the dtype and back to fp32.
+float round_to(DType dtype, float v) {
+  float buf = 0;  // room for any dtype
+  store(dtype, &buf, 0, v);
+  return load(dtype, &buf, 0);
+}
+
 TEST(Numeric, Bf16RoundsToNearestEven) {
   EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
   // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
@@ -499,6 +506,163 @@ TEST(Batch, LoadRejectsNonFiniteValuesAndABadSeed) {
   std::filesystem::remove(path);
 }
 
+TEST(Batch, MaskRoundTripsAndIsChecked) {
+  Batch b;
+  b.tokens = 3;
+  b.hidden = 2;
+  b.top_k = 2;
+  b.dtype = DType::kF32;
+  b.x = make_tokens(1, 0, 3, 2, DType::kF32);
+  b.expert_ids = {0, 1, 2, 3, 4, 5};
+  b.expert_scales = {1, 1, 1, 1, 1, 1};
+  b.mask_dims = 2;
+  b.x_active_mask = {1, 0, 0, 0, 1, 1};
+  const std::string path = temp_path("mask.safetensors");
+  save_routing(path, b);
+  Batch c = load_routing(path);
+  EXPECT_EQ(c.mask_dims, 2);
+  EXPECT_EQ(c.x_active_mask, b.x_active_mask);
+  b.mask_dims = 1;
+  b.x_active_mask = {1, 1, 0};
+  save_routing(path, b);
+  c = load_routing(path);
+  EXPECT_EQ(c.mask_dims, 1);
+  EXPECT_EQ(c.x_active_mask, b.x_active_mask);
+  b.x_active_mask = {1, 2, 0};
+  save_routing(path, b);
+  EXPECT_EQ(error_of([&] { load_routing(path); }),
+            "routing file '" + path + "': x_active_mask element 1 = 2 is not a bool (0 or 1)");
+  b.x_active_mask = {1, 1, 0};
+  save_routing(path, b);
+  StFile f = read_safetensors(path);
+  f.tensors["x_active_mask"] = StTensor{DType::kBool, {2}, std::vector<std::byte>(2)};
+  write_safetensors(path, f);
+  EXPECT_EQ(error_of([&] { load_routing(path); }),
+            "routing file '" + path +
+                "': tensor 'x_active_mask' is BOOL [2], expected BOOL [3] or [3, 2]");
+  std::filesystem::remove(path);
+}
+
+TEST(Experts, TensorParallelPartsSumToTheFullExpert) {
+  const int64_t H = 16, F = 7, rows = 3;  // odd FFN: parts of 4 and 3 columns
+  std::vector<float> x(rows * H), full(rows * H), p0(rows * H), p1(rows * H);
+  for (int64_t i = 0; i < rows * H; ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
+  ExpertBank whole(ExpertFn::kSwiglu, 5, 4, H, F), a(ExpertFn::kSwiglu, 5, 4, H, F, 0, 2),
+      b(ExpertFn::kSwiglu, 5, 4, H, F, 1, 2);
+  whole.forward(3, x.data(), DType::kF32, full.data(), DType::kF32, rows);
+  a.forward(3, x.data(), DType::kF32, p0.data(), DType::kF32, rows);
+  b.forward(3, x.data(), DType::kF32, p1.data(), DType::kF32, rows);
+  double max_full = 0, max_err = 0, max_part = 0;
+  for (int64_t i = 0; i < rows * H; ++i) {
+    max_full = std::max(max_full, std::fabs(double(full[i])));
+    max_part = std::max(max_part, std::fabs(double(p1[i])));
+    max_err = std::max(max_err, std::fabs(double(p0[i]) + double(p1[i]) - double(full[i])));
+  }
+  EXPECT_GT(max_full, 0.01);
+  EXPECT_GT(max_part, 0.001);  // both parts do work
+  EXPECT_LT(max_err, 1e-5 * max_full);
+  // scale/identity: part 0 the value, part 1 zeros.
+  for (ExpertFn fn : {ExpertFn::kScale, ExpertFn::kIdentity}) {
+    ExpertBank w(fn, 0, 4, H, F), q0(fn, 0, 4, H, F, 0, 2), q1(fn, 0, 4, H, F, 1, 2);
+    std::fill(p1.begin(), p1.end(), 1.0f);
+    w.forward(3, x.data(), DType::kF32, full.data(), DType::kF32, rows);
+    q0.forward(3, x.data(), DType::kF32, p0.data(), DType::kF32, rows);
+    q1.forward(3, x.data(), DType::kF32, p1.data(), DType::kF32, rows);
+    EXPECT_EQ(p0, full);
+    EXPECT_EQ(p1, std::vector<float>(rows * H, 0.0f));
+  }
+}
+
+TEST(Reference, QuantiseDequantiseFollowsSpec15) {
+  std::vector<float> x = {0.5f, -1.0f, 0.25f, 0.0f, 1.0f / 3}, deq(x.size());
+  const float inv = quantize_dequantize_row(x.data(), 5, deq.data());
+  EXPECT_EQ(inv, 1.0f / (127.0f / 1.0f));
+  EXPECT_EQ(deq[1], -127 * inv);
+  EXPECT_EQ(deq[0], 64 * inv);  // 63.5 rounds to even
+  EXPECT_EQ(deq[3], 0.0f);
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_LE(std::fabs(deq[i] - x[i]), 1.0 / 254 * (1 + 1e-4));
+  std::vector<float> zero(4, 0.0f), dz(4, 1.0f);
+  EXPECT_EQ(quantize_dequantize_row(zero.data(), 4, dz.data()), 0.0f);
+  EXPECT_EQ(dz, zero);
+}
+
+// A quantised run emulated on the CPU (int8 each expert input and each returned row, as
+// dispatch_v2 quant_mode 2 and combine_v2 comm_quant_mode 2 do) stays within the derived bound
+// of the unquantised reference; an error of twice the bound in one element fails.
+TEST(Reference, QuantisedRunWithinTheDerivedInt8Bound) {
+  for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (int modes = 1; modes <= 3; ++modes) {
+      const bool quant = modes & 1, comm_quant = modes & 2;
+      const int64_t N = 12, H = 40, K = 3, E = 6, Ns = 1;
+      Batch b;
+      b.tokens = N;
+      b.hidden = H;
+      b.top_k = K;
+      b.dtype = dt;
+      b.x = make_tokens(11, 0, N, H, dt);
+      for (int64_t i = 0; i < N; ++i) {
+        for (int64_t k = 0; k < K; ++k) {
+          b.expert_ids.push_back(static_cast<int32_t>((i + 2 * k) % (E + 1)));  // E: a zero expert
+          b.expert_scales.push_back(0.2f + 0.1f * static_cast<float>(k));
+        }
+      }
+      b.expert_ids[0] = -1;  // an inactive entry
+      LayerSpec spec;
+      spec.experts = E;
+      spec.zero = 1;
+      spec.shared = Ns;
+      spec.quant = quant;
+      spec.comm_quant = comm_quant;
+      ExpertBank bank(ExpertFn::kScale, 0, E, H, 8);
+      const Reference ref = dense_reference(b, spec, ExpertFn::kScale, bank);
+      ASSERT_EQ(ref.bound.size(), static_cast<size_t>(N * H));
+      // The emulated run.
+      std::vector<std::byte> out(ref.out.size());
+      std::vector<float> xf(H), d(H), y(H), acc(H), yq(H);
+      auto term = [&](int64_t e, float w, bool weighted) {
+        const float* in = xf.data();
+        if (quant) {
+          quantize_dequantize_row(xf.data(), H, d.data());
+          in = d.data();
+        }
+        for (int64_t h = 0; h < H; ++h) y[h] = round_to(dt, in[h] * bank.factor(e));
+        const float* v = y.data();
+        if (comm_quant) {
+          quantize_dequantize_row(y.data(), H, yq.data());
+          v = yq.data();
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const float p = weighted ? w * v[h] : v[h];
+          acc[h] = acc[h] + p;
+        }
+      };
+      for (int64_t i = 0; i < N; ++i) {
+        for (int64_t h = 0; h < H; ++h) xf[h] = load(dt, b.x.data(), i * H + h);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t k = 0; k < K; ++k) {
+          const int32_t e = b.expert_ids[i * K + k];
+          if (e >= 0 && e < E) term(e, b.expert_scales[i * K + k], true);
+        }
+        for (int64_t s = 0; s < Ns; ++s) term(E + s, 1.0f, false);
+        for (int64_t h = 0; h < H; ++h) store(dt, out.data(), i * H + h, acc[h]);
+      }
+      CheckResult c = compare_outputs(out, ref, dt, ExpertFn::kScale);
+      EXPECT_TRUE(c.bounded);
+      EXPECT_TRUE(c.pass) << moe_ep::dtype_name(dt) << " modes " << modes << " max ratio "
+                          << c.max_ratio;
+      EXPECT_GT(c.max_ratio, 0.02) << "the bound is not absurdly loose";
+      EXPECT_GT(c.mismatches, 0);  // quantisation did change the output
+      EXPECT_NE(c.rule.find("/ 254"), std::string::npos) << c.rule;
+      // One element off by twice its bound.
+      const float r = load(dt, ref.out.data(), 5 * H + 7);
+      store(dt, out.data(), 5 * H + 7, static_cast<float>(r + 2.5 * ref.bound[5 * H + 7] + 0.01));
+      c = compare_outputs(out, ref, dt, ExpertFn::kScale);
+      EXPECT_FALSE(c.pass);
+      EXPECT_EQ(c.over_bound, 1);
+    }
+  }
+}
+
 TEST(Reference, NaNCountsAsAMismatchEvenWithEqualBits) {
   std::vector<std::byte> out(4 * 4), ref(4 * 4);
   for (int i = 0; i < 4; ++i) {
@@ -509,15 +673,19 @@ TEST(Reference, NaNCountsAsAMismatchEvenWithEqualBits) {
   store(DType::kF32, ref.data(), 1, NAN);  // the same bits
   store(DType::kF32, out.data(), 3, NAN);
   for (ExpertFn fn : {ExpertFn::kScale, ExpertFn::kSwiglu}) {
-    const CheckResult c = compare_outputs(out, ref, DType::kF32, fn);
+    Reference r;
+    r.out = ref;
+    const CheckResult c = compare_outputs(out, r, DType::kF32, fn);
     EXPECT_FALSE(c.pass);
     EXPECT_EQ(c.nans, 2);
     EXPECT_EQ(c.mismatches, 2);  // the printed count agrees with the verdict
     EXPECT_EQ(c.max_abs, 0.0);   // over the elements without a NaN
     EXPECT_NE(c.rule.find("2 element(s) NaN"), std::string::npos) << c.rule;
   }
+  Reference r;
+  r.out = ref;
   const CheckResult c =
-      compare_outputs(std::vector<std::byte>(8), ref, DType::kF32, ExpertFn::kScale);
+      compare_outputs(std::vector<std::byte>(8), r, DType::kF32, ExpertFn::kScale);
   EXPECT_FALSE(c.pass);
   EXPECT_EQ(c.mismatches, 4);
   EXPECT_TRUE(c.size_mismatch);

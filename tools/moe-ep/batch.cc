@@ -84,6 +84,11 @@ void save_routing(const std::string& path, const Batch& b) {
     f.tensors["tokens_per_rank"] = make_tensor(
         DType::kI64, {static_cast<int64_t>(b.tokens_per_rank.size())}, b.tokens_per_rank);
   }
+  if (b.mask_dims > 0) {
+    std::vector<int64_t> shape{b.tokens};
+    if (b.mask_dims == 2) shape.push_back(b.top_k);
+    f.tensors["x_active_mask"] = make_tensor(DType::kBool, std::move(shape), b.x_active_mask);
+  }
   f.metadata = b.metadata;
   write_safetensors(path, f);
 }
@@ -125,6 +130,27 @@ Batch load_routing(const std::string& path) {
       throw Error(ErrorKind::kInvalidArgument,
                   "routing file '" + path + "': tokens_per_rank sums to " + std::to_string(sum) +
                       ", x has " + std::to_string(b.tokens) + " tokens");
+    }
+  }
+  if (auto it = f.tensors.find("x_active_mask"); it != f.tensors.end()) {
+    const StTensor& m = it->second;
+    const bool shape_ok = (m.shape.size() == 1 && m.shape[0] == b.tokens) ||
+                          (m.shape.size() == 2 && m.shape[0] == b.tokens && m.shape[1] == b.top_k);
+    if (m.dtype != DType::kBool || !shape_ok) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "routing file '" + path + "': tensor 'x_active_mask' is " +
+                      safetensors_dtype_name(m.dtype) + " " + shape_str(m.shape) +
+                      ", expected BOOL [" + std::to_string(b.tokens) + "] or [" +
+                      std::to_string(b.tokens) + ", " + std::to_string(b.top_k) + "]");
+    }
+    b.mask_dims = static_cast<int>(m.shape.size());
+    b.x_active_mask = values<uint8_t>(m);
+    for (size_t i = 0; i < b.x_active_mask.size(); ++i) {
+      if (b.x_active_mask[i] > 1) {
+        throw Error(ErrorKind::kInvalidArgument,
+                    "routing file '" + path + "': x_active_mask element " + std::to_string(i) +
+                        " = " + std::to_string(b.x_active_mask[i]) + " is not a bool (0 or 1)");
+      }
     }
   }
   b.metadata = f.metadata;

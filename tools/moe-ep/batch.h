@@ -8,9 +8,13 @@
 //   tokens_per_rank I64 (W), optional: rank r's consecutive slice; without it (or when its
 //                   length is not the loading run's W) the N tokens are split evenly, the first
 //                   N % W ranks getting one more.
-//   __metadata__    moe_expert_num, seed, preset, routing (strings; informative except
-//                   moe_expert_num, which must match, and seed, the default --seed on loading:
-//                   with a loaded batch the seed only generates the swiglu expert weights).
+//   x_active_mask   BOOL (N) or (N, K), optional (--mask): SPEC §1.3's x_active_mask of all
+//                   tokens; each rank takes the rows of its slice.
+//   __metadata__    moe_expert_num, zero_expert_num, copy_expert_num, const_expert_num, seed,
+//                   preset, routing, mask (strings; informative except the expert counts, which
+//                   must match the loading run's, and seed, the default --seed on loading: with a
+//                   loaded batch the seed only generates the expert weights and the const
+//                   experts' alpha_1, alpha_2, v).
 // Loading rejects non-finite values in x and expert_scales and a seed that is not an unsigned
 // integer.
 // Output file (--save-output): `output` (N, H) in x's dtype.
@@ -36,6 +40,8 @@ struct Batch {
   std::vector<int32_t> expert_ids;       // (N, K)
   std::vector<float> expert_scales;      // (N, K)
   std::vector<int64_t> tokens_per_rank;  // (W) or empty
+  int mask_dims = 0;                     // 0: no x_active_mask; 1: (N); 2: (N, K)
+  std::vector<uint8_t> x_active_mask;    // 0 or 1
   std::map<std::string, std::string> metadata;
   std::optional<uint64_t> seed;  // metadata "seed", parsed by load_routing
 };
@@ -43,7 +49,8 @@ struct Batch {
 void save_routing(const std::string& path, const Batch& batch);
 // Throws moe_ep::Error(kInvalidArgument) naming the file when a tensor is missing or its shape
 // or dtype is wrong, when x or expert_scales holds a NaN or an infinity ("routing file 'F':
-// expert_scales[3,0] = nan is not finite") or when metadata seed is not an unsigned integer.
+// expert_scales[3,0] = nan is not finite"), when x_active_mask is not (N) or (N, K) bool of 0/1
+// values or when metadata seed is not an unsigned integer.
 Batch load_routing(const std::string& path);
 void save_output(const std::string& path, const std::vector<std::byte>& output, int64_t tokens,
                  int64_t hidden, moe_ep::DType dtype);

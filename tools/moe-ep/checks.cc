@@ -168,18 +168,30 @@ void check_sizes(const RunShape& s) {
                      (s.loaded ? "" : " (" + s.tokens_label + " x W " + std::to_string(W) + ")"),
                  N};
   const Factor bs{"max tokens per rank " + std::to_string(max_bs), max_bs};
-  const int64_t m = std::min(E / W, K);
-  const Factor mk{"min(E / W, K) " + std::to_string(m), m};
+  const int64_t Wep = W / s.tp;
+  const int64_t m = std::min(E / std::max<int64_t>(1, Wep - s.shared_ranks), K);
+  const Factor mk{
+      (s.tp > 1 || s.shared_ranks > 0 ? "min(L, K) " : "min(E / W, K) ") + std::to_string(m), m};
+  const Factor t{"T " + std::to_string(s.tp), s.tp};
 
   product("the global batch x in bytes", {n, h, b}, tokens_advice);
   product("the global expert_ids in bytes", {n, k, {"4 B", 4}}, tokens_advice);
   const int64_t A =
-      product("dispatch_v2's capacity A (rows of expand_x)", {w, bs, mk}, tokens_advice);
+      s.global_bs > 0
+          ? product("dispatch_v2's capacity A (rows of expand_x)",
+                    {t, {"--global-bs " + std::to_string(s.global_bs), s.global_bs}, mk},
+                    tokens_advice)
+      : s.tp > 1
+          ? product("dispatch_v2's capacity A (rows of expand_x)",
+                    {t, {"W_ep " + std::to_string(Wep), Wep}, bs, mk}, tokens_advice)
+          : product("dispatch_v2's capacity A (rows of expand_x)", {w, bs, mk}, tokens_advice);
   const Factor a{"A " + std::to_string(A), A};
   product("dispatch_v2's expand_x in bytes", {a, h, b}, tokens_advice);
   product("dispatch_v2's assist_info_for_combine in bytes", {a, {"128 x 4 B", 512}}, tokens_advice);
   product("combine_v2's expert outputs on one rank in bytes", {bs, k, h, b}, tokens_advice);
-  product("the dense reference's expert outputs on rank 0 in bytes", {n, k, h, b}, tokens_advice);
+  product("the dense reference's expert outputs on rank 0 in bytes",
+          {n, {"K + Ns " + std::to_string(K + s.shared_experts), K + s.shared_experts}, h, b},
+          tokens_advice);
   if (s.fn == ExpertFn::kSwiglu) {
     product("one expert's swiglu weights in bytes", {{"3", 3}, h, f, {"4 B", 4}},
             "a smaller --ffn");
@@ -195,7 +207,8 @@ void check_sizes(const RunShape& s) {
             {n, {"(2 H + 3 FFN) x 4 B", (2 * H + 3 * F) * 4}}, tokens_advice);
   }
   if (!s.loaded && s.routing == RoutingKind::kGate) {
-    product("the gate router matrix in bytes", {h, e, {"4 B", 4}},
+    product("the gate router matrix in bytes",
+            {h, {"E + Z + C + Q " + std::to_string(E + s.special), E + s.special}, {"4 B", 4}},
             "fewer --experts or a smaller --hidden");
   }
 }
@@ -226,8 +239,16 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
     max_bs = std::max(max_bs, static_cast<double>(n));
   }
   const double BS = static_cast<double>(s.tokens_per_rank[rank]);
-  const double G = W * max_bs;
-  const double A = G * std::min(std::floor(E / W), K);
+  const double T = static_cast<double>(s.tp), Wep = W / T, S = static_cast<double>(s.shared_ranks);
+  const double Ns = static_cast<double>(s.shared_experts);
+  const double G = s.global_bs > 0 ? static_cast<double>(s.global_bs) : Wep * max_bs;
+  const bool shared_rank = static_cast<double>(rank / s.tp) < S;
+  // SPEC §1.4, with the TP peer's rows: T x A rows.
+  const double A =
+      T * (shared_rank ? std::floor(G / Wep) * std::ceil(Wep / std::max(1.0, std::floor(S / Ns)))
+                       : G * std::min(std::floor(E / std::max(1.0, Wep - S)), K));
+  const double Etot = E + static_cast<double>(s.special);
+  const double Kslots = K + Ns;
   const std::string tokens = s.loaded ? "a routing file of fewer tokens" : "fewer --tokens";
   const bool swiglu = s.fn == ExpertFn::kSwiglu;
 
@@ -236,7 +257,12 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
     m.parts.push_back({std::move(name), bytes, std::move(advice)});
     m.bytes += bytes;
   };
-  add("this rank's x, expert_ids and expert_scales", BS * (row + 8 * K), tokens);
+  add("this rank's x, expert_ids, expert_scales and x_active_mask",
+      BS * (row + 8 * K +
+            (s.mask_dims == 2   ? K
+             : s.mask_dims == 1 ? 1
+                                : 0)),
+      tokens);
   if (s.loaded) {
     // The file's bytes, the parsed tensors and the Batch's copies, on every rank.
     add("the routing file read whole", 3 * static_cast<double>(s.file_bytes),
@@ -246,14 +272,16 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
     const bool gate = s.routing == RoutingKind::kGate;
     add(gate ? "the gate router (H x E matrix and per-expert tables)"
              : "the router's per-expert tables",
-        41 * E + (gate ? 4 * H * E : 0),
+        41 * Etot + (gate ? 4 * H * Etot : 0),
         gate ? "fewer --experts or a smaller --hidden" : "fewer --experts");
   }
   // expand_x and the expert outputs (A rows each), expand_scales, assist_info_for_combine and
   // per-row metadata of dispatch_v2; its per-expert counts and offsets.
+  // With --quant: int8 rows, their fp32 scales and the dequantised fp32 rows the experts read.
+  const double expand_row = s.quant ? H + 4 + 4 * H : row;
   add("dispatch_v2's receive buffers and the expert outputs (A = " +
           std::to_string(static_cast<int64_t>(A)) + " rows)",
-      2 * A * row + 4 * A + 4 * std::max(BS * K, 128 * A) + 32 * (A + BS * K), tokens);
+      A * (expand_row + row) + 4 * A + 4 * std::max(BS * K, 128 * A) + 32 * (A + BS * K), tokens);
   add("dispatch_v2's per-expert counts", 64 * E, "fewer --experts");
   if (swiglu) {
     // One expert's fp32 weights; GEMM buffers for up to G rows (N on rank 0's reference).
@@ -263,12 +291,22 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
         (rank == 0 ? 2 : 1) * weights + (G + (rank == 0 ? N : 0)) * (2 * H + 3 * F) * 4,
         "a smaller --ffn");
   }
-  add("combine_v2's buffers", BS * K * row + BS * row, tokens);
+  // Rows back (int8 copies with --comm-quant), the output, shared_expert_x (S = 0), and the
+  // const experts' alpha_1, alpha_2, v.
+  const bool shared_local = S == 0 && Ns > 0;
+  add("combine_v2's buffers",
+      BS * K * row + BS * row + (s.comm_quant ? A * (H + 4) : 0) + (shared_local ? BS * row : 0) +
+          3 * static_cast<double>(s.special) * row,
+      tokens);
+  if (swiglu && shared_local) {
+    add("the shared expert's GEMM buffers", BS * (2 * H + 3 * F) * 4, tokens);
+  }
   if (rank == 0) {
     // Gathered x, ids and scales (with their byte copies), the gathered output, the reference's
     // per-entry expert outputs, its per-expert batches and result, the per-expert entry lists.
     add("the gathered batch, output and dense reference on rank 0",
-        N * row + 16 * N * K + 2 * N * row + N * K * row + 3 * N * row + 8 * N * K + 24 * E,
+        N * row + 16 * N * K + 2 * N * row + N * Kslots * row + 3 * N * row + 8 * N * Kslots +
+            24 * (E + Ns) + (s.quant || s.comm_quant ? 12 * N * H : 0) + N * K,
         tokens);
   }
   return m;

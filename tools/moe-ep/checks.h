@@ -38,9 +38,16 @@ std::string check_timeout(const std::string& text);
 
 // What the run's sizes are and where they came from (for the messages).
 struct RunShape {
-  int64_t world = 1;                     // W
-  std::vector<int64_t> tokens_per_rank;  // BS of each rank (W entries)
+  int64_t world = 1;                     // all ranks: W_ep x T
+  std::vector<int64_t> tokens_per_rank;  // BS of each rank (world entries)
   int64_t hidden = 0, experts = 0, top_k = 0, ffn = 0;
+  int64_t tp = 1;              // T: 1, or 2 (world rank r is EP rank r / T, TP rank r % T)
+  int64_t shared_ranks = 0;    // S
+  int64_t shared_experts = 0;  // Ns (with S = 0: computed locally as shared_expert_x)
+  int64_t special = 0;         // Z + C + Q
+  int64_t global_bs = 0;       // 0: W_ep x max tokens per rank
+  bool quant = false, comm_quant = false;
+  int mask_dims = 0;  // x_active_mask: 0 none, 1 (BS), 2 (BS, K)
   moe_ep::DType dtype = moe_ep::DType::kBF16;
   ExpertFn fn = ExpertFn::kSwiglu;
   RoutingKind routing = RoutingKind::kReal;
@@ -67,9 +74,11 @@ struct MemoryEstimate {
   double bytes = 0;
   std::vector<MemoryPart> parts;
 };
-// What rank `rank` allocates, roughly (the largest buffers: tokens, routing tables, dispatch's
-// receive buffers, expert outputs, one expert's weights, combine, and on rank 0 the gathered
-// batch, the gathered output and the dense reference). Call after check_sizes.
+// What rank `rank` allocates, roughly (the largest buffers: tokens, mask, routing tables,
+// dispatch's receive buffers (T x A rows, int8 with --quant, plus the dequantised fp32 rows),
+// expert outputs, one expert's weights, the shared expert's, const experts' tables, combine (its
+// int8 copies with --comm-quant), and on rank 0 the gathered batch, the gathered output and the
+// dense reference with its shared-expert slots and quantisation bounds). Call after check_sizes.
 MemoryEstimate estimate_rank_memory(const RunShape& shape, int64_t rank);
 
 // sysconf(_SC_PHYS_PAGES) x page size (0 when unknown).

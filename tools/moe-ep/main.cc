@@ -106,6 +106,58 @@ void add_run_options(CLI::App* run, RunOptions& o) {
       ->check(CLI::ExistingFile);
   run->add_option("--save-output", o.save_output,
                   "write the combined output (N, H) as safetensors tensor 'output'");
+  run->add_option("--tp", o.tp,
+                  "tensor parallelism T: 1 (default) or 2. The world is W_ep x T ranks: world rank "
+                  "r is EP rank r / T and TP rank r % T (EP groups {x T + i}, TP groups "
+                  "{T i + x}); dispatch all-gathers each TP pair's rows, each TP rank computes a "
+                  "partial expert output (swiglu: FFN split in halves; scale/identity: TP rank 0 "
+                  "the value, rank 1 zeros) and combine_v2 reduce-scatters. Needs one expert per "
+                  "MoE rank (E = W_ep - S)")
+      ->check(integer(1, 2));
+  run->add_option("--shared-experts", o.shared_experts,
+                  "shared experts Ns, 0..4 (default: the preset's: 1 for deepseek-v3, else 0); "
+                  "FFN = the routed experts' FFN. With --shared-expert-ranks 0 (Ns <= 1) each "
+                  "rank runs it on its own tokens and passes it to combine_v2 as shared_expert_x")
+      ->check(integer(0, 4));
+  run->add_option("--shared-expert-ranks", o.shared_expert_ranks,
+                  "shared-expert ranks S (default 0): EP ranks [0, S) run the shared experts on "
+                  "the rows dispatch_v2 sends them (S/Ns ranks per shared expert; S % Ns == 0); "
+                  "the routed experts go to the W_ep - S others")
+      ->check(integer(0, kMaxDim));
+  run->add_option("--zero-experts", o.zero_experts,
+                  "zero experts Z (default 0): ids [E, E+Z), contribute 0 (SPEC §2.2); the routing "
+                  "then draws ids over E+Z+C+Q, each special expert as likely as an average "
+                  "routed one")
+      ->check(integer(0, kMaxExperts));
+  run->add_option("--copy-experts", o.copy_experts,
+                  "copy experts C (default 0): ids [E+Z, E+Z+C), contribute w * x (ori_x = x)")
+      ->check(integer(0, kMaxExperts));
+  run->add_option("--const-experts", o.const_experts,
+                  "const experts Q (default 0): ids [E+Z+C, E+Z+C+Q), contribute "
+                  "w * (alpha_1[q] * x + alpha_2[q] * v[q]) with alpha_1, alpha_2, v generated "
+                  "from the seed, uniform in [-1, 1)")
+      ->check(integer(0, kMaxExperts));
+  run->add_option("--quant", o.quant,
+                  "dispatch quantisation: none (default) or int8 (quant_mode 2: rows travel as "
+                  "int8 with a per-row scale; the experts read fp32(q) x dynamic_scales)")
+      ->check(CLI::IsMember({"none", "int8"}));
+  run->add_option("--comm-quant", o.comm_quant,
+                  "combine quantisation: none (default) or int8 (comm_quant_mode 2: expert "
+                  "outputs travel back as int8; not with --tp 2)")
+      ->check(CLI::IsMember({"none", "int8"}));
+  run->add_option("--mask", o.mask,
+                  "x_active_mask: none (default), prefix (1-D: the last quarter of each rank's "
+                  "tokens, rounded, inactive) or entries (2-D: each (token, k) inactive with "
+                  "probability 0.2, from the seed); inactive tokens give 0. Not with "
+                  "--load-routing (a saved mask is reloaded)")
+      ->check(CLI::IsMember({"none", "prefix", "entries", "bad-prefix"})
+                  .description("{none, prefix, entries}"));
+  run->add_option("--global-bs", o.global_bs,
+                  "dispatch_v2's global_bs (default: 0 when every rank has the same tokens, else "
+                  "W_ep x max tokens per rank); sizes the receive buffers")
+      ->check(integer(0, kMaxDim));
+  // Test hook: combine_v2 without ori_x (copy/const experts need it).
+  run->add_flag("--debug-omit-ori-x", o.debug_omit_ori_x)->group("");
   run->add_option("--timeout", o.timeout_s,
                   "deadline of every blocking wait inside dispatch/combine, seconds > 0 "
                   "(default: $MOE_EP_TIMEOUT_S, else 300)")
@@ -116,17 +168,52 @@ void add_run_options(CLI::App* run, RunOptions& o) {
 void validate(CLI::App& run, const RunOptions& o) {
   const auto* p = moe_ep_tool::find_preset(o.preset);
   const int64_t E = o.experts.value_or(p->experts), K = o.top_k.value_or(p->top_k);
-  if (K > E) {
+  const int64_t special = o.zero_experts + o.copy_experts + o.const_experts;
+  if (E + special > moe_ep_tool::kMaxExperts) {
+    throw CLI::ValidationError("--zero-experts/--copy-experts/--const-experts",
+                               "E + Z + C + Q = " + std::to_string(E + special) +
+                                   " must stay below 2^31 - 1 (SPEC §1.3: expert ids are int32)");
+  }
+  if (K > E + special) {
     throw CLI::ValidationError(
-        "--top-k",
-        "K = " + std::to_string(K) + " exceeds the number of experts E = " + std::to_string(E));
+        "--top-k", "K = " + std::to_string(K) +
+                       " exceeds the number of experts E = " + std::to_string(E) +
+                       (special > 0 ? " + Z + C + Q = " + std::to_string(E + special) : ""));
+  }
+  const int64_t Ns = o.shared_experts.value_or(p->shared_experts), S = o.shared_expert_ranks;
+  const std::string ns_words =
+      "--shared-experts " + std::to_string(Ns) +
+      (o.shared_experts ? " (shared_expert_num)" : " (shared_expert_num, the preset's)");
+  if (S > 0 && Ns == 0) {
+    throw CLI::ValidationError("--shared-expert-ranks " + std::to_string(S) +
+                               " (shared_expert_rank_num) needs shared experts, but " + ns_words +
+                               " is 0; set --shared-experts");
+  }
+  if (S > 0 && S % Ns != 0) {
+    throw CLI::ValidationError("--shared-expert-ranks " + std::to_string(S) +
+                               " (shared_expert_rank_num) is not a multiple of " + ns_words +
+                               " (SPEC §1.3: shared_expert_rank_num % shared_expert_num == 0)");
+  }
+  if (S == 0 && Ns > 1) {
+    throw CLI::ValidationError(ns_words +
+                               " needs --shared-expert-ranks > 0 (SPEC §1.3: without "
+                               "shared-expert ranks shared_expert_num is 0 or 1)");
+  }
+  if (o.tp == 2 && o.comm_quant != "none") {
+    throw CLI::ValidationError(
+        "--comm-quant int8 cannot be combined with --tp 2 (SPEC §2.1: "
+        "comm_quant_mode 2 is not allowed with tp_world_size 2)");
   }
   if (!o.load_routing.empty()) {
     // What the file fixes.
     const std::pair<const char*, const char*> fixed[] = {
-        {"--tokens", "the tokens per rank"}, {"--routing", "the routing"},
-        {"--routing-model", "the routing"},  {"--domain", "the routing"},
-        {"--layer", "the routing"},          {"--routing-file", "the routing"},
+        {"--tokens", "the tokens per rank"},
+        {"--routing", "the routing"},
+        {"--routing-model", "the routing"},
+        {"--domain", "the routing"},
+        {"--layer", "the routing"},
+        {"--routing-file", "the routing"},
+        {"--mask", "x_active_mask (a saved mask is reloaded)"},
     };
     for (const auto& [flag, what] : fixed) {
       if (run.count(flag) > 0) {

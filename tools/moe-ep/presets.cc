@@ -7,13 +7,16 @@ namespace moe_ep_tool {
 const std::vector<Preset>& presets() {
   // Shapes and routers from the models' published configs: OLMoE-1B-7B-0924 (norm_topk_prob
   // false), Mixtral-8x7B-v0.1 (softmax over the top-2 logits), Qwen3-30B-A3B (norm_topk_prob true),
-  // DeepSeek-V3 (sigmoid scores, norm_topk_prob true, routed_scaling_factor 2.5).
+  // DeepSeek-V3 (sigmoid scores, norm_topk_prob true, routed_scaling_factor 2.5, one shared
+  // expert of moe_intermediate_size 2048).
   static const std::vector<Preset> kPresets = {
-      {"olmoe", 2048, 64, 8, 1024, Scoring::kSoftmax, false, 1.0, "olmoe", ""},
-      {"mixtral-8x7b", 4096, 8, 2, 14336, Scoring::kSoftmax, true, 1.0, "mistral", ""},
-      {"qwen3-30b-a3b", 2048, 128, 8, 768, Scoring::kSoftmax, true, 1.0, "olmoe", ""},
+      {"olmoe", 2048, 64, 8, 1024, Scoring::kSoftmax, false, 1.0, "olmoe", "", 0},
+      {"mixtral-8x7b", 4096, 8, 2, 14336, Scoring::kSoftmax, true, 1.0, "mistral", "", 0},
+      {"qwen3-30b-a3b", 2048, 128, 8, 768, Scoring::kSoftmax, true, 1.0, "olmoe", "", 0},
       {"deepseek-v3", 7168, 256, 8, 2048, Scoring::kSigmoid, true, 2.5, "olmoe",
-       "its shared expert and group-limited routing are not modelled (routed experts only)"},
+       "group-limited routing is not modelled; its shared expert (FFN = the experts' FFN) runs "
+       "on every rank and enters combine_v2 as shared_expert_x, or on --shared-expert-ranks",
+       1},
   };
   return kPresets;
 }

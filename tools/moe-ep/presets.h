@@ -23,6 +23,7 @@ struct Preset {
   double scaling = 1.0;          // multiply the (normalised) scores by this
   std::string routing_model;     // default --routing-model (a model of the real-routing data)
   std::string note;              // what the preset leaves out, for --help and the output
+  int64_t shared_experts = 0;    // Ns: shared experts (FFN = the routed experts' FFN)
 };
 
 const std::vector<Preset>& presets();

@@ -23,6 +23,8 @@ enum class Stream : uint64_t {
   kRouterMatrix = 4,  // a = 0, b = row-major index into [H, E]
   kRouteSample = 5,   // a = global token index, b = draw number
   kRouteLogits = 6,   // a = global token index, b = 2 * logit index (+1): normal pairs
+  kActiveMask = 7,    // a = global token index, b = top-k slot k (--mask entries)
+  kConstExpert = 8,   // a = 3 q + {0: alpha_1, 1: alpha_2, 2: v} of const expert q, b = h
 };
 
 inline uint64_t splitmix64(uint64_t z) {

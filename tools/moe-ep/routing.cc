@@ -25,10 +25,8 @@ std::string join(const std::set<std::string>& items) {
   return s;
 }
 
-}  // namespace
-
-ExpertDistribution load_real_distribution(const RealRoutingSource& source, int64_t experts,
-                                          int64_t top_k) {
+// The per-expert top-k counts of source's model/domain/layer, experts 0..D-1 each once.
+std::map<int64_t, double> read_counts(const RealRoutingSource& source) {
   std::ifstream in(source.file);
   if (!in) {
     throw Error(ErrorKind::kInvalidArgument,
@@ -100,6 +98,23 @@ ExpertDistribution load_real_distribution(const RealRoutingSource& source, int64
   if (!(total > 0)) {
     throw Error(ErrorKind::kInvalidArgument, "real routing: " + what + " has no counts");
   }
+  return counts;
+}
+
+}  // namespace
+
+int64_t real_data_experts(const RealRoutingSource& source) {
+  return static_cast<int64_t>(read_counts(source).size());
+}
+
+ExpertDistribution load_real_distribution(const RealRoutingSource& source, int64_t experts,
+                                          int64_t top_k) {
+  const std::map<int64_t, double> counts = read_counts(source);
+  const int64_t data_experts = static_cast<int64_t>(counts.size());
+  const std::string what =
+      source.model + "/" + source.domain + "/layer " + std::to_string(source.layer);
+  double total = 0;
+  for (const auto& [e, c] : counts) total += c;
 
   ExpertDistribution d;
   d.p.assign(experts, 0.0);

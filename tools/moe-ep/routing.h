@@ -45,6 +45,9 @@ struct ExpertDistribution {
 ExpertDistribution load_real_distribution(const RealRoutingSource& source, int64_t experts,
                                           int64_t top_k);
 
+// The number of experts D of the data for `source` (throws like load_real_distribution).
+int64_t real_data_experts(const RealRoutingSource& source);
+
 // Features of global tokens [first, first + count): (count, H) row-major in dtype.
 std::vector<std::byte> make_tokens(uint64_t seed, int64_t first, int64_t count, int64_t hidden,
                                    moe_ep::DType dtype);

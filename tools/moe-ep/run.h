@@ -26,6 +26,16 @@ struct RunOptions {
   std::string routing_file;  // empty: next to the executable
   std::string save_routing, load_routing, save_output;
   std::optional<double> timeout_s;
+  // Issue 3: TP, shared and special experts, int8, masks, global_bs.
+  int64_t tp = 1;                                                 // T: 1 or 2 (world = W_ep x T)
+  std::optional<int64_t> shared_experts;                          // Ns (default: the preset's)
+  int64_t shared_expert_ranks = 0;                                // S
+  int64_t zero_experts = 0, copy_experts = 0, const_experts = 0;  // Z, C, Q
+  std::string quant = "none";       // none, int8 (dispatch quant_mode 2)
+  std::string comm_quant = "none";  // none, int8 (combine comm_quant_mode 2)
+  std::string mask = "none";        // none, prefix, entries; bad-prefix (test hook)
+  std::optional<int64_t> global_bs;
+  bool debug_omit_ori_x = false;  // test hook: combine_v2 without ori_x
 };
 
 // Collective over MPI_COMM_WORLD. Returns 0 on PASS, 1 on FAIL (the same on every rank); throws

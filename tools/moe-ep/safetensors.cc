@@ -32,6 +32,8 @@ const char* safetensors_dtype_name(DType dtype) {
       return "I32";
     case DType::kI64:
       return "I64";
+    case DType::kBool:
+      return "BOOL";
     default:
       throw Error(ErrorKind::kInternal,
                   std::string("safetensors: no dtype name for ") + moe_ep::dtype_name(dtype));
@@ -41,7 +43,7 @@ const char* safetensors_dtype_name(DType dtype) {
 namespace {
 
 bool parse_dtype(const std::string& name, DType* dtype) {
-  for (DType d : {DType::kBF16, DType::kF16, DType::kF32, DType::kI32, DType::kI64}) {
+  for (DType d : {DType::kBF16, DType::kF16, DType::kF32, DType::kI32, DType::kI64, DType::kBool}) {
     if (name == safetensors_dtype_name(d)) {
       *dtype = d;
       return true;
@@ -135,7 +137,7 @@ StFile read_safetensors(const std::string& path) {
     StTensor t;
     if (!entry["dtype"].is_string() || !parse_dtype(entry["dtype"].get<std::string>(), &t.dtype)) {
       malformed(path, where + "dtype " + entry["dtype"].dump() +
-                          " is not one of {BF16, F16, F32, I32, I64}");
+                          " is not one of {BF16, F16, F32, I32, I64, BOOL}");
     }
     const auto& shape = entry["shape"];
     const auto& offsets = entry["data_offsets"];

@@ -2,7 +2,7 @@
 // (https://github.com/huggingface/safetensors): an 8-byte little-endian header length N, N bytes
 // of JSON {"<name>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, ...,
 // "__metadata__": {"key": "value"}}, then the raw little-endian tensor bytes (offsets relative to
-// the end of the header). Supported dtypes: I32, I64, F32, BF16, F16.
+// the end of the header). Supported dtypes: I32, I64, F32, BF16, F16, BOOL (one byte, 0 or 1).
 #pragma once
 
 #include <cstddef>
@@ -38,7 +38,7 @@ void write_safetensors(const std::string& path, const StFile& file);
 // well-formed safetensors file of supported dtypes, kSystem when it cannot be read.
 StFile read_safetensors(const std::string& path);
 
-// "BF16", "F16", "F32", "I32", "I64".
+// "BF16", "F16", "F32", "I32", "I64", "BOOL".
 const char* safetensors_dtype_name(moe_ep::DType dtype);
 
 }  // namespace moe_ep_tool
