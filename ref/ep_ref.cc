@@ -22,29 +22,43 @@ struct Entry {
   int64_t rank, token, slot, expert;
 };
 
+// Entry (i, k) takes part: its id is not -1 and the mask (if any) allows it.
+bool entry_active(const EpRankInput& r, int64_t i, int64_t k) {
+  if (at(r.expert_ids, i, k) == -1) return false;
+  if (!r.x_active_mask) return true;
+  const TensorView& m = *r.x_active_mask;
+  return (m.ndim == 1 ? at(m, i) : at(m, i, k)) != 0;
+}
+
+bool token_active(const EpRankInput& r, int64_t i) {
+  for (int64_t k = 0; k < r.expert_ids.shape[1]; ++k)
+    if (entry_active(r, i, k)) return true;
+  return false;
+}
+
 }  // namespace
 
-std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& ranks, int64_t E,
-                                               int64_t global_bs) {
+std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& ranks,
+                                               const EpWorld& world) {
   const int64_t W = static_cast<int64_t>(ranks.size());
-  if (W == 0 || E % W != 0) throw std::invalid_argument("dispatch_reference: E % W != 0");
-  const int64_t L = E / W;
+  const int64_t E = world.E, S = world.S, Ns = world.Ns;
+  if (W == 0 || S >= W || E % (W - S) != 0 || (S > 0 && (Ns == 0 || S % Ns != 0)))
+    throw std::invalid_argument("dispatch_reference: bad world");
+  const int64_t L = E / (W - S);
   const DType dtype = ranks[0].x.dtype;
   const int64_t H = ranks[0].x.shape[1];
   const int64_t K = ranks[0].expert_ids.shape[1];
   const int64_t row_bytes = H * element_bytes(dtype);
-  int64_t max_bs = 0;
-  for (const auto& r : ranks) max_bs = std::max(max_bs, r.x.shape[0]);
-  const int64_t G = global_bs > 0 ? global_bs : ranks[0].x.shape[0] * W;
-  const int64_t A = G * std::min(L, K);
+  const int64_t G = world.global_bs > 0 ? world.global_bs : ranks[0].x.shape[0] * W;
 
-  // Concatenate every rank's entries in (rank, token, slot) order, then sort stably by expert.
+  // MoE experts: concatenate every rank's entries in (rank, token, slot) order, then sort stably
+  // by expert id. Special experts (id >= E) are not sent.
   std::vector<Entry> all;
   for (int64_t s = 0; s < W; ++s)
     for (int64_t i = 0; i < ranks[s].x.shape[0]; ++i)
       for (int64_t k = 0; k < K; ++k) {
         const auto e = static_cast<int64_t>(at(ranks[s].expert_ids, i, k));
-        if (e != -1) all.push_back({s, i, k, e});
+        if (entry_active(ranks[s], i, k) && e < E) all.push_back({s, i, k, e});
       }
   std::stable_sort(all.begin(), all.end(),
                    [](const Entry& a, const Entry& b) { return a.expert < b.expert; });
@@ -53,32 +67,51 @@ std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& r
   for (int64_t r = 0; r < W; ++r) {
     EpRankDispatch& o = out[r];
     const int64_t BS = ranks[r].x.shape[0];
-    o.A = A;
-    o.expand_x.assign(A * row_bytes, 0);
-    o.assist_info.assign(std::max(BS * K, A * 128), 0);
-    o.expand_scales.assign(A, 0.0f);
-    std::vector<int64_t> block(W * L, 0);  // rows of (local expert l, source s) at l*W + s
-    for (const Entry& en : all) {
-      if (en.expert / L != r) continue;  // MoE expert e lives on rank e / L
+    const bool shared_rank = r < S;
+    const int64_t Lr = shared_rank ? 1 : L;
+    if (shared_rank) {
+      const int64_t per = S / Ns;
+      o.A = G / W * ((W + per - 1) / per);
+    } else {
+      o.A = G * std::min(L, K);
+    }
+    o.expand_x.assign(o.A * row_bytes, 0);
+    o.assist_info.assign(std::max(BS * K, o.A * 128), 0);
+    o.expand_scales.assign(o.A, 0.0f);
+    std::vector<int64_t> block(W * Lr, 0);  // rows of (local expert l, source s) at l*W + s
+    auto put = [&](int64_t src, int64_t token, int64_t slot, int64_t expert, int64_t l) {
       const int64_t j = o.valid++;
-      const EpRankInput& src = ranks[en.rank];
+      const EpRankInput& in = ranks[src];
       if (row_bytes > 0)
-        std::memcpy(o.expand_x.data() + j * row_bytes, row_of(src.x, en.token), row_bytes);
-      o.assist_info[3 * j] = static_cast<int32_t>(en.rank);
-      o.assist_info[3 * j + 1] = static_cast<int32_t>(en.token);
-      o.assist_info[3 * j + 2] = static_cast<int32_t>(en.slot);
-      if (src.expert_scales)
-        o.expand_scales[j] = static_cast<float>(at(*src.expert_scales, en.token, en.slot));
-      o.row_expert.push_back(en.expert);
-      ++block[(en.expert % L) * W + en.rank];
+        std::memcpy(o.expand_x.data() + j * row_bytes, row_of(in.x, token), row_bytes);
+      o.assist_info[3 * j] = static_cast<int32_t>(src);
+      o.assist_info[3 * j + 1] = static_cast<int32_t>(token);
+      o.assist_info[3 * j + 2] = static_cast<int32_t>(slot);
+      if (in.expert_scales && slot < K)
+        o.expand_scales[j] = static_cast<float>(at(*in.expert_scales, token, slot));
+      o.row_expert.push_back(expert);
+      ++block[l * W + src];
+    };
+    if (shared_rank) {
+      // One block per source rank, in rank order: the sender's active tokens for the shared
+      // expert this rank hosts, in token order.
+      const int64_t per = S / Ns, s = r / per;
+      for (int64_t src = 0; src < W; ++src) {
+        if (src % per + s * per != r) continue;
+        for (int64_t i = 0; i < ranks[src].x.shape[0]; ++i)
+          if (token_active(ranks[src], i)) put(src, i, K + s, -1 - s, 0);
+      }
+    } else {
+      for (const Entry& en : all)
+        if (S + en.expert / L == r) put(en.rank, en.token, en.slot, en.expert, en.expert % L);
     }
     int64_t run = 0;
-    for (int64_t b = 0; b < W * L; ++b) {
+    for (int64_t b = 0; b < W * Lr; ++b) {
       run += block[b];
       o.ep_recv_counts.push_back(static_cast<int32_t>(run));
     }
     int64_t sum = 0;
-    for (int64_t l = 0; l < L; ++l) {
+    for (int64_t l = 0; l < Lr; ++l) {
       int64_t n = 0;
       for (int64_t s = 0; s < W; ++s) n += block[l * W + s];
       sum += n;
@@ -87,6 +120,14 @@ std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& r
     }
   }
   return out;
+}
+
+std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& ranks, int64_t E,
+                                               int64_t global_bs) {
+  EpWorld w;
+  w.E = E;
+  w.global_bs = global_bs;
+  return dispatch_reference(ranks, w);
 }
 
 ExpertFn scale_expert(int64_t E) {
@@ -100,8 +141,11 @@ ExpertFn scale_expert(int64_t E) {
 }
 
 std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRankInput>& ranks,
-                                                          const ExpertFn& expert) {
+                                                          const EpWorld& world,
+                                                          const ExpertFn& expert,
+                                                          const ExpertFn& shared) {
   std::vector<std::vector<unsigned char>> out;
+  const int64_t E = world.E, Z = world.Z, C = world.C;
   for (const EpRankInput& r : ranks) {
     const DType dtype = r.x.dtype;
     const int64_t BS = r.x.shape[0], H = r.x.shape[1], K = r.expert_ids.shape[1];
@@ -109,22 +153,51 @@ std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRa
     std::vector<unsigned char> result(BS * row_bytes, 0);
     std::vector<unsigned char> y(row_bytes);
     for (int64_t i = 0; i < BS; ++i) {
+      if (!token_active(r, i)) continue;  // inactive tokens give 0
       std::vector<float> acc(H, 0.0f);
       for (int64_t k = 0; k < K; ++k) {
+        if (!entry_active(r, i, k)) continue;
         const auto e = static_cast<int64_t>(at(r.expert_ids, i, k));
-        if (e == -1) continue;
-        expert(e, dtype, row_of(r.x, i), y.data(), H);
         const auto w = static_cast<float>(at(*r.expert_scales, i, k));
+        if (e >= E && e < E + Z) continue;  // zero expert
         for (int64_t h = 0; h < H; ++h) {
-          const float product = w * load(dtype, y.data(), h);
+          float value;
+          if (e < E) {
+            if (h == 0) expert(e, dtype, row_of(r.x, i), y.data(), H);
+            value = load(dtype, y.data(), h);
+          } else if (e < E + Z + C) {
+            value = load(dtype, row_of(*r.ori_x, i), h);
+          } else {
+            const int64_t q = e - (E + Z + C);
+            const float t1 =
+                load(dtype, row_of(*world.alpha_1, q), h) * load(dtype, row_of(*r.ori_x, i), h);
+            const float t2 =
+                load(dtype, row_of(*world.alpha_2, q), h) * load(dtype, row_of(*world.v, q), h);
+            value = t1 + t2;
+          }
+          const float product = w * value;
           acc[h] = acc[h] + product;
         }
       }
+      for (int64_t s = 0; s < world.Ns; ++s) {
+        shared(-1 - s, dtype, row_of(r.x, i), y.data(), H);
+        for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + load(dtype, y.data(), h);
+      }
+      if (r.shared_expert_x)
+        for (int64_t h = 0; h < H; ++h)
+          acc[h] = acc[h] + load(dtype, row_of(*r.shared_expert_x, i), h);
       for (int64_t h = 0; h < H; ++h) store(dtype, result.data() + i * row_bytes, h, acc[h]);
     }
     out.push_back(std::move(result));
   }
   return out;
+}
+
+std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRankInput>& ranks,
+                                                          const ExpertFn& expert) {
+  EpWorld w;
+  w.E = 1 << 30;  // every id is a MoE expert
+  return combine_reference(ranks, w, expert, expert);
 }
 
 }  // namespace moe_ep::ref

@@ -1,7 +1,9 @@
 // Naive single-process reference of dispatch_v2 / combine_v2 (SPEC §1.4, §2.3): the test oracle.
 // Written for clarity from the SPEC's wording ("concatenate all ranks' tokens in (rank, token)
 // order and stably sort by expert id"), independent of src/ (no shared code), never optimised.
-// Slice of the SPEC: S = 0, T <= 1, no quantisation, no masks, no special experts.
+// Covers shared-expert ranks (§1.2), x_active_mask (§1.3, §1.6) and special experts (§2.2); no
+// quantisation. TP and scale-in are composed from these by the tests (a TP rank's layout is its own
+// EP rows followed by its peer's; a scaled-in world is a fresh smaller world).
 #pragma once
 
 #include <cstdint>
@@ -15,9 +17,23 @@ namespace moe_ep::ref {
 
 // One rank's inputs (views: the caller owns the memory).
 struct EpRankInput {
-  TensorView x;                             // (BS, H) bf16/fp16/fp32, any row stride
-  TensorView expert_ids;                    // (BS, K) int32, -1 = inactive entry
-  std::optional<TensorView> expert_scales;  // (BS, K) fp32
+  TensorView x;                               // (BS, H) bf16/fp16/fp32, any row stride
+  TensorView expert_ids;                      // (BS, K) int32, -1 = inactive entry
+  std::optional<TensorView> expert_scales;    // (BS, K) fp32
+  std::optional<TensorView> x_active_mask;    // bool (BS,) or (BS, K)
+  std::optional<TensorView> shared_expert_x;  // (BS, H) x's dtype, any row stride
+  std::optional<TensorView> ori_x;            // (BS, H) x's dtype (copy / const experts)
+};
+
+// The world: E MoE experts on ranks [S, W), Ns shared experts hosted on ranks [0, S) (Ns = 0 when
+// S = 0), Z/C/Q special experts (ids [E, E+Z+C+Q), never sent).
+struct EpWorld {
+  int64_t E = 1;
+  int64_t S = 0;
+  int64_t Ns = 0;
+  int64_t global_bs = 0;
+  int64_t Z = 0, C = 0, Q = 0;
+  std::optional<TensorView> alpha_1, alpha_2, v;  // (Q, H) x's dtype
 };
 
 // What SPEC §1.4 says one rank receives.
@@ -30,10 +46,15 @@ struct EpRankDispatch {
   std::vector<int64_t> expert_token_nums1;  // (L,) expert_token_nums_type 1: counts
   std::vector<int32_t> assist_info;         // (max(BS*K, A*128),): (source, token, slot) per row
   std::vector<float> expand_scales;         // (A,) expert_scales of each row, 0 when not given
-  std::vector<int64_t> row_expert;          // (valid,) the global expert id of each row
+  std::vector<int64_t> row_expert;          // (valid,) the global expert id of each row; shared
+                                            // expert s is -1 - s
 };
 
-// ranks[r] is rank r's input; W = ranks.size(); E % W == 0; global_bs 0 or W * m, m >= max BS.
+// ranks[r] is rank r's input; W = ranks.size(); E % (W - S) == 0; global_bs 0 or W * m, m >= max
+// BS.
+std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& ranks,
+                                               const EpWorld& world);
+// The world without shared-expert ranks and special experts.
 std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& ranks, int64_t E,
                                                int64_t global_bs);
 
@@ -44,10 +65,17 @@ using ExpertFn = std::function<void(int64_t e, DType dtype, const void* in, void
 // to nearest even in the row's dtype.
 ExpertFn scale_expert(int64_t E);
 
-// SPEC §2.3 per token of every rank: acc = 0 (fp32); for k = 0..K-1 with expert_ids[i,k] != -1:
-// acc += fp32(expert_scales[i,k] * fp32(y_ik)) with y_ik = expert(e, x_i); the output row is acc
-// rounded to nearest even in x's dtype; all-inactive tokens give 0. Returns each rank's (BS, H)
-// result as bytes. Needs expert_scales.
+// SPEC §2.3 per token of every rank: acc = 0 (fp32); for k = 0..K-1 with expert_ids[i,k] != -1
+// (and the mask True): MoE expert e: acc += fp32(expert_scales[i,k] * fp32(y_ik)) with
+// y_ik = expert(e, x_i); zero expert: nothing; copy expert: acc += w * ori_x[i]; const expert q:
+// acc += w * fp32(fp32(alpha_1[q] * ori_x[i]) + fp32(alpha_2[q] * v[q])). Then, for the hosted
+// shared experts s = 0..Ns-1, acc += shared(-1 - s, x_i); then shared_expert_x[i]. The output row
+// is acc rounded to nearest even in x's dtype; a token with no active entry gives 0. Returns each
+// rank's (BS, H) result as bytes. Needs expert_scales.
+std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRankInput>& ranks,
+                                                          const EpWorld& world,
+                                                          const ExpertFn& expert,
+                                                          const ExpertFn& shared);
 std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRankInput>& ranks,
                                                           const ExpertFn& expert);
 

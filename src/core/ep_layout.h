@@ -10,48 +10,101 @@
 
 namespace moe_ep::detail {
 
-// The sizes one rank works with, after validation.
-struct EpShape {
-  int64_t W = 0;     // ep_world_size
-  int64_t rank = 0;  // ep_rank_id
-  int64_t E = 0;     // moe_expert_num
-  int64_t L = 0;     // local experts per rank: E / W (S == 0 in this build)
-  int64_t BS = 0;    // tokens on this rank
-  int64_t K = 0;     // top-k
-  int64_t H = 0;     // hidden size
-  int64_t G = 0;     // global_bs, or BS * W when global_bs is 0
-  int64_t A = 0;     // most rows this rank can receive: G * min(L, K)
-  DType dtype = DType::kBF16;
+// Expert placement over the W ranks of the (possibly scaled-in) EP group (SPEC §1.2): ranks
+// [0, S) host the shared experts, MoE expert e lives on rank S + e / L with local index e % L.
+// Count blocks (what a source tells a destination) are indexed by `block`: the S shared-expert
+// ranks first (one block each), then MoE expert e at S + e; rank d's blocks are
+// [block_base(d), block_base(d) + local_experts(d)).
+struct Placement {
+  int64_t W = 1;   // ranks
+  int64_t S = 0;   // shared-expert ranks
+  int64_t Ns = 0;  // shared experts HOSTED by ranks [0, S): shared_expert_num when S > 0, else 0
+  int64_t E = 1;   // MoE experts
+  int64_t L = 1;   // MoE experts per MoE rank: E / (W - S)
+  int64_t special = 0;  // Z + C + Q: ids [E, E + special) are evaluated by combine_v2 locally
+
+  int64_t local_experts(int64_t d) const { return d < S ? 1 : L; }
+  int64_t block_base(int64_t d) const { return d < S ? d : S + (d - S) * L; }
+  int64_t blocks() const { return S + E; }
+  // The rank to which rank r sends its tokens for shared expert s (SPEC §1.2).
+  int64_t shared_dest(int64_t r, int64_t s) const { return r % (S / Ns) + s * (S / Ns); }
+  // The global id of local expert l on rank d: a MoE id, or -1 - s for shared expert s.
+  int64_t expert_on(int64_t d, int64_t l) const {
+    return d < S ? -1 - d / (S / Ns) : (d - S) * L + l;
+  }
+};
+Placement make_placement(int64_t W, int64_t S, int64_t shared_expert_num, int64_t E,
+                         int64_t special);
+
+// Which entries and tokens take part (SPEC §1.3, §1.6): entry (i, k) is active when
+// expert_ids[i,k] != -1 and x_active_mask allows it (1-D: mask[i]; 2-D: mask[i,k]); a token is
+// active when at least one of its entries is. Only active tokens go to the shared experts and
+// get a non-zero combine output.
+struct Activity {
+  const TensorView* ids = nullptr;
+  const TensorView* mask = nullptr;  // null: no mask
+  bool entry(int64_t i, int64_t k) const;
+  bool token(int64_t i) const;
 };
 
-// Checks the EpConfig fields against this build's slice of the SPEC (see dispatch.h): kUnsupported
-// for values the SPEC allows but this build does not implement, kInvalidArgument otherwise.
-// `comm_rank` / `comm_size` are group_ep's.
-void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int comm_size);
+// The sizes one rank works with, after validation.
+struct EpShape {
+  int64_t W = 0;     // ep_world_size (after scale-in: the new W)
+  int64_t rank = 0;  // ep_rank_id (after scale-in: the new rank)
+  int64_t E = 0;     // moe_expert_num
+  int64_t L = 0;     // local experts of THIS rank: 1 on a shared-expert rank, else E / (W - S)
+  int64_t BS = 0;    // tokens on this rank
+  int64_t K = 0;     // top-k
+  int64_t KS = 0;    // slots per token: K + the hosted shared experts (Placement::Ns)
+  int64_t H = 0;     // hidden size
+  int64_t G = 0;     // global_bs, or BS * W when global_bs is 0
+  int64_t A = 0;     // most rows this rank can receive (SPEC §1.4)
+  DType dtype = DType::kBF16;
+  Placement pl;
+};
 
-// expert_ids: int32 (BS, K), 1 <= K <= E, each id in [0, E) or -1, the ids >= 0 of a row distinct.
+// Checks the EpConfig fields against the SPEC (see dispatch.h): kUnsupported for values the SPEC
+// allows but this build does not implement, kInvalidArgument otherwise. `comm_rank` /
+// `comm_size` are group_ep's. W, S and E are checked for the world the op runs on (after a
+// scale-in: the new values, see check_placement).
+void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int comm_size);
+// W >= 1, S in [0, W), Ns in [0, 4] with a valid (Ns, S) combination, E >= 1, E % (W - S) == 0.
+// `what` names where the values come from ("" or " (elastic_info)").
+void check_placement(const char* op, int64_t W, int64_t S, int64_t Ns, int64_t E, const char* what);
+
+// expert_ids: int32 (BS, K), 1 <= K <= E + special, each id in [0, E + special) or -1, the ids
+// >= 0 of a row distinct.
 //   "dispatch_v2: expert_ids[3,1] = 300 is outside [0, 64) (or -1 for an inactive entry)"
 //   "dispatch_v2: expert_ids[2,*] repeats expert 5 (slots 0 and 3)"
-void check_expert_ids(const char* op, const TensorView& expert_ids, int64_t BS, int64_t E);
+void check_expert_ids(const char* op, const TensorView& expert_ids, int64_t BS, int64_t E,
+                      int64_t special);
+
+// x_active_mask: bool (BS,) with all Trues before all Falses, or bool (BS, K); any strides.
+void check_active_mask(const char* op, const TensorView& mask, int64_t BS, int64_t K);
+// True when every element of the mask is True.
+bool mask_all_true(const TensorView& mask);
 
 // expert_scales: fp32 (BS, K), any non-negative strides.
 void check_expert_scales(const char* op, const TensorView& expert_scales, int64_t BS, int64_t K);
 
-// Fills shape.G and shape.A from the other fields and global_bs (local checks only: global_bs a
+// Fills shape.G and shape.A from the other fields and global_bs (A = G * min(L, K) on a MoE rank,
+// (G / W) * ceil(W / (S / Ns)) on a shared-expert rank) (local checks only: global_bs a
 // multiple of W; global_bs >= W * max BS needs every rank's BS and is checked after the header
 // exchange); kUnsupported when A or BS*K do not fit int32 (ep_recv_counts is
 // int32) or one row exceeds INT_MAX bytes (an MPI count).
 void compute_capacity(const char* op, int64_t global_bs, EpShape& shape);
 
-// What this rank sends in dispatch_v2 (and receives back in combine_v2): every active entry
-// (i, k), flattened as i*K+k, grouped by destination rank, then by the destination's local expert,
-// then by increasing flat index (SPEC §1.4 row order, sender side).
+// What rank `rank` sends in dispatch_v2 (and receives back in combine_v2): every active entry
+// (i, k) whose id is a MoE expert, and one copy (i, K + s) of every active token for each hosted
+// shared expert s, flattened as i*KS + slot, grouped by destination rank, then by the
+// destination's local expert, then by increasing flat index (SPEC §1.4 row order, sender side).
 struct SendPlan {
-  std::vector<int64_t> order;        // flat entry indices in send order (active entries only)
+  int64_t KS = 0;                    // slots per token
+  std::vector<int64_t> order;        // flat indices i*KS + slot in send order
   std::vector<int64_t> rank_offset;  // W+1: entries for rank d are order[rank_offset[d], [d+1])
-  std::vector<int32_t> counts;       // W*L: entries for (rank d, local expert l) at [d*L + l]
+  std::vector<int32_t> counts;       // Placement::blocks(): entries per block
 };
-SendPlan plan_sends(const TensorView& expert_ids, int64_t W, int64_t L);
+SendPlan plan_sends(const Activity& act, const Placement& pl, int64_t rank);
 
 // What this rank receives in dispatch_v2 (and sends back in combine_v2), as blocks (local expert
 // l, source rank s) in expert-major order (SPEC §1.4).

@@ -477,15 +477,15 @@ TEST(DispatchErrors, QuantModeUnsupported) {
                {"quant_mode = 2"});
 }
 
-TEST(DispatchErrors, ActiveMaskUnsupported) {
+TEST(DispatchErrors, ActiveMaskWrongDtype) {
   Batch b = error_batch();
   const int bad = 0;
   DispatchInputs in = dispatch_inputs(b);
-  std::vector<uint8_t> mask(std::max<int64_t>(1, b.bs[mpi().rank]), 1);
+  std::vector<int32_t> mask(std::max<int64_t>(1, b.bs[mpi().rank]), 1);
   if (is_bad(bad))
-    in.x_active_mask = TensorView::contiguous(mask.data(), DType::kBool, {b.bs[mpi().rank]});
-  expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kUnsupported,
-               {"dispatch_v2: x_active_mask is not supported"});
+    in.x_active_mask = TensorView::contiguous(mask.data(), DType::kI32, {b.bs[mpi().rank]});
+  expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"dispatch_v2: x_active_mask dtype int32 is not one of {bool}"});
 }
 
 TEST(DispatchErrors, NullGroup) {

@@ -100,22 +100,31 @@ void capture(OpHeader& h, std::optional<Error>& local, F&& f) {
   }
 }
 
-// BS may differ across ranks only with global_bs = W * m, m >= max BS (SPEC §1.3, §1.6).
-void check_batch_sizes(const char* op, const std::vector<OpHeader>& h, int64_t global_bs,
-                       const char* bs_name) {
+// BS may differ across ranks only with global_bs = W * m, m >= max BS, and then every token
+// must be active (SPEC §1.3, §1.6).
+void check_batch_sizes(const char* op, const std::vector<OpHeader>& h,
+                       const std::vector<int>& peers, int64_t global_bs, const char* bs_name) {
   const int64_t W = static_cast<int64_t>(h.size());
   int64_t max_bs = 0, max_rank = 0;
+  bool differ = false;
   for (int64_t p = 0; p < W; ++p) {
+    if (h[p].BS != h[0].BS) differ = true;
     if (global_bs == 0 && h[p].BS != h[0].BS)
-      detail::invalid(op, ": BS (", bs_name,
-                      ") differs across ranks with global_bs = 0: rank 0 has ", h[0].BS, ", rank ",
-                      p, " has ", h[p].BS, " (pass global_bs = ep_world_size * max BS)");
+      detail::invalid(op, ": BS (", bs_name, ") differs across ranks with global_bs = 0: rank ",
+                      peers[0], " has ", h[0].BS, ", rank ", peers[p], " has ", h[p].BS,
+                      " (pass global_bs = ep_world_size * max BS)");
     if (h[p].BS > max_bs) max_bs = h[p].BS, max_rank = p;
   }
   if (global_bs > 0 && global_bs < W * max_bs)
     detail::invalid(op, ": global_bs = ", global_bs, " is less than ep_world_size * max BS = ", W,
-                    " * ", max_bs, " = ", W * max_bs, " (rank ", max_rank, " has BS = ", max_bs,
-                    ")");
+                    " * ", max_bs, " = ", W * max_bs, " (rank ", peers[max_rank],
+                    " has BS = ", max_bs, ")");
+  if (differ)
+    for (int64_t p = 0; p < W; ++p)
+      if (!h[p].all_active)
+        detail::invalid(op, ": x_active_mask on rank ", peers[p],
+                        " has a False entry while BS differs across ranks (", bs_name,
+                        "): when BS differs, every token must be active");
 }
 
 // Optional arguments outside this build's slice: kUnsupported naming the first one given.
@@ -124,13 +133,103 @@ void reject_given(const char* op, std::initializer_list<std::pair<const char*, b
     if (is_given) detail::unsupported(op, ": ", name, " is not supported by this build");
 }
 
-// The sizes every op derives from the config and its token tensor (S = 0: L = E / W).
-EpShape local_shape(const EpConfig& cfg, int64_t BS, int64_t H, DType dtype) {
+// The ranks an op runs on: all of group_ep, or the survivors of a scale-in (SPEC §1.7).
+struct World {
+  int64_t W = 1, S = 0, E = 1, rank = 0;  // of the (new) world
+  std::vector<int> peers;                 // new rank -> group_ep rank
+  bool removed = false;                   // this rank was scaled in: it takes no part
+  int64_t hash = 0;                       // of the table when scaled down, else 0
+};
+
+// elastic_info: int32 (4 + 2W,) [is_scaled_down, new W, new S, new E, W x old->new (-1 removed),
+// W x new->old (-1 padding)], checked for consistency.
+// All of group_ep: the world of an op whose arguments failed before elastic_info was read.
+World whole_world(const Communicator& comm) {
+  World w;
+  w.W = comm.size();
+  w.rank = comm.rank();
+  for (int p = 0; p < comm.size(); ++p) w.peers.push_back(p);
+  return w;
+}
+
+World resolve_world(const char* op, const EpConfig& cfg, const std::optional<TensorView>& elastic) {
+  World w;
+  w.W = cfg.ep_world_size;
+  w.S = cfg.shared_expert_rank_num;
+  w.E = cfg.moe_expert_num;
+  w.rank = cfg.ep_rank_id;
+  w.peers.resize(w.W);
+  for (int64_t p = 0; p < w.W; ++p) w.peers[p] = static_cast<int>(p);
+  if (!elastic) return w;
+  const TensorView& t = *elastic;
+  const int64_t W = cfg.ep_world_size;
+  detail::expect_tensor(op, "elastic_info", t, {DType::kI32}, 1);
+  detail::expect_size(op, "elastic_info", t, 0, 4 + 2 * W, "4 + 2 * ep_world_size");
+  auto at = [&](int64_t i) { return detail::index_at(t, i); };
+  const int64_t flag = at(0);
+  if (flag != 0 && flag != 1)
+    detail::invalid(op, ": elastic_info[0] = ", flag, " (is_scaled_down) is not one of {0, 1}");
+  if (flag == 0) return w;
+  const int64_t nW = at(1), nS = at(2), nE = at(3);
+  if (nW < 1 || nW > W)
+    detail::invalid(op, ": elastic_info[1] = ", nW, " (new ep_world_size) is outside [1, ", W, "]");
+  detail::check_placement(op, nW, nS, cfg.shared_expert_num, nE, " (elastic_info)");
+  std::vector<int> seen(nW, -1);
+  int64_t kept = 0;
+  for (int64_t o = 0; o < W; ++o) {
+    const int64_t n = at(4 + o);
+    if (n == -1) continue;
+    if (n < 0 || n >= nW)
+      detail::invalid(op, ": elastic_info[", 4 + o, "] = ", n, " (new rank of old rank ", o,
+                      ") is outside [0, ", nW, ") (new ep_world_size; -1 = removed)");
+    if (seen[n] >= 0)
+      detail::invalid(op, ": elastic_info[", 4 + o, "] = ", n, " repeats the new rank of old rank ",
+                      seen[n], " (elastic_info[", 4 + seen[n], "])");
+    seen[n] = static_cast<int>(o);
+    ++kept;
+  }
+  if (kept != nW)
+    detail::invalid(op, ": elastic_info[4..", 4 + W, ") keeps ", kept,
+                    " ranks but elastic_info[1] (new ep_world_size) = ", nW);
+  for (int64_t n = 0; n < W; ++n) {
+    const int64_t o = at(4 + W + n), want = n < nW ? seen[n] : -1;
+    if (o != want)
+      detail::invalid(op, ": elastic_info[", 4 + W + n, "] = ", o, " (old rank of new rank ", n,
+                      ") must be ", want, " (the inverse of elastic_info[4..", 4 + W,
+                      "); -1 pads beyond the new ep_world_size)");
+  }
+  uint64_t hash = 1469598103934665603ull;
+  for (int64_t i = 0; i < 4 + 2 * W; ++i)
+    hash = (hash ^ static_cast<uint64_t>(at(i) + 2)) * 1099511628211ull;
+  w.hash = static_cast<int64_t>(hash >> 1) | 1;
+  w.W = nW;
+  w.S = nS;
+  w.E = nE;
+  w.peers.assign(seen.begin(), seen.end());
+  w.rank = at(4 + cfg.ep_rank_id);
+  w.removed = w.rank < 0;
+  return w;
+}
+
+// performance_info: int64 (W,), W = ep_world_size (group_ep's ranks), any stride.
+int64_t* perf_ptr(const char* op, const std::optional<TensorView>& perf, const EpConfig& cfg) {
+  if (!perf) return nullptr;
+  detail::expect_tensor(op, "performance_info", *perf, {DType::kI64}, 1);
+  detail::expect_size(op, "performance_info", *perf, 0, cfg.ep_world_size, "ep_world_size");
+  if (perf->shape[0] > 1 && perf->strides[0] != 1)
+    detail::unsupported(op, ": performance_info.stride(0) = ", perf->strides[0], " is not 1");
+  return perf->ptr<int64_t>();
+}
+
+// The sizes every op derives from the world and its token tensor.
+EpShape local_shape(const EpConfig& cfg, const World& w, int64_t BS, int64_t H, DType dtype) {
   EpShape sh;
-  sh.W = cfg.ep_world_size;
-  sh.rank = cfg.ep_rank_id;
-  sh.E = cfg.moe_expert_num;
-  sh.L = sh.E / sh.W;
+  sh.pl = detail::make_placement(w.W, w.S, cfg.shared_expert_num, w.E,
+                                 cfg.zero_expert_num + cfg.copy_expert_num + cfg.const_expert_num);
+  sh.W = w.W;
+  sh.rank = w.rank;
+  sh.E = w.E;
+  sh.L = sh.pl.local_experts(sh.rank);
   sh.BS = BS;
   sh.H = H;
   sh.dtype = dtype;
@@ -155,14 +254,15 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
 
   std::optional<Error> local;
   EpShape sh;
+  World world = whole_world(comm);
   detail::SendPlan send;
   DispatchOutputs out;
+  int64_t* perf = nullptr;
   capture(hdr, local, [&] {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
-    reject_given(op, {{"scales", in.scales.has_value()},
-                      {"x_active_mask", in.x_active_mask.has_value()},
-                      {"elastic_info", in.elastic_info.has_value()},
-                      {"performance_info", in.performance_info.has_value()}});
+    world = resolve_world(op, cfg, in.elastic_info);
+    hdr.elastic = world.hash;
+    reject_given(op, {{"scales", in.scales.has_value()}});
     if (in.quant_mode == 2)
       detail::unsupported(op, ": quant_mode = 2 (int8) is not supported by this build");
     if (in.quant_mode != 0)
@@ -170,23 +270,44 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     if (in.expert_token_nums_type != 0 && in.expert_token_nums_type != 1)
       detail::invalid(op, ": expert_token_nums_type = ", in.expert_token_nums_type,
                       " is not one of {0, 1}");
+    perf = perf_ptr(op, in.performance_info, cfg);
     detail::expect_rows(op, "x", in.x);
-    sh = local_shape(cfg, in.x.shape[0], in.x.shape[1], in.x.dtype);
-    detail::check_expert_ids(op, in.expert_ids, sh.BS, sh.E);
+    sh = local_shape(cfg, world, in.x.shape[0], in.x.shape[1], in.x.dtype);
+    detail::check_expert_ids(op, in.expert_ids, sh.BS, sh.E, sh.pl.special);
     sh.K = in.expert_ids.shape[1];
+    sh.KS = sh.K + sh.pl.Ns;
+    if (in.x_active_mask) {
+      detail::check_active_mask(op, *in.x_active_mask, sh.BS, sh.K);
+      hdr.all_active = detail::mask_all_true(*in.x_active_mask) ? 1 : 0;
+    }
     if (in.expert_scales) detail::check_expert_scales(op, *in.expert_scales, sh.BS, sh.K);
+    if (world.removed) return;
     detail::compute_capacity(op, cfg.global_bs, sh);
-    send = detail::plan_sends(in.expert_ids, sh.W, sh.L);
+    const detail::Activity act{&in.expert_ids, in.x_active_mask ? &*in.x_active_mask : nullptr};
+    send = detail::plan_sends(act, sh.pl, sh.rank);
     // Allocated before the header exchange, so an allocation failure on one rank is reported to
     // every rank instead of leaving them waiting for its rows.
     out.expand_x = Tensor::empty(sh.dtype, {sh.A, sh.H});
     out.assist_info_for_combine = Tensor::zeros(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
     out.expand_scales = Tensor::zeros(DType::kF32, {sh.A});
   });
-  const auto headers = detail::agree_on_headers(comm, op, hdr, local ? &*local : nullptr);
-  check_batch_sizes(op, headers, cfg.global_bs, "x.shape[0]");
+  if (world.removed && !local) {
+    // Scaled in (SPEC §1.7): this rank takes no part; its outputs are empty.
+    out.expand_x = Tensor::zeros(sh.dtype, {0, sh.H});
+    out.assist_info_for_combine = Tensor::zeros(DType::kI32, {0});
+    out.expand_scales = Tensor::zeros(DType::kF32, {0});
+    out.expert_token_nums = Tensor::zeros(DType::kI64, {0});
+    out.ep_recv_counts = Tensor::zeros(DType::kI32, {0});
+    out.tp_recv_counts = Tensor::zeros(DType::kI32, {1});
+    return out;
+  }
+  if (local && world.removed) throw *local;
+  const auto headers =
+      detail::agree_on_headers(comm, world.peers, op, hdr, local ? &*local : nullptr);
+  check_batch_sizes(op, headers, world.peers, cfg.global_bs, "x.shape[0]");
 
   const int W = to_int(sh.W), L = to_int(sh.L);
+  const std::vector<int>& peers = world.peers;
   // Phase "counts": rank d learns how many rows each source sends for each of its local experts.
   auto counts_out = std::make_shared<std::vector<int32_t>>(send.counts);
   auto counts_in = std::make_shared<std::vector<int32_t>>(sh.W * sh.L, 0);
@@ -195,10 +316,12 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     ex.keep_alive(counts_out);
     ex.keep_alive(counts_in);
     for (int p = 0; p < W; ++p)
-      ex.irecv(counts_in->data() + p * L, L, MPI_INT32_T, p, detail::kTagCounts);
+      ex.irecv(counts_in->data() + p * L, L, MPI_INT32_T, peers[p], detail::kTagCounts);
     for (int p = 0; p < W; ++p)
-      ex.isend(counts_out->data() + p * L, L, MPI_INT32_T, p, detail::kTagCounts);
+      ex.isend(counts_out->data() + sh.pl.block_base(p), to_int(sh.pl.local_experts(p)),
+               MPI_INT32_T, peers[p], detail::kTagCounts);
     ex.wait();
+    if (perf) ex.add_recv_wait_us(perf);
   }
   const detail::RecvPlan recv = detail::plan_recvs_from_counts(*counts_in, sh.W, sh.L);
   MOE_EP_CHECK(recv.valid <= sh.A);
@@ -227,10 +350,10 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         disp[l] = static_cast<MPI_Aint>(recv.block_offset[l * W + s] * row_bytes);
       }
       types.push_back(detail::blocks_at(len, disp, row.get(), op));
-      ex.irecv(out.expand_x.data(), 1, types.back().get(), s, detail::kTagRows);
+      ex.irecv(out.expand_x.data(), 1, types.back().get(), peers[s], detail::kTagRows);
       meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
       ex.keep_alive(meta_in[s]);
-      ex.irecv(meta_in[s]->data(), to_int(recv.source_rows[s]), meta_type.get(), s,
+      ex.irecv(meta_in[s]->data(), to_int(recv.source_rows[s]), meta_type.get(), peers[s],
                detail::kTagMeta);
     }
     const int64_t x_row_stride = in.x.strides[0] * esize;
@@ -240,17 +363,19 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
       ex.keep_alive(meta_out[d]);
       for (int64_t j = 0; j < n; ++j) {
-        const int64_t flat = send.order[first + j], i = flat / sh.K, k = flat % sh.K;
+        const int64_t flat = send.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
         disp[j] = static_cast<MPI_Aint>(i * x_row_stride);
-        (*meta_out[d])[j] =
-            RowMeta{static_cast<int32_t>(i), static_cast<int32_t>(k),
-                    in.expert_scales ? detail::float_at(*in.expert_scales, i, k) : 0.0f};
+        // Shared-expert copies (slot >= K) carry no weight: expand_scales 0.
+        (*meta_out[d])[j] = RowMeta{
+            static_cast<int32_t>(i), static_cast<int32_t>(k),
+            in.expert_scales && k < sh.K ? detail::float_at(*in.expert_scales, i, k) : 0.0f};
       }
       types.push_back(detail::rows_at(disp, row.get(), op));
-      ex.isend(in.x.data, 1, types.back().get(), d, detail::kTagRows);
-      ex.isend(meta_out[d]->data(), to_int(n), meta_type.get(), d, detail::kTagMeta);
+      ex.isend(in.x.data, 1, types.back().get(), peers[d], detail::kTagRows);
+      ex.isend(meta_out[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagMeta);
     }
     ex.wait();
+    if (perf) ex.add_recv_wait_us(perf);
 
     int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
     float* scales = out.expand_scales.ptr<float>();
@@ -284,6 +409,45 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   return out;
 }
 
+namespace {
+
+// Row i of shared_expert_x: 2-D (BS, H), or 3-D (a, b, H) with a*b = BS.
+const char* shared_row(const TensorView& t, int64_t i) {
+  const int64_t es = static_cast<int64_t>(dtype_size(t.dtype));
+  const int64_t off = t.ndim == 2
+                          ? i * t.strides[0]
+                          : (i / t.shape[1]) * t.strides[0] + (i % t.shape[1]) * t.strides[1];
+  return static_cast<const char*>(t.data) + off * es;
+}
+
+void check_shared_expert_x(const char* op, const TensorView& t, const EpShape& sh) {
+  detail::expect_dtype(op, "shared_expert_x", t, {sh.dtype});
+  if (t.ndim != 2 && t.ndim != 3)
+    detail::invalid(op, ": shared_expert_x.ndim = ", t.ndim, " must be 2 (BS, H) or 3 (a, b, H)");
+  detail::expect_memory(op, "shared_expert_x", t);
+  const int last = t.ndim - 1;
+  detail::expect_size(op, "shared_expert_x", t, last, sh.H, "H, expand_x.shape[1]");
+  const int64_t rows = t.ndim == 2 ? t.shape[0] : t.shape[0] * t.shape[1];
+  if (rows != sh.BS)
+    detail::invalid(op, ": shared_expert_x has ", rows, " rows (",
+                    t.ndim == 2 ? "shape[0]" : "shape[0] * shape[1]", ") but BS = ", sh.BS,
+                    " (expert_ids.shape[0])");
+  if (sh.H > 1 && t.strides[last] != 1)
+    detail::unsupported(op, ": shared_expert_x.stride(", last, ") = ", t.strides[last],
+                        " is not 1 (rows may be strided, each row must be contiguous)");
+}
+
+// A (rows, H) tensor of expand_x's dtype: ori_x, const_expert_alpha_1/2, const_expert_v.
+void check_rows_like(const char* op, const char* name, const TensorView& t, int64_t rows,
+                     const char* rows_what, const EpShape& sh) {
+  detail::expect_rows(op, name, t);
+  detail::expect_dtype(op, name, t, {sh.dtype});
+  detail::expect_size(op, name, t, 0, rows, rows_what);
+  detail::expect_size(op, name, t, 1, sh.H, "H, expand_x.shape[1]");
+}
+
+}  // namespace
+
 Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   const char* op = "combine_v2";
   const Communicator& comm = require_comm(op, cfg);
@@ -295,31 +459,50 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
 
   std::optional<Error> local;
   EpShape sh;
+  World world = whole_world(comm);
   detail::SendPlan back;  // what this rank sent in dispatch = what it receives now
   detail::RecvPlan blocks;
-  std::shared_ptr<Tensor> y;  // the expert output of entry (i, k) at row i*K+k
+  std::shared_ptr<Tensor> y;  // the expert output of slot (i, k) at row i*KS+k
   Tensor out;
+  int64_t* perf = nullptr;
+  const TensorView* mask = in.x_active_mask ? &*in.x_active_mask : nullptr;
+  const int64_t Z = cfg.zero_expert_num, C = cfg.copy_expert_num, Q = cfg.const_expert_num;
   capture(hdr, local, [&] {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
-    reject_given(op, {{"tp_send_counts", in.tp_send_counts.has_value()},
-                      {"x_active_mask", in.x_active_mask.has_value()},
-                      {"shared_expert_x", in.shared_expert_x.has_value()},
-                      {"elastic_info", in.elastic_info.has_value()},
-                      {"ori_x", in.ori_x.has_value()},
-                      {"const_expert_alpha_1", in.const_expert_alpha_1.has_value()},
-                      {"const_expert_alpha_2", in.const_expert_alpha_2.has_value()},
-                      {"const_expert_v", in.const_expert_v.has_value()},
-                      {"performance_info", in.performance_info.has_value()}});
+    world = resolve_world(op, cfg, in.elastic_info);
+    hdr.elastic = world.hash;
+    reject_given(op, {{"tp_send_counts", in.tp_send_counts.has_value()}});
     if (in.comm_quant_mode == 2)
       detail::unsupported(op, ": comm_quant_mode = 2 (int8) is not supported by this build");
     if (in.comm_quant_mode != 0)
       detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");
+    perf = perf_ptr(op, in.performance_info, cfg);
     detail::expect_rows(op, "expand_x", in.expand_x);
     detail::expect_ndim(op, "expert_ids", in.expert_ids, 2);
-    sh = local_shape(cfg, in.expert_ids.shape[0], in.expand_x.shape[1], in.expand_x.dtype);
-    detail::check_expert_ids(op, in.expert_ids, sh.BS, sh.E);
+    sh = local_shape(cfg, world, in.expert_ids.shape[0], in.expand_x.shape[1], in.expand_x.dtype);
+    detail::check_expert_ids(op, in.expert_ids, sh.BS, sh.E, sh.pl.special);
     sh.K = in.expert_ids.shape[1];
+    sh.KS = sh.K + sh.pl.Ns;
+    if (mask) {
+      detail::check_active_mask(op, *mask, sh.BS, sh.K);
+      hdr.all_active = detail::mask_all_true(*mask) ? 1 : 0;
+    }
     detail::check_expert_scales(op, in.expert_scales, sh.BS, sh.K);
+    if (in.shared_expert_x) check_shared_expert_x(op, *in.shared_expert_x, sh);
+    if ((C > 0 || Q > 0) && !in.ori_x)
+      detail::invalid(op, ": ori_x is required when ",
+                      C > 0 ? "copy_expert_num = " : "const_expert_num = ", C > 0 ? C : Q, " > 0");
+    if (in.ori_x) check_rows_like(op, "ori_x", *in.ori_x, sh.BS, "BS, expert_ids.shape[0]", sh);
+    const std::pair<const char*, const std::optional<TensorView>*> consts[] = {
+        {"const_expert_alpha_1", &in.const_expert_alpha_1},
+        {"const_expert_alpha_2", &in.const_expert_alpha_2},
+        {"const_expert_v", &in.const_expert_v}};
+    for (const auto& [name, t] : consts) {
+      if (Q > 0 && !t->has_value())
+        detail::invalid(op, ": ", name, " is required when const_expert_num = ", Q, " > 0");
+      if (t->has_value()) check_rows_like(op, name, **t, Q, "const_expert_num", sh);
+    }
+    if (world.removed) return;
     detail::compute_capacity(op, cfg.global_bs, sh);
     blocks =
         detail::plan_recvs_from_inclusive(op, in.ep_send_counts, sh.W, sh.L, in.expand_x.shape[0]);
@@ -343,15 +526,19 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                           " in a block of source rank ", b % sh.W);
     if (in.expand_scales)
       detail::expect_tensor(op, "expand_scales", *in.expand_scales, {DType::kF32}, 1);
-    back = detail::plan_sends(in.expert_ids, sh.W, sh.L);
+    back = detail::plan_sends(detail::Activity{&in.expert_ids, mask}, sh.pl, sh.rank);
     // Allocated before the header exchange (see dispatch_v2).
-    y = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {sh.BS * sh.K, sh.H}));
+    y = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {sh.BS * sh.KS, sh.H}));
     out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
   });
-  const auto headers = detail::agree_on_headers(comm, op, hdr, local ? &*local : nullptr);
-  check_batch_sizes(op, headers, cfg.global_bs, "expert_ids.shape[0]");
+  if (local && world.removed) throw *local;
+  if (world.removed) return Tensor::zeros(sh.dtype, {sh.BS, sh.H});  // SPEC §1.7: no part
+  const auto headers =
+      detail::agree_on_headers(comm, world.peers, op, hdr, local ? &*local : nullptr);
+  check_batch_sizes(op, headers, world.peers, cfg.global_bs, "expert_ids.shape[0]");
 
   const int W = to_int(sh.W), L = to_int(sh.L);
+  const std::vector<int>& peers = world.peers;
   const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
   const int64_t row_bytes = sh.H * esize;
   {
@@ -369,11 +556,11 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       for (int64_t j = 0; j < n; ++j)
         disp[j] = static_cast<MPI_Aint>(back.order[first + j] * row_bytes);
       types.push_back(detail::rows_at(disp, row.get(), op));
-      ex.irecv(y->data(), 1, types.back().get(), d, detail::kTagCombineRows);
+      ex.irecv(y->data(), 1, types.back().get(), peers[d], detail::kTagCombineRows);
       expected[d] = n * row_bytes;
       meta_in[d] = std::make_shared<std::vector<BackMeta>>(n);
       ex.keep_alive(meta_in[d]);
-      ex.irecv(meta_in[d]->data(), to_int(n), meta_type.get(), d, detail::kTagCombineMeta);
+      ex.irecv(meta_in[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagCombineMeta);
     }
     const int64_t stride = in.expand_x.strides[0] * esize;
     const TensorView& ai = in.assist_info_for_combine;
@@ -390,58 +577,90 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
           disp.push_back(static_cast<MPI_Aint>(j * stride));
           meta_out[s]->push_back(BackMeta{static_cast<int32_t>(detail::index_at(ai, 3 * j + 1)),
                                           static_cast<int32_t>(detail::index_at(ai, 3 * j + 2)),
-                                          static_cast<int32_t>(sh.rank * sh.L + l)});
+                                          static_cast<int32_t>(sh.pl.expert_on(sh.rank, l))});
         }
       }
       types.push_back(detail::rows_at(disp, row.get(), op));
-      ex.isend(in.expand_x.data, 1, types.back().get(), s, detail::kTagCombineRows);
+      ex.isend(in.expand_x.data, 1, types.back().get(), peers[s], detail::kTagCombineRows);
       ex.isend(meta_out[s]->data(), to_int(static_cast<int64_t>(meta_out[s]->size())),
-               meta_type.get(), s, detail::kTagCombineMeta);
+               meta_type.get(), peers[s], detail::kTagCombineMeta);
     }
     std::vector<MPI_Status> st = ex.wait();  // receives were posted as (rows, meta) per peer
+    if (perf) ex.add_recv_wait_us(perf);
     for (int d = 0; d < W; ++d) {
       MPI_Count got = 0;
       detail::check_mpi(MPI_Get_elements_x(&st[2 * d], types[d].get(), &got), op,
                         "MPI_Get_elements_x");
       if (got != expected[d])
-        detail::invalid(op, ": rank ", d, " sent back ", got / std::max<int64_t>(row_bytes, 1),
-                        " rows but expert_ids on rank ", comm.rank(), " route ",
-                        expected[d] / std::max<int64_t>(row_bytes, 1),
+        detail::invalid(op, ": rank ", peers[d], " sent back ",
+                        got / std::max<int64_t>(row_bytes, 1), " rows but expert_ids on rank ",
+                        comm.rank(), " route ", expected[d] / std::max<int64_t>(row_bytes, 1),
                         " entries to it: expert_ids and ep_send_counts must be those of the "
                         "matching dispatch_v2");
     }
-    // Every row must be the one expert_ids put at that position: same (token, slot), same expert.
+    // Every row must be the one expert_ids put at that position: same (token, slot), same expert
+    // (a shared expert s is -1 - s).
     for (int d = 0; d < W; ++d) {
       const int64_t first = back.rank_offset[d];
       const std::vector<BackMeta>& m = *meta_in[d];
       for (int64_t j = 0; j < static_cast<int64_t>(m.size()); ++j) {
-        const int64_t flat = back.order[first + j], i = flat / sh.K, k = flat % sh.K;
-        const int64_t e = detail::index_at(in.expert_ids, i, k);
+        const int64_t flat = back.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
+        const int64_t e = k < sh.K ? detail::index_at(in.expert_ids, i, k) : -1 - (k - sh.K);
         if (m[j].token != i || m[j].slot != k || m[j].expert != e)
-          detail::invalid(op, ": expert_ids[", i, ",", k, "] = ", e, ", but rank ", d,
+          detail::invalid(op, ": expert_ids[", i, ",", k, "] = ", e, ", but rank ", peers[d],
                           " returned the output of expert ", m[j].expert, " for (token ",
                           m[j].token, ", slot ", m[j].slot,
-                          ") at that position: expert_ids must be those of the matching "
-                          "dispatch_v2 (same tokens, same order)");
+                          ") at that position: expert_ids (and x_active_mask) must be those of "
+                          "the matching dispatch_v2 (same tokens, same order)");
       }
     }
   }
 
-  // SPEC §2.3: per token, fp32 acc += expert_scales[i,k] * fp32(y_ik) for k in order, one rounding.
+  // SPEC §2.3 and §2.2, per active token, in fp32: for k = 0..K-1 (active entries), MoE expert:
+  // acc += w * y_ik; zero expert: nothing; copy expert: acc += w * ori_x[i]; const expert q:
+  // c = alpha_1[q] * ori_x[i] + alpha_2[q] * v[q] (each product rounded to fp32, then the sum),
+  // acc += w * c. Then the hosted shared experts in s order (unweighted), then shared_expert_x.
+  // Every product is rounded to fp32 before its add (-ffp-contract=off); one final rounding.
   const char* ybase = y->ptr<char>();
   char* obase = out.ptr<char>();
-  const int64_t BS = sh.BS, K = sh.K, H = sh.H;
+  const int64_t BS = sh.BS, K = sh.K, KS = sh.KS, H = sh.H, E = sh.E, Ns = sh.pl.Ns;
   const DType dtype = sh.dtype;
+  const detail::Activity act{&in.expert_ids, mask};
 #pragma omp parallel if (BS * H > (1 << 16))
   {
-    std::vector<float> acc(static_cast<std::size_t>(H));
+    std::vector<float> acc(static_cast<std::size_t>(H)), c(static_cast<std::size_t>(H));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < BS; ++i) {
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t k = 0; k < K; ++k) {
-        if (detail::index_at(in.expert_ids, i, k) < 0) continue;
-        detail::axpy_row_f32(acc.data(), detail::float_at(in.expert_scales, i, k),
-                             ybase + (i * K + k) * row_bytes, dtype, H);
+      if (act.token(i)) {
+        for (int64_t k = 0; k < K; ++k) {
+          if (!act.entry(i, k)) continue;
+          const int64_t e = detail::index_at(in.expert_ids, i, k);
+          const float w = detail::float_at(in.expert_scales, i, k);
+          if (e < E) {
+            detail::axpy_row_f32(acc.data(), w, ybase + (i * KS + k) * row_bytes, dtype, H);
+          } else if (e < E + Z) {
+            // zero expert: contributes nothing
+          } else if (e < E + Z + C) {
+            detail::axpy_row_f32(acc.data(), w, detail::row_ptr(*in.ori_x, i), dtype, H);
+          } else {
+            const int64_t q = e - (E + Z + C);
+            const char* ox = detail::row_ptr(*in.ori_x, i);
+            const char* a1 = detail::row_ptr(*in.const_expert_alpha_1, q);
+            const char* a2 = detail::row_ptr(*in.const_expert_alpha_2, q);
+            const char* v = detail::row_ptr(*in.const_expert_v, q);
+            for (int64_t h = 0; h < H; ++h) {
+              const float t1 = detail::load_f32(a1, dtype, h) * detail::load_f32(ox, dtype, h);
+              const float t2 = detail::load_f32(a2, dtype, h) * detail::load_f32(v, dtype, h);
+              c[h] = t1 + t2;
+            }
+            detail::axpy_row_f32(acc.data(), w, c.data(), DType::kF32, H);
+          }
+        }
+        for (int64_t s = 0; s < Ns; ++s)
+          detail::add_row_f32(acc.data(), ybase + (i * KS + K + s) * row_bytes, dtype, H);
+        if (in.shared_expert_x)
+          detail::add_row_f32(acc.data(), shared_row(*in.shared_expert_x, i), dtype, H);
       }
       detail::store_row_f32(obase + i * row_bytes, dtype, acc.data(), H);
     }

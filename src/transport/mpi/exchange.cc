@@ -125,6 +125,7 @@ std::vector<MPI_Status> Exchange::wait() {
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(comm_.timeout_s()));
   const int n = static_cast<int>(reqs_.size());
+  done_us_.assign(n, 0);
   std::vector<MPI_Status> all(n), got(n);
   std::vector<int> idx(n);
   std::string mpi_failure;
@@ -135,8 +136,13 @@ std::vector<MPI_Status> Exchange::wait() {
     const int rc = MPI_Testsome(n, reqs_.data(), &outcount, idx.data(), got.data());
     if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) check_mpi(rc, op_, "MPI_Testsome");
     if (outcount == MPI_UNDEFINED) break;  // every request is complete
+    const int64_t now_us =
+        outcount > 0
+            ? std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count()
+            : 0;
     for (int j = 0; j < outcount; ++j) {
       all[idx[j]] = got[j];
+      done_us_[idx[j]] = now_us;
       if (rc == MPI_ERR_IN_STATUS && got[j].MPI_ERROR != MPI_SUCCESS && mpi_failure.empty()) {
         int cls = 0;
         MPI_Error_class(got[j].MPI_ERROR, &cls);
@@ -190,9 +196,26 @@ std::vector<MPI_Status> Exchange::wait() {
   return recv_status;
 }
 
-std::vector<OpHeader> agree_on_headers(const Communicator& comm, const char* op,
-                                       const OpHeader& mine, const Error* local) {
-  const int W = comm.size(), me = comm.rank();
+void Exchange::add_recv_wait_us(int64_t* per_peer) const {
+  std::vector<std::pair<int, int64_t>> last;  // (peer, latest completion)
+  for (std::size_t i = 0; i < reqs_.size() && i < done_us_.size(); ++i) {
+    if (!is_recv_[i]) continue;
+    auto it = std::find_if(last.begin(), last.end(),
+                           [&](const auto& pr) { return pr.first == peer_[i]; });
+    if (it == last.end())
+      last.emplace_back(peer_[i], done_us_[i]);
+    else
+      it->second = std::max(it->second, done_us_[i]);
+  }
+  for (const auto& [peer, us] : last) per_peer[peer] += us;
+}
+
+std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
+                                       const char* op, const OpHeader& mine, const Error* local) {
+  const int W = static_cast<int>(peers.size());
+  const int me =
+      static_cast<int>(std::find(peers.begin(), peers.end(), comm.rank()) - peers.begin());
+  MOE_EP_CHECK(me < W);
   auto headers = std::make_shared<std::vector<OpHeader>>(W);
   auto sent = std::make_shared<OpHeader>(mine);
   (*headers)[me] = mine;
@@ -202,8 +225,8 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const char* op,
     ex.keep_alive(sent);
     for (int p = 0; p < W; ++p) {
       if (p == me) continue;
-      ex.irecv(&(*headers)[p], sizeof(OpHeader), MPI_BYTE, p, kTagHeader);
-      ex.isend(sent.get(), sizeof(OpHeader), MPI_BYTE, p, kTagHeader);
+      ex.irecv(&(*headers)[p], sizeof(OpHeader), MPI_BYTE, peers[p], kTagHeader);
+      ex.isend(sent.get(), sizeof(OpHeader), MPI_BYTE, peers[p], kTagHeader);
     }
     ex.wait();
   }
@@ -211,18 +234,19 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const char* op,
   if (local != nullptr) throw *local;
   for (int p = 0; p < W; ++p) {
     if (h[p].magic != mine.magic)
-      invalid(op, ": rank ", p, " sent a malformed header (is it running another library on the ",
+      invalid(op, ": rank ", peers[p],
+              " sent a malformed header (is it running another library on the ",
               "same communicator?)");
     if (h[p].op != mine.op)
-      invalid(op, ": the ranks called different ops: rank ", me, " called ", op_name(mine.op),
-              ", rank ", p, " called ", op_name(h[p].op),
+      invalid(op, ": the ranks called different ops: rank ", peers[me], " called ",
+              op_name(mine.op), ", rank ", peers[p], " called ", op_name(h[p].op),
               " (collective ops must be called in the "
               "same order on every rank)");
   }
   for (int p = 0; p < W; ++p)
     if (!h[p].ok) {
       std::string msg(h[p].message, strnlen(h[p].message, sizeof(h[p].message)));
-      fail(ErrorKind::kRemote, op, ": rank ", p, " failed: ", msg);
+      fail(ErrorKind::kRemote, op, ": rank ", peers[p], " failed: ", msg);
     }
   struct Field {
     const char* name;
@@ -241,21 +265,24 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const char* op,
       {"const_expert_num", &OpHeader::const_expert_num},
       {"comm_alg", &OpHeader::comm_alg},
       {"K (expert_ids.shape[1])", &OpHeader::K},
+      {"elastic_info (hash of the table)", &OpHeader::elastic},
   };
   const bool dispatch = mine.op == 1;
   for (const Field& f : fields)
     for (int p = 1; p < W; ++p)
       if (h[p].*f.member != h[0].*f.member)
-        invalid(op, ": ", f.name, " differs across ranks: rank 0 has ", h[0].*f.member, ", rank ",
-                p, " has ", h[p].*f.member, " (every rank must pass the same value)");
+        invalid(op, ": ", f.name, " differs across ranks: rank ", peers[0], " has ", h[0].*f.member,
+                ", rank ", peers[p], " has ", h[p].*f.member,
+                " (every rank must pass the same value)");
   const char* xname = dispatch ? "x" : "expand_x";
   for (int p = 1; p < W; ++p) {
     if (h[p].H != h[0].H)
-      invalid(op, ": H (", xname, ".shape[1]) differs across ranks: rank 0 has ", h[0].H, ", rank ",
-              p, " has ", h[p].H, " (every rank must pass the same value)");
+      invalid(op, ": H (", xname, ".shape[1]) differs across ranks: rank ", peers[0], " has ",
+              h[0].H, ", rank ", peers[p], " has ", h[p].H,
+              " (every rank must pass the same value)");
     if (h[p].dtype != h[0].dtype)
-      invalid(op, ": ", xname, " dtype differs across ranks: rank 0 has ",
-              dtype_name(static_cast<DType>(h[0].dtype)), ", rank ", p, " has ",
+      invalid(op, ": ", xname, " dtype differs across ranks: rank ", peers[0], " has ",
+              dtype_name(static_cast<DType>(h[0].dtype)), ", rank ", peers[p], " has ",
               dtype_name(static_cast<DType>(h[p].dtype)), " (every rank must pass the same dtype)");
   }
   return h;

@@ -78,6 +78,11 @@ class Exchange {
   // ranks' arguments disagree).
   std::vector<MPI_Status> wait();
 
+  // After wait(): for every peer with a receive in this phase, adds to per_peer[peer] the
+  // microseconds from the start of wait() until that peer's last receive completed (SPEC §1.8
+  // performance_info; `peer` is the communicator rank).
+  void add_recv_wait_us(int64_t* per_peer) const;
+
  private:
   const Communicator& comm_;
   const char* op_;
@@ -85,6 +90,7 @@ class Exchange {
   std::vector<MPI_Request> reqs_;
   std::vector<int> peer_;
   std::vector<char> is_recv_;
+  std::vector<int64_t> done_us_;  // per request: microseconds from the start of wait()
   std::vector<std::shared_ptr<const void>> keep_;
 };
 
@@ -98,17 +104,21 @@ struct OpHeader {
           shared_expert_rank_num = 0, expert_shard_type = 0, global_bs = 0, zero_expert_num = 0,
           copy_expert_num = 0, const_expert_num = 0, comm_alg = 0;
   int64_t BS = 0, H = 0, K = 0, dtype = 0;
+  int64_t elastic = 0;     // hash of elastic_info (0: none or not scaled down)
+  int32_t all_active = 1;  // 0: x_active_mask given and not all True
+  int32_t pad = 0;
   char message[400] = {};  // the local error, truncated
 };
 
-// Exchanges `mine` with every rank of `comm` (phase "header") and returns all headers, indexed by
-// rank. Then, in this order:
+// Exchanges `mine` with the ranks `peers` of `comm` (the op's world, in its rank order: all of
+// comm's ranks, or the survivors of a scale-in; `comm.rank()` must be one of them) in phase
+// "header" and returns their headers in that order. Then, in this order:
 //   - `local` is set (this rank failed validation): rethrows it;
 //   - another rank failed: throws Error(kRemote) "<op>: rank <r> failed: <its message>" (lowest r);
 //   - the ranks disagree on an argument that must be equal (op, ep_world_size, moe_expert_num,
 //     global_bs, H, K, dtype, ...): throws Error(kInvalidArgument) on every rank naming the
 //     argument, two ranks and their values.
-std::vector<OpHeader> agree_on_headers(const Communicator& comm, const char* op,
-                                       const OpHeader& mine, const Error* local);
+std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
+                                       const char* op, const OpHeader& mine, const Error* local);
 
 }  // namespace moe_ep::detail
