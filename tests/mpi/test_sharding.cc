@@ -336,6 +336,35 @@ TEST(Sharding, GradProbsPartialIsFp32AndSumsToTheFullValue) {
   EXPECT_TRUE(same_bits(full, want.grad_probs));
 }
 
+TEST(Sharding, PartialGradOutIsReduceScatteredToStrategyS) {
+  // grad_out arrives as a Partial (e.g. from a row-parallel layer): rank 0 holds the values, the
+  // others zeros, so the sum is exact and the result must equal the single-process op bitwise.
+  const Communicator& m = *mesh();
+  const int64_t n = 6, h = 10, topk = 2;
+  const Tensor tokens = random_rows(DType::kBF16, n, h, 501);
+  const Tensor idx = random_indices(DType::kI32, n, topk, 4, 502);
+  const Tensor probs = random_rows(DType::kBF16, n, topk, 503);
+  const Tensor grad_out = random_rows(DType::kBF16, n, h, 504);
+  const auto pr = moe_ep::permute({.tokens = tokens, .indices = idx, .num_out_tokens = -1});
+  const auto want = moe_ep::unpermute_grad({.permuted_tokens = pr.permuted_tokens,
+                                            .grad_out = grad_out,
+                                            .sorted_indices = pr.sorted_indices,
+                                            .probs = probs.view(),
+                                            .padded_mode = false,
+                                            .restore_shape = std::nullopt});
+  const Tensor mine = m.rank() == 0 ? grad_out : Tensor::zeros(DType::kBF16, {n, h});
+  auto g = sharded::unpermute_grad(m, {.permuted_tokens = place(pr.permuted_tokens, Replicate()),
+                                       .grad_out = DTensor::from_local(mine, Partial(), {n, h}),
+                                       .sorted_indices = place(pr.sorted_indices, Replicate()),
+                                       .probs = place(probs, Replicate())});
+  const int st = m.size() > 1 ? 1 : 0;
+  EXPECT_EQ(g.choice.index, st);
+  expect_full(g.grad_permuted_tokens, want.grad_permuted_tokens, hidden(st),
+              "grad_permuted_tokens from a Partial grad_out");
+  expect_grad_probs(g.grad_probs, want.grad_probs, st, grad_out, pr.permuted_tokens,
+                    pr.sorted_indices, "grad_probs from a Partial grad_out");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Redistribution.
 
