@@ -98,8 +98,7 @@ DTensor move_boxes(const Communicator& mesh, const char* op, const DTensor& x, P
   const Box have = box_of(x.global_shape, x.placement, n, me);
   const Box want = box_of(x.global_shape, to, n, me);
   auto out = std::make_shared<Tensor>(fresh(dt, box_shape(want)));
-  // Packed pieces kept alive by the exchange if it is abandoned.
-  std::vector<std::shared_ptr<Tensor>> packs;
+  // Pieces received into temporaries (regions not contiguous in `out`), unpacked after the wait.
   std::vector<std::pair<Box, std::shared_ptr<Tensor>>> unpack;
   {
     Exchange ex(mesh, op, "redistribute");
@@ -137,8 +136,7 @@ DTensor move_boxes(const Communicator& mesh, const char* op, const DTensor& x, P
     ex.wait();
   }
   for (const auto& [region, tmp] : unpack) copy_box(tmp->view(), region, out->view(), want, region);
-  DTensor r = DTensor::from_local(*out, to, x.global_shape);
-  return r;
+  return DTensor::from_local(*out, to, x.global_shape);
 }
 
 // Sums `parts` (each `count` elements in dtype `src`, rank order) in fp32 and rounds once to `dst`.
@@ -315,7 +313,6 @@ DTensor redistribute_agreed(const Communicator& mesh, const char* op, const char
   }
   if (from.is_replicate() || n == 1) {
     // A local slice: a view into x.local (on one rank every placement holds everything).
-    const Box all = box_of(x.global_shape, Replicate(), n, me);
     const Box have = box_of(x.global_shape, from, n, me);
     const Box want = box_of(x.global_shape, to, n, me);
     DTensor r = x;
@@ -326,7 +323,6 @@ DTensor redistribute_agreed(const Communicator& mesh, const char* op, const char
       off += (want.lo[d] - have.lo[d]) * v.strides[d];
       v.shape[d] = want.len[d];
     }
-    (void)all;
     if (want.numel() > 0)
       v.data = static_cast<char*>(v.data) + off * static_cast<int64_t>(dtype_size(v.dtype));
     r.local = v;
