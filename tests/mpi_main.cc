@@ -5,22 +5,27 @@
 #include <mpi.h>
 
 #include <cstdio>
+#include <string>
 
 namespace {
 
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:
   explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  // The name is taken here: current_test_info() inside OnTestPartResult would deadlock on gtest's
+  // own mutex.
+  void OnTestStart(const ::testing::TestInfo& info) override {
+    name_ = std::string(info.test_suite_name()) + "." + info.name();
+  }
   void OnTestPartResult(const ::testing::TestPartResult& r) override {
     if (!r.failed()) return;
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::fprintf(stderr, "[rank %d] %s.%s: %s:%d: %s\n", rank_, test ? test->test_suite_name() : "",
-                 test ? test->name() : "", r.file_name() ? r.file_name() : "?", r.line_number(),
-                 r.summary());
+    std::fprintf(stderr, "[rank %d] %s: %s:%d: %s\n", rank_, name_.c_str(),
+                 r.file_name() ? r.file_name() : "?", r.line_number(), r.summary());
   }
 
  private:
   int rank_;
+  std::string name_;
 };
 
 }  // namespace
