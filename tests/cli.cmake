@@ -52,10 +52,12 @@ moe_ep_add_mpi_test(NAME cli.run.zero_tokens
 
 # Save/load round trips: the output at another W is byte-for-byte the saved one; with
 # --expert-fn scale every output is also recomputed independently by stcheck.py (SPEC §2.3).
+# An optional sixth argument holds flags of the saving run only.
 function(cli_roundtrip name save_np load_nps experts args)
   add_test(NAME cli.roundtrip.${name}
            COMMAND ${CMAKE_COMMAND} -DMPIEXEC=${_mpi} -DEXE=${_exe} -DWORK=${_work}/${name}
-                   "-DARGS=${args}" -DSAVE_NP=${save_np} "-DLOAD_NPS=${load_nps}"
+                   "-DARGS=${args}" "-DSAVE_ARGS=${ARGV5}" -DSAVE_NP=${save_np}
+                   "-DLOAD_NPS=${load_nps}"
                    -DEXPERTS=${experts} -DPYTHON=${Python3_EXECUTABLE}
                    -DSTCHECK=${_cli}/stcheck.py -P ${_cli}/roundtrip.cmake)
   set_tests_properties(cli.roundtrip.${name} PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
@@ -114,8 +116,9 @@ cli_expect_error(top_k_above_experts "K = 9 exceeds the number of experts E = 8"
                  "${_mpi} -n 1 ${_exe} run --preset mixtral-8x7b --top-k 9")
 cli_expect_error(bad_dtype "--dtype" "${_mpi} -n 1 ${_exe} run --dtype int8")
 cli_expect_error(no_subcommand "subcommand" "${_mpi} -n 1 ${_exe}")
-cli_expect_error(experts_not_divisible "E = 8 experts cannot be split evenly over W = 3"
-                 "${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --tokens 2 --ffn 8")
+cli_expect_error(experts_not_divisible
+                 "--redundant-experts 0: E \\+ R = 8 \\+ 0 = 8 expert slots cannot be split evenly over W = 3 ranks"
+                 "${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --tokens 2 --ffn 8 --redundant-experts 0")
 cli_expect_error(missing_routing_file "InvalidArgument: real routing: cannot open '/nonexistent/x.csv'"
                  "${_mpi} -n 2 ${_exe} run --routing-file /nonexistent/x.csv")
 cli_expect_error(unknown_domain "domain 'poetry' is not in .*\\(has arxiv, book, c4"
@@ -181,8 +184,9 @@ cli_expect_error_once(id_out_of_range_file_row
                       "InvalidArgument: dispatch_v2: expert_ids\\[3,1\\][^\n]*\\(rank 1 holds rows \\[4, 8\\) of routing file '[^']*range.safetensors': expert_ids\\[3,\\*\\] is file row 7\\)"
                       "${_run2} --load-routing ${_bad}/range.safetensors"
                       FIXTURES_REQUIRED cli_bad_ids)
-cli_expect_error_once(experts_not_divisible_once "E = 8 experts cannot be split evenly over W = 3"
-                      "${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --tokens 2 --ffn 8")
+cli_expect_error_once(experts_not_divisible_once
+                      "--redundant-experts 0: E \\+ R = 8 \\+ 0 = 8 expert slots cannot be split evenly over W = 3 ranks \\(SPEC §1.3: moe_expert_num % ep_world_size == 0 with moe_expert_num = E \\+ R\\); use --redundant-experts 1 \\(the default: the smallest R with \\(E \\+ R\\) % 3 == 0\\); or 4 ranks"
+                      "${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --tokens 2 --ffn 8 --redundant-experts 0")
 
 # Flags a loaded batch would silently ignore are errors.
 cli_expect_error(load_with_tokens
@@ -242,8 +246,18 @@ moe_ep_add_mpi_test(NAME cli.run.deepseek_shared_local_scale
                             --expert-fn scale
                     NPROCS 1 2 4 TIMEOUT 120)
 # The issue's run with one shared-expert rank: 256 experts cannot be split over the 3 MoE ranks
-# (SPEC §1.3), so the tool asks for --experts 192 (a multiple of 3 the real data's 64 experts map
-# onto); with it the run passes.
+# (SPEC §1.3), so by default the tool adds R = 2 redundant expert slots (DeepSeek's EPLB) holding
+# replicas of the two busiest experts (by the real data's p_e): 258 slots, 86 per MoE rank. The
+# routing stays over the 256 experts; even tokens use an expert's own slot, odd ones its replica.
+# The header names the replicas and the run shows both copies of each receive rows.
+add_test(NAME cli.run.deepseek_shared_rank_acceptance
+         COMMAND ${_mpi} -n 4 --oversubscribe ${_exe} run --preset deepseek-v3 --ffn 128
+                 --tokens 16 --shared-experts 1 --shared-expert-ranks 1 --routing real)
+set_tests_properties(cli.run.deepseek_shared_rank_acceptance PROPERTIES
+  ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 240 PROCESSORS 4
+  PASS_REGULAR_EXPRESSION "E 256 \\(\\+2 redundant slots: replicas of experts [0-9]+, [0-9]+\\)  K 8 .*moe_expert_num = E \\+ R = 258; slot p on rank 1 \\+ p / 86;.*redundant slots used \\(rows per slot, original first\\): expert [0-9]+ on slots [0-9]+/25[67]: [1-9][0-9]*/[1-9][0-9]* rows; expert [0-9]+ on slots [0-9]+/25[67]: [1-9][0-9]*/[1-9][0-9]* rows\n.*\nPASS\n"
+  FAIL_REGULAR_EXPRESSION "FAIL")
+# With --experts 192 (a multiple of 3 the real data's 64 experts map onto) no slot is redundant.
 moe_ep_add_mpi_test(NAME cli.run.deepseek_shared_rank_real
                     COMMAND ${_exe} run --preset deepseek-v3 --ffn 128 --tokens 16
                             --shared-experts 1 --shared-expert-ranks 1 --routing real
@@ -308,6 +322,29 @@ cli_roundtrip(mask_special_scale 2 "1 4" ""
 cli_roundtrip(mask_prefix_shared 2 "2" ""
               "--preset deepseek-v3 --hidden 64 --ffn 16 --tokens 4 --mask prefix")
 
+# ---- Redundant expert slots (DeepSeek's EPLB): --redundant-experts ---------------------------
+# Saved at 4 ranks with one shared-expert rank (R = 2: replicas of the two busiest experts, even
+# tokens to the original slot, odd ones to the replica; special ids shifted by R), reloaded at 2
+# ranks with S = 0 (R = 0) and at 3 ranks (R = 2, replicas chosen from the file's counts): the
+# outputs are byte-for-byte the same (a replica computes exactly its logical expert).
+cli_roundtrip(redundant_shared_special_scale 4 "2 3" ""
+              "--preset deepseek-v3 --hidden 128 --tokens 6 --expert-fn scale --zero-experts 1 --copy-experts 1 --const-experts 2 --mask entries"
+              "--shared-expert-ranks 1")
+# More redundant slots than experts: E 4 + R 5 = 9 slots over 3 ranks; uniform routing replicates
+# experts 0, 1, 2, 3, 0 (expert 0 has three copies: token index mod 3).
+add_test(NAME cli.run.redundant_cycle_uniform
+         COMMAND ${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --experts 4
+                 --routing uniform --redundant-experts 5 --hidden 64 --tokens 12 --expert-fn scale)
+set_tests_properties(cli.run.redundant_cycle_uniform PROPERTIES
+  ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120 PROCESSORS 3
+  PASS_REGULAR_EXPRESSION "E 4 \\(\\+5 redundant slots: replicas of experts 0, 1, 2, 3, 0\\).*expert 0 on slots 0/4/8: [1-9][0-9]*/[1-9][0-9]*/[1-9][0-9]* rows; expert 1 on slots 1/5: .*\nPASS\n"
+  FAIL_REGULAR_EXPRESSION "FAIL")
+# 8 experts at 3 ranks (R = 1, gate routing: a replica of expert 0), swiglu.
+moe_ep_add_mpi_test(NAME cli.run.redundant_mixtral_gate_swiglu
+                    COMMAND ${_exe} run --preset mixtral-8x7b --routing gate --hidden 128 --ffn 16
+                            --tokens 8
+                    NPROCS 3 TIMEOUT 120)
+
 # Errors of the new flags: non-zero exit, a message naming the parameter.
 cli_expect_error(mask_not_prefix
                  "dispatch_v2: x_active_mask\\[2\\] = true follows x_active_mask\\[1\\] = false"
@@ -346,10 +383,20 @@ cli_expect_error(two_shared_without_ranks
 cli_expect_error_once(shared_ranks_all
                       "--shared-expert-ranks 2 \\(shared_expert_rank_num\\) must be below the 2 EP ranks"
                       "${_mpi} -n 2 --oversubscribe ${_exe} run --preset deepseek-v3 --shared-expert-ranks 2")
-# The issue's command as given: 256 experts over W - S = 3 MoE ranks is impossible (SPEC §1.3).
+# The issue's command without redundant slots: 256 experts over W - S = 3 MoE ranks is impossible
+# (SPEC §1.3); the message names the default R and the other ways out.
 cli_expect_error_once(deepseek_shared_rank_w4
-                      "InvalidArgument: moe-ep run: E = 256 experts cannot be split evenly over the W_ep - S = 4 - 1 = 3 MoE ranks \\(SPEC §1.3: moe_expert_num % \\(ep_world_size - shared_expert_rank_num\\) == 0[^\n]*; use --experts 192, --shared-expert-ranks 2 or 5 ranks \\(with --routing real, E must also map onto the data's 64 experts\\)"
-                      "${_mpi} -n 4 --oversubscribe ${_exe} run --preset deepseek-v3 --ffn 128 --tokens 16 --shared-experts 1 --shared-expert-ranks 1 --routing real")
+                      "InvalidArgument: moe-ep run: --redundant-experts 0: E \\+ R = 256 \\+ 0 = 256 expert slots cannot be split evenly over the W_ep - S = 4 - 1 = 3 MoE ranks \\(SPEC §1.3: moe_expert_num % \\(ep_world_size - shared_expert_rank_num\\) == 0 with moe_expert_num = E \\+ R[^\n]*; use --redundant-experts 2 \\(the default: the smallest R with \\(E \\+ R\\) % 3 == 0\\); or --experts 192, --shared-expert-ranks 2 or 5 ranks \\(with --routing real, E must also map onto the data's 64 experts\\)"
+                      "${_mpi} -n 4 --oversubscribe ${_exe} run --preset deepseek-v3 --ffn 128 --tokens 16 --shared-experts 1 --shared-expert-ranks 1 --routing real --redundant-experts 0")
+# An explicit R must fill the MoE ranks evenly.
+cli_expect_error_once(redundant_not_multiple
+                      "InvalidArgument: moe-ep run: --redundant-experts 1: E \\+ R = 256 \\+ 1 = 257 expert slots cannot be split evenly over the W_ep - S = 4 - 1 = 3 MoE ranks \\(SPEC §1.3: moe_expert_num % \\(ep_world_size - shared_expert_rank_num\\) == 0 with moe_expert_num = E \\+ R[^\n]*; use --redundant-experts 2 \\(the default"
+                      "${_mpi} -n 4 --oversubscribe ${_exe} run --preset deepseek-v3 --ffn 16 --hidden 64 --tokens 2 --shared-expert-ranks 1 --redundant-experts 1")
+cli_expect_error(redundant_negative "--redundant-experts: must be an integer in \\[0, 2147483646\\], got -1"
+                 "${_mpi} -n 1 ${_exe} run --redundant-experts -1")
+cli_expect_error_once(redundant_tp_not_one_per_rank
+                      "--tp 2 needs one expert per MoE rank [^\n]*but E = 2 \\+ R = 2 redundant over W_ep = 2 ranks gives 2 per rank; use --redundant-experts 0 \\(E \\+ R = W_ep - S\\)"
+                      "${_mpi} -n 4 --oversubscribe ${_exe} run --tp 2 --experts 2 --top-k 2 --hidden 64 --tokens 2 --expert-fn scale --redundant-experts 2")
 cli_expect_error(top_k_above_all_experts "K = 5 exceeds the number of experts E = 2 \\+ Z \\+ C \\+ Q = 4"
                  "${_mpi} -n 1 ${_exe} run --experts 2 --top-k 5 --zero-experts 1 --copy-experts 1")
 cli_expect_error(bad_mask "--mask" "${_mpi} -n 1 ${_exe} run --mask half")

@@ -4,10 +4,12 @@
 #      output must be byte-for-byte identical (SPEC §2.3 makes it independent of W).
 #   3. With EXPERTS set (--expert-fn scale): stcheck.py recomputes SPEC §2.3 independently from
 #      the routing file and checks every output bit for bit.
-# -D: MPIEXEC, EXE, WORK, ARGS (space-separated), SAVE_NP, LOAD_NPS (space-separated),
+# -D: MPIEXEC, EXE, WORK, ARGS (space-separated), SAVE_ARGS (optional: flags of the saving run
+#     only, e.g. another --shared-expert-ranks), SAVE_NP, LOAD_NPS (space-separated),
 #     PYTHON and STCHECK (with EXPERTS).
 separate_arguments(args UNIX_COMMAND "${ARGS}")
 separate_arguments(load_nps UNIX_COMMAND "${LOAD_NPS}")
+separate_arguments(save_args UNIX_COMMAND "${SAVE_ARGS}")
 # The loading runs drop what the file fixes (--load-routing rejects these flags).
 set(load_args "")
 set(skip_value FALSE)
@@ -46,7 +48,7 @@ function(check_scale output)
 endfunction()
 
 set(saved "${WORK}/out_np${SAVE_NP}.safetensors")
-run_tool(${SAVE_NP} "${args}" --save-routing ${routing} --save-output ${saved})
+run_tool(${SAVE_NP} "${args}" ${save_args} --save-routing ${routing} --save-output ${saved})
 check_scale(${saved})
 foreach(np IN LISTS load_nps)
   set(loaded "${WORK}/out_load_np${np}.safetensors")

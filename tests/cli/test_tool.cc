@@ -1,6 +1,6 @@
 // Unit tests of the moe-ep tool's pure parts: safetensors I/O, the batch files, token splitting,
-// the real-routing data mapping, routing determinism, the scoring rules, the output check and the
-// checks made before a run (flags, sizes, memory, files).
+// the real-routing data mapping, routing determinism, the scoring rules, redundant expert slots,
+// the output check and the checks made before a run (flags, sizes, memory, files).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -17,6 +17,7 @@
 #include "moe_ep/error.h"
 #include "numeric.h"
 #include "presets.h"
+#include "redundant.h"
 #include "reference.h"
 #include "rng.h"
 #include "routing.h"
@@ -541,6 +542,70 @@ TEST(Batch, MaskRoundTripsAndIsChecked) {
             "routing file '" + path +
                 "': tensor 'x_active_mask' is BOOL [2], expected BOOL [3] or [3, 2]");
   std::filesystem::remove(path);
+}
+
+TEST(Redundant, AutoIsTheSmallestRFillingTheMoeRanks) {
+  EXPECT_EQ(auto_redundant(256, 3), 2);  // 258 = 3 x 86
+  EXPECT_EQ(auto_redundant(256, 4), 0);
+  EXPECT_EQ(auto_redundant(8, 3), 1);
+  EXPECT_EQ(auto_redundant(2, 5), 3);
+  EXPECT_EQ(auto_redundant(7, 1), 0);
+  for (int64_t E = 1; E < 40; ++E) {
+    for (int64_t m = 1; m < 12; ++m) {
+      const int64_t R = auto_redundant(E, m);
+      EXPECT_EQ((E + R) % m, 0);
+      EXPECT_LT(R, m);
+    }
+  }
+}
+
+TEST(Redundant, ReplicasOfTheBusiestAlternateByGlobalToken) {
+  // Loads: expert 2 the busiest, then 0 and 3 tied (lower id first).
+  const RedundantExperts r = make_redundant(5, 2, {0.2, 0.1, 0.4, 0.2, 0.1});
+  EXPECT_EQ(r.replica_of, (std::vector<int32_t>{2, 0}));
+  EXPECT_EQ(r.describe(), "replicas of experts 2, 0");
+  EXPECT_EQ(r.logical(5), 2);
+  EXPECT_EQ(r.logical(6), 0);
+  EXPECT_EQ(r.logical(3), 3);
+  // Even global tokens: the original slot; odd ones: the replica.
+  EXPECT_EQ(r.physical(2, 10), 2);
+  EXPECT_EQ(r.physical(2, 11), 5);
+  EXPECT_EQ(r.physical(0, 0), 0);
+  EXPECT_EQ(r.physical(0, 7), 6);
+  EXPECT_EQ(r.physical(1, 7), 1);  // not replicated
+  // Special ids come after the E + R slots; -1 (inactive) is kept.
+  EXPECT_EQ(r.physical(5, 3), 7);
+  EXPECT_EQ(r.physical(8, 4), 10);
+  EXPECT_EQ(r.physical(-1, 1), -1);
+  // W-independent: mapping a batch in per-rank slices equals mapping it whole.
+  const int64_t N = 9, K = 2;
+  std::vector<int32_t> logical_ids(N * K), whole(N * K), sliced(N * K);
+  for (int64_t i = 0; i < N * K; ++i) logical_ids[i] = static_cast<int32_t>((i * 3) % 7);
+  r.map_rows(logical_ids.data(), whole.data(), 0, N, K);
+  for (int64_t first : {0, 4, 7}) {
+    const int64_t count = first == 0 ? 4 : first == 4 ? 3 : 2;
+    r.map_rows(logical_ids.data() + first * K, sliced.data() + first * K, first, count, K);
+  }
+  EXPECT_EQ(whole, sliced);
+  // Both copies of a replicated expert are used, each on half of its entries.
+  int64_t original = 0, replica = 0;
+  for (int64_t g = 0; g < 100; ++g) (r.physical(2, g) == 2 ? original : replica) += 1;
+  EXPECT_EQ(original, 50);
+  EXPECT_EQ(replica, 50);
+}
+
+TEST(Redundant, WithoutALoadAndMoreSlotsThanExperts) {
+  const RedundantExperts none = make_redundant(6, 0, {});
+  EXPECT_EQ(none.redundant(), 0);
+  EXPECT_EQ(none.physical(4, 3), 4);
+  EXPECT_EQ(none.physical(7, 3), 7);
+  // R > E cycles over the order: experts 0, 1, 2, then 0 again (three copies of expert 0).
+  const RedundantExperts r = make_redundant(3, 4, {});
+  EXPECT_EQ(r.replica_of, (std::vector<int32_t>{0, 1, 2, 0}));
+  EXPECT_EQ(r.copies.at(0), (std::vector<int32_t>{0, 3, 6}));
+  EXPECT_EQ(r.physical(0, 4), 3);  // 4 mod 3 = 1: the first replica
+  EXPECT_EQ(r.physical(0, 5), 6);
+  EXPECT_EQ(r.physical(3, 0), 7);  // the first special id after 3 + 4 slots
 }
 
 TEST(Experts, TensorParallelPartsSumToTheFullExpert) {

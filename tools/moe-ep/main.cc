@@ -156,6 +156,16 @@ void add_run_options(CLI::App* run, RunOptions& o) {
                   "dispatch_v2's global_bs (default: 0 when every rank has the same tokens, else "
                   "W_ep x max tokens per rank); sizes the receive buffers")
       ->check(integer(0, kMaxDim));
+  run->add_option(
+         "--redundant-experts", o.redundant_experts,
+         "redundant expert slots R, as DeepSeek-V3 serves 256 experts on any number of ranks "
+         "(EPLB): dispatch_v2 gets moe_expert_num = E + R physical slots, slot p < E holding "
+         "expert p and slot E + j a replica of the j-th busiest expert (by the real routing's "
+         "p_e, the loaded file's counts, else experts 0, 1, ...). The routing stays over the E "
+         "experts; an entry of a replicated expert goes to copy (global token index) mod copies "
+         "(one replica: even tokens the original, odd ones the replica), so outputs equal a run "
+         "without redundancy. (E + R) % (W_ep - S) must be 0; default: the smallest such R")
+      ->check(integer(0, kMaxExperts));
   // Test hook: combine_v2 without ori_x (copy/const experts need it).
   run->add_flag("--debug-omit-ori-x", o.debug_omit_ori_x)->group("");
   run->add_option("--timeout", o.timeout_s,
@@ -173,6 +183,12 @@ void validate(CLI::App& run, const RunOptions& o) {
     throw CLI::ValidationError("--zero-experts/--copy-experts/--const-experts",
                                "E + Z + C + Q = " + std::to_string(E + special) +
                                    " must stay below 2^31 - 1 (SPEC §1.3: expert ids are int32)");
+  }
+  if (o.redundant_experts && E + special + *o.redundant_experts > moe_ep_tool::kMaxExperts) {
+    throw CLI::ValidationError(
+        "--redundant-experts",
+        "E + R + Z + C + Q = " + std::to_string(E + special + *o.redundant_experts) +
+            " must stay below 2^31 - 1 (SPEC §1.3: expert ids are int32)");
   }
   if (K > E + special) {
     throw CLI::ValidationError(

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "moe_ep/error.h"
 #include "numeric.h"
 #include "presets.h"
+#include "redundant.h"
 #include "reference.h"
 #include "rng.h"
 #include "routing.h"
@@ -192,7 +194,10 @@ struct Plan {
   std::string routing_desc, seed_desc;
   int64_t T = 1, Wep = 1, S = 0, Ns = 0, L = 1;
   int64_t Z = 0, C = 0, Q = 0;
-  int mask_dims = 0;  // 0, 1, 2 (generated or loaded)
+  int64_t R = 0;               // redundant expert slots (moe_expert_num = E + R)
+  RedundantExperts redundant;  // which experts they replicate
+  std::string redundant_desc;  // how the replicated experts were chosen
+  int mask_dims = 0;           // 0, 1, 2 (generated or loaded)
   std::string mask_desc;
 };
 
@@ -310,8 +315,12 @@ Plan plan_run(const RunOptions& o, int rank, int64_t W, const std::vector<int>& 
                     "more ranks");
   }
   const int64_t moe_ranks = p.Wep - p.S;
-  const bool tp_mismatch = p.T == 2 && layer.experts != moe_ranks;
-  if (layer.experts % moe_ranks != 0 || tp_mismatch) {
+  const int64_t E = layer.experts;
+  const int64_t auto_R = auto_redundant(E, moe_ranks);
+  p.R = o.redundant_experts.value_or(auto_R);
+  const int64_t slots = E + p.R;
+  const bool tp_mismatch = p.T == 2 && slots != moe_ranks;
+  if (slots % moe_ranks != 0 || tp_mismatch) {
     int64_t data_experts = 0;
     if (!loaded && p.kind == RoutingKind::kReal) {
       try {
@@ -327,29 +336,51 @@ Plan plan_run(const RunOptions& o, int rank, int64_t W, const std::vector<int>& 
             ? "the W_ep - S = " + std::to_string(p.Wep) + " - " + std::to_string(p.S) + " = " +
                   std::to_string(moe_ranks) + " MoE ranks"
             : "W" + std::string(p.T > 1 ? "_ep" : "") + " = " + std::to_string(p.Wep) + " ranks";
-    const std::string advice = placement_advice(p, tp_mismatch, data_experts);
-    const std::string real_note = data_experts > 0
+    // Other flags only help without redundant slots; another R helps when one exists.
+    std::vector<std::string> ways;
+    const bool r_helps = !tp_mismatch || E <= moe_ranks;
+    if (r_helps) {
+      ways.push_back("--redundant-experts " + std::to_string(tp_mismatch ? moe_ranks - E : auto_R) +
+                     (tp_mismatch ? std::string(" (E + R = W_ep - S)")
+                                  : " (the default: the smallest R with (E + R) % " +
+                                        std::to_string(moe_ranks) + " == 0)"));
+    }
+    if (p.R == 0) {
+      const std::string advice = placement_advice(p, tp_mismatch, data_experts);
+      if (!advice.empty()) ways.push_back(advice);
+    }
+    std::string use;
+    for (size_t i = 0; i < ways.size(); ++i) use += (i == 0 ? "; use " : "; or ") + ways[i];
+    const std::string real_note = data_experts > 0 && p.R == 0
                                       ? " (with --routing real, E must also map onto the data's " +
                                             std::to_string(data_experts) + " experts)"
                                       : "";
-    if (tp_mismatch && layer.experts % moe_ranks == 0) {
+    const std::string r_words = p.R > 0 ? " + R = " + std::to_string(p.R) + " redundant" : "";
+    if (tp_mismatch && slots % moe_ranks == 0) {
       throw Error(ErrorKind::kInvalidArgument,
                   "moe-ep run: --tp 2 needs one expert per MoE rank (SPEC §1.3: with "
                   "tp_world_size 2, local_expert_num must be 1), but E = " +
-                      std::to_string(layer.experts) + " over " + where + " gives " +
-                      std::to_string(layer.experts / moe_ranks) + " per rank" +
-                      (advice.empty() ? "" : "; use " + advice) + real_note);
+                      std::to_string(E) + r_words + " over " + where + " gives " +
+                      std::to_string(slots / moe_ranks) + " per rank" + use + real_note);
     }
     throw Error(ErrorKind::kInvalidArgument,
-                "moe-ep run: E = " + std::to_string(layer.experts) +
-                    " experts cannot be split evenly over " + where +
+                "moe-ep run: --redundant-experts " + std::to_string(p.R) +
+                    ": E + R = " + std::to_string(E) + " + " + std::to_string(p.R) + " = " +
+                    std::to_string(slots) + " expert slots cannot be split evenly over " + where +
                     (p.S > 0 ? " (SPEC §1.3: moe_expert_num % (ep_world_size - "
-                               "shared_expert_rank_num) == 0; shared-expert ranks host no "
-                               "routed expert)"
-                             : " (SPEC §1.3: moe_expert_num % ep_world_size == 0)") +
-                    (advice.empty() ? "" : "; use " + advice) + real_note);
+                               "shared_expert_rank_num) == 0 with moe_expert_num = E + R; "
+                               "shared-expert ranks host no routed expert)"
+                             : " (SPEC §1.3: moe_expert_num % ep_world_size == 0 with "
+                               "moe_expert_num = E + R)") +
+                    use + real_note);
   }
-  p.L = layer.experts / moe_ranks;
+  if (slots + p.Z + p.C + p.Q > kMaxExperts) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "moe-ep run: E + R + Z + C + Q = " + std::to_string(slots + p.Z + p.C + p.Q) +
+                    " (R = " + std::to_string(p.R) +
+                    " redundant slots) must stay below 2^31 - 1 (SPEC §1.3: expert ids are int32)");
+  }
+  p.L = slots / moe_ranks;
 
   // ---- inputs: --load-routing, or --tokens per rank --------------------------------------
   if (loaded) {
@@ -491,6 +522,28 @@ Plan plan_run(const RunOptions& o, int rank, int64_t W, const std::vector<int>& 
     }
   }
 
+  // ---- redundant expert slots: replicas of the busiest experts ----------------------------
+  if (p.R > 0) {
+    std::vector<double> load;
+    if (loaded) {
+      // The file's own counts (every id in [0, E), masked or not).
+      load.assign(static_cast<size_t>(layer.experts), 0.0);
+      for (const int32_t e : p.file.expert_ids) {
+        if (e >= 0 && e < layer.experts) load[static_cast<size_t>(e)] += 1;
+      }
+      p.redundant_desc = "the busiest by the loaded file's expert_ids counts";
+    } else if (p.kind == RoutingKind::kReal) {
+      load.assign(p.real_p.begin(), p.real_p.begin() + layer.experts);
+      p.redundant_desc = "the busiest by the real routing's p_e";
+    } else {
+      p.redundant_desc = "experts 0, 1, ... (routing " + o.routing + " has no expected load)";
+    }
+    p.redundant = make_redundant(layer.experts, p.R, load);
+    p.redundant_desc += "; an entry of a replicated expert goes to copy (global token) mod copies";
+  } else {
+    p.redundant = make_redundant(layer.experts, 0, {});
+  }
+
   // ---- what the seed does -------------------------------------------------------------------
   const std::string seed = std::to_string(p.seed);
   const bool seeded = p.fn == ExpertFn::kSwiglu || p.Q > 0;
@@ -595,6 +648,8 @@ int run_command(const RunOptions& o) {
   Batch& file = plan.file;
   const int64_t H = layer.hidden, E = layer.experts, K = layer.top_k, L = plan.L;
   const int64_t Wep = plan.Wep, S = plan.S, Ns = plan.Ns, Z = plan.Z, C = plan.C, Q = plan.Q;
+  const int64_t R = plan.R;  // redundant slots: the library sees E + R routed experts
+  const RedundantExperts& redundant = plan.redundant;
   const int64_t ep_rank = rank / T, tp_rank = rank % T;
   const bool shared_rank = ep_rank < S;
   const bool shared_local = S == 0 && Ns > 0;  // shared_expert_x
@@ -611,12 +666,16 @@ int run_command(const RunOptions& o) {
   const size_t row_bytes = static_cast<size_t>(H) * es;
 
   if (rank == 0) {
+    const std::string redundant_words = R > 0 ? " (+" + std::to_string(R) + " redundant slot" +
+                                                    (R > 1 ? "s" : "") + ": " +
+                                                    redundant.describe() + ")"
+                                              : std::string();
     std::printf(
-        "moe-ep run: preset %s  H %lld  E %lld  K %lld  FFN %lld  dtype %s  expert-fn %s"
+        "moe-ep run: preset %s  H %lld  E %lld%s  K %lld  FFN %lld  dtype %s  expert-fn %s"
         "  W %lld",
         layer.name.c_str(), static_cast<long long>(H), static_cast<long long>(E),
-        static_cast<long long>(K), static_cast<long long>(layer.ffn), moe_ep::dtype_name(dtype),
-        expert_fn_name(fn), static_cast<long long>(W));
+        redundant_words.c_str(), static_cast<long long>(K), static_cast<long long>(layer.ffn),
+        moe_ep::dtype_name(dtype), expert_fn_name(fn), static_cast<long long>(W));
     if (T > 1) {
       std::printf(" (EP %lld x TP %d)", static_cast<long long>(Wep), T);
     }
@@ -654,9 +713,19 @@ int run_command(const RunOptions& o) {
                   std::to_string(per_shared) + ", (s + 1) x " + std::to_string(per_shared) +
                   ")), then ";
     }
-    placement +=
-        std::to_string(L) + (L == 1 ? " expert" : " experts") + " per rank (expert e on rank " +
-        (S > 0 ? std::to_string(S) + " + " : std::string()) + "e / " + std::to_string(L) + ")";
+    if (R > 0) {
+      placement += std::to_string(L) + (L == 1 ? " expert slot" : " expert slots") +
+                   " per rank (moe_expert_num = E + R = " + std::to_string(E + R) +
+                   "; slot p on rank " + (S > 0 ? std::to_string(S) + " + " : std::string()) +
+                   "p / " + std::to_string(L) + "; slot p < " + std::to_string(E) +
+                   " holds expert p, slots [" + std::to_string(E) + ", " + std::to_string(E + R) +
+                   ") " + redundant.describe() + ": " + plan.redundant_desc +
+                   "; special expert ids shifted by R)";
+    } else {
+      placement +=
+          std::to_string(L) + (L == 1 ? " expert" : " experts") + " per rank (expert e on rank " +
+          (S > 0 ? std::to_string(S) + " + " : std::string()) + "e / " + std::to_string(L) + ")";
+    }
     if (shared_local) placement += "; the shared expert on every rank (shared_expert_x)";
     if (T > 1) {
       placement +=
@@ -740,12 +809,51 @@ int run_command(const RunOptions& o) {
     std::fflush(stdout);
   }
 
+  // The library's ids: physical slots (redundant.h); `ids` and the gathered batch (saved,
+  // and the reference's input) keep the logical ids.
+  std::vector<int32_t> slot_ids(ids.size());
+  redundant.map_rows(ids.data(), slot_ids.data(), first, BS, K);
+  if (rank == 0 && R > 0) {
+    // How the replicated experts' entries were split over their slots (active entries).
+    std::map<int32_t, std::map<int32_t, int64_t>> used;
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int32_t e = global.expert_ids[i * K + k];
+        const bool active =
+            mask_dims == 0 || global.x_active_mask[i * mask_row + (mask_dims == 2 ? k : 0)];
+        if (active && redundant.copies.count(e)) ++used[e][redundant.physical(e, i)];
+      }
+    }
+    std::string words;
+    size_t shown = 0;
+    for (const auto& [e, copies] : redundant.copies) {
+      if (shown++ == 8) {
+        words += "; ...";
+        break;
+      }
+      std::string slots_words, rows_words;
+      for (const int32_t slot : copies) {
+        if (!slots_words.empty()) {
+          slots_words += '/';
+          rows_words += '/';
+        }
+        const auto it = used[e].find(slot);
+        slots_words += std::to_string(slot);
+        rows_words += std::to_string(it == used[e].end() ? 0 : it->second);
+      }
+      words += (words.empty() ? "" : "; ") + std::string("expert ") + std::to_string(e) +
+               " on slots " + slots_words + ": " + rows_words + " rows";
+    }
+    std::printf("  redundant slots used (rows per slot, original first): %s\n", words.c_str());
+    std::fflush(stdout);
+  }
+
   // ---- dispatch_v2 -------------------------------------------------------------------------
   moe_ep::EpConfig cfg;
   cfg.group_ep = comm.get();
   cfg.ep_world_size = Wep;
   cfg.ep_rank_id = ep_rank;
-  cfg.moe_expert_num = E;
+  cfg.moe_expert_num = E + R;
   if (T > 1) {
     cfg.group_tp = comm_tp.get();
     cfg.tp_world_size = T;
@@ -759,7 +867,7 @@ int run_command(const RunOptions& o) {
   cfg.const_expert_num = Q;
   moe_ep::DispatchInputs din;
   din.x = moe_ep::TensorView::contiguous(x.data(), dtype, {BS, H});
-  din.expert_ids = moe_ep::TensorView::contiguous(ids.data(), DType::kI32, {BS, K});
+  din.expert_ids = moe_ep::TensorView::contiguous(slot_ids.data(), DType::kI32, {BS, K});
   din.expert_scales = moe_ep::TensorView::contiguous(scales.data(), DType::kF32, {BS, K});
   std::optional<moe_ep::TensorView> mask_view;
   if (mask_dims == 1) {
@@ -776,7 +884,8 @@ int run_command(const RunOptions& o) {
   const double dispatch_s = now_s() - t0;
 
   // ---- the local experts -------------------------------------------------------------------
-  // Row segments of expand_x and their expert (routed id, or E + s for shared expert s): this
+  // Row segments of expand_x and their expert (the logical id of a routed slot, or E + s for
+  // shared expert s; so a replica computes exactly its expert): this
   // rank's blocks (SPEC §1.4 order), then with TP the peer's rows (L = 1: the same expert).
   const int64_t Lr = shared_rank ? 1 : L;
   const int32_t* recv = d.ep_recv_counts.ptr<int32_t>();
@@ -788,7 +897,8 @@ int run_command(const RunOptions& o) {
   for (int64_t j = 0; j < Lr; ++j) {
     const int64_t begin = j == 0 ? 0 : recv[j * Wep - 1];
     const int64_t end = recv[(j + 1) * Wep - 1];
-    const int64_t expert = shared_rank ? E + ep_rank / per_shared : (ep_rank - S) * L + j;
+    const int64_t expert =
+        shared_rank ? E + ep_rank / per_shared : redundant.logical((ep_rank - S) * L + j);
     segments.push_back({begin, end, expert});
   }
   int64_t valid = own_rows;
@@ -863,12 +973,12 @@ int run_command(const RunOptions& o) {
   for (int64_t i = 0; i < BS; ++i) {
     bool any = false;
     for (int64_t k = 0; k < K; ++k) {
-      const int32_t e = ids[i * K + k];
+      const int32_t e = slot_ids[i * K + k];
       const bool active =
           e >= 0 && (mask_dims == 0 || mask[i * mask_row + (mask_dims == 2 ? k : 0)]);
       if (!active) continue;
       any = true;
-      if (e < E && S + e / L != ep_rank) mine.sent_other_rows += 1;
+      if (e < E + R && S + e / L != ep_rank) mine.sent_other_rows += 1;
     }
     for (int64_t s = 0; any && S > 0 && s < Ns; ++s) {
       if (ep_rank % per_shared + s * per_shared != ep_rank) mine.sent_other_rows += 1;

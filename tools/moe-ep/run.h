@@ -35,6 +35,9 @@ struct RunOptions {
   std::string comm_quant = "none";  // none, int8 (combine comm_quant_mode 2)
   std::string mask = "none";        // none, prefix, entries; bad-prefix (test hook)
   std::optional<int64_t> global_bs;
+  // R physical expert slots holding replicas of busy experts (redundant.h); default: the smallest
+  // R >= 0 with (E + R) % (W_ep - S) == 0.
+  std::optional<int64_t> redundant_experts;
   bool debug_omit_ori_x = false;  // test hook: combine_v2 without ori_x
 };
 
