@@ -1,10 +1,12 @@
 // The backward of a tensor-parallel MoE unpermute with moe-ep's sharded ops (SPEC §5): the
 // activations are split over the hidden dimension (Shard(1), H = 1000 over the ranks), the routing
-// (sorted_indices, probs) is replicated. sharded::unpermute_grad returns grad_permuted_tokens as
-// Shard(1) and grad_probs as Partial (each rank's dot products cover its columns only);
-// redistributing grad_probs to Replicate sums the pieces. Both are checked against the
-// single-process op on the whole tensors. Prints PASS or FAIL; exits 0 on PASS.
-// Build against the installed package (see CMakeLists.txt); run: mpirun -n 3
+// (sorted_indices, probs) is replicated. The hidden dimension is split exactly like PyTorch
+// DTensor's Shard(1) (torch.chunk: ceil(H/n) columns per rank until they run out; on 3 ranks
+// 334, 334, 332), so DTensor local shards can be handed over as they are. sharded::unpermute_grad
+// returns grad_permuted_tokens as Shard(1) and grad_probs as Partial (each rank's dot products
+// cover its columns only); redistributing grad_probs to Replicate sums the pieces. Both are checked
+// against the single-process op on the whole tensors. Prints PASS or FAIL; exits 0 on PASS. Build
+// against the installed package (see CMakeLists.txt); run: mpirun -n 3
 // ./sharded_unpermute_grad
 #include <moe_ep/error.h>
 #include <moe_ep/permute.h>
@@ -89,6 +91,28 @@ int main(int argc, char** argv) {
                   got.choice.strategy.name.c_str(), n,
                   got.grad_permuted_tokens.placement.to_string().c_str(),
                   got.grad_probs->placement.to_string().c_str());
+
+    // The shard widths: PyTorch DTensor's Shard(1), i.e. torch.chunk (on 3 ranks: 334, 334, 332).
+    const int64_t chunk = (H + n - 1) / n;
+    std::vector<int64_t> widths(static_cast<std::size_t>(n));
+    const int64_t mine = got.grad_permuted_tokens.local.shape[1];
+    MPI_Allgather(&mine, 1, MPI_INT64_T, widths.data(), 1, MPI_INT64_T, MPI_COMM_WORLD);
+    for (int r = 0; r < n; ++r) {
+      const int64_t want_w =
+          std::max<int64_t>(0, std::min<int64_t>(H, chunk * (r + 1)) - chunk * r);
+      if (widths[r] != want_w) {
+        if (rank == 0)
+          std::printf("rank %d holds %lld columns, torch.chunk gives %lld\n", r,
+                      static_cast<long long>(widths[r]), static_cast<long long>(want_w));
+        ok = 0;
+      }
+    }
+    if (n == 3 && (widths[0] != 334 || widths[1] != 334 || widths[2] != 332)) ok = 0;
+    if (rank == 0) {
+      std::printf("hidden shards (H = %lld):", static_cast<long long>(H));
+      for (int64_t w : widths) std::printf(" %lld", static_cast<long long>(w));
+      std::printf("\n");
+    }
 
     // grad_permuted_tokens: bit-identical once gathered.
     const moe_ep::Tensor gp = moe_ep::full_tensor(*mesh, got.grad_permuted_tokens);

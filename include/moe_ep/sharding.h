@@ -4,12 +4,13 @@
 // A 1-D mesh is a Communicator: mesh rank r holds one piece of every distributed tensor. A
 // distributed tensor (DTensor) is this rank's local piece plus the global shape and a placement:
 //   Replicate()  every rank holds the whole tensor;
-//   Shard(d)     rank r holds the slice [offset_r, offset_r + len_r) of dimension d, split like
-//                numpy.array_split / torch.tensor_split: with S = shape[d] and n ranks, the
-//                first S % n ranks hold floor(S/n) + 1, the others floor(S/n) (H = 10, n = 4:
-//                3, 3, 2, 2). NOTE this differs from PyTorch DTensor's Shard, which splits like
-//                torch.chunk (ceil(S/n) each, the tail short or empty: 3, 3, 3, 1). For
-//                divisible sizes both agree. docs/sharding.md has the details.
+//   Shard(d)     rank r holds the slice [offset_r, offset_r + len_r) of dimension d, split
+//                exactly like PyTorch DTensor's Shard(d) (torch.chunk): with S = shape[d] and n
+//                ranks, chunk = ceil(S/n), offset_r = min(r * chunk, S), len_r = min(chunk,
+//                S - offset_r) (H = 10, n = 4: 3, 3, 3, 1; 1000 on 3: 334, 334, 332; 5 on 4:
+//                2, 2, 1, 0), so DTensor local shards can be passed as they are. Trailing ranks
+//                may hold EMPTY pieces. NOTE this is not numpy.array_split / torch.tensor_split
+//                (3, 3, 2, 2); for divisible sizes all agree. docs/sharding.md has the details.
 //   Partial()    every rank holds a tensor of the global shape; the value is the sum over ranks.
 //
 // Every function taking a Communicator is collective over it: all ranks call it in the same
@@ -67,8 +68,10 @@ inline Placement Shard(int d) { return {Placement::Kind::kShard, d}; }
 // Sum is the only reduction.
 inline Placement Partial() { return {Placement::Kind::kPartial, 0}; }
 
-// The slice of a dimension of `size` that mesh rank `rank` of `mesh_size` holds under Shard:
-// numpy.array_split. offset + length <= size; length may be 0 (size < mesh_size).
+// The slice of a dimension of `size` that mesh rank `rank` of `mesh_size` holds under Shard,
+// PyTorch DTensor's (torch.chunk): chunk = ceil(size / mesh_size), offset = min(rank * chunk,
+// size), length = min(chunk, size - offset). offset + length <= size; length may be 0 for trailing
+// ranks (5 on 4: 2, 2, 1, 0; 6 on 4: 2, 2, 2, 0; 0 on n: all 0).
 struct ShardRange {
   int64_t offset = 0;
   int64_t length = 0;

@@ -28,11 +28,14 @@ ShardRange shard_range(int64_t size, int mesh_size, int rank) {
   if (mesh_size < 1) invalid("shard_range: mesh_size = ", mesh_size, " must be >= 1");
   if (rank < 0 || rank >= mesh_size)
     invalid("shard_range: rank = ", rank, " is outside [0, ", mesh_size, ")");
-  // numpy.array_split: the first size % n ranks get one more.
-  const int64_t base = size / mesh_size, extra = size % mesh_size;
-  const int64_t len = base + (rank < extra ? 1 : 0);
-  const int64_t off = base * rank + std::min<int64_t>(rank, extra);
-  return {off, len};
+  // PyTorch DTensor's Shard (torch.chunk; Shard.local_shard_size_and_offset): every rank gets
+  // chunk = ceil(size / n) elements until the data runs out, so the last non-empty piece is short
+  // and trailing ranks may be empty; offsets are rank * chunk clamped to size. Written so that no
+  // intermediate overflows for any size (chunk * rank <= size - 1 where it is evaluated).
+  const int64_t chunk = size / mesh_size + (size % mesh_size != 0 ? 1 : 0);
+  if (chunk == 0 || rank > (size - 1) / chunk) return {size, 0};
+  const int64_t off = chunk * rank;
+  return {off, std::min(chunk, size - off)};
 }
 
 std::vector<int64_t> local_shape(const std::vector<int64_t>& global_shape, Placement placement,

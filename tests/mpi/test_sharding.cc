@@ -98,10 +98,22 @@ void expect_full(const DTensor& x, const Tensor& want, Placement placement,
       << what << ": gathered result differs from the single-process op";
 }
 
-// The expected strategy: R unless the token-like inputs are sharded on a mesh of >= 2 ranks and
-// hold data (then S is strictly cheaper; with nothing to move both cost 0 and the tie goes to R).
-int expected_strategy(Placement tokens, int64_t numel) {
-  return mesh()->size() > 1 && !tokens.is_replicate() && numel > 0 ? 1 : 0;
+// Checks the strategy an op chose and returns it. R when the token-like inputs are Replicate, on
+// one rank or empty (both cost 0; the tie goes to R); S when they are Shard(1) and hold data (free
+// for S, an all-gather for R). From Shard(0) it depends on the sizes (an all-to-all for S, an
+// all-gather for R: with uneven or empty pieces they can tie, e.g. H = 1), so only the cost rule's
+// own bookkeeping is checked there (the rule itself: tests/unit/test_sharding_rules.cc).
+int checked_strategy(const StrategyChoice& c, Placement tokens, int64_t numel) {
+  if (mesh()->size() == 1 || tokens.is_replicate() || numel == 0) {
+    EXPECT_EQ(c.index, 0) << "expected R";
+  } else if (tokens.is_shard(1)) {
+    EXPECT_EQ(c.index, 1) << "expected S";
+  }
+  EXPECT_EQ(c.strategy.name, c.index ? "S" : "R");
+  int64_t sum = 0;
+  for (const Redistribution& d : c.redistributions) sum += d.recv_bytes;
+  EXPECT_EQ(c.cost_bytes, sum);
+  return c.index;
 }
 
 Placement hidden(int strategy) { return strategy ? Shard(1) : Replicate(); }
@@ -178,7 +190,12 @@ std::vector<Case> cases() {
       {DType::kF32, 5, 10, 2, -3, DType::kI64},  // H not divisible by 3, 4; drops
       {DType::kF16, 7, 3, 1, 4},                 // H < mesh size at np 4: an empty shard
       {DType::kBF16, 0, 9, 2, std::nullopt},     // no tokens
-      {DType::kF32, 9, 1000, 3, -2},             // wide rows
+      {DType::kF32, 9, 1000, 3, -2},             // wide rows: 334, 334, 332 on 3 ranks
+      // Uneven torch.chunk pieces with EMPTY trailing shards at np 4 (and np 3 / np 2):
+      {DType::kBF16, 5, 5, 2, std::nullopt},    // H, N = 5: 2, 2, 1, 0
+      {DType::kF32, 3, 6, 1, -1, DType::kI64},  // H = 6: 2, 2, 2, 0; N = 3: 1, 1, 1, 0
+      {DType::kF16, 2, 1, 2, std::nullopt},     // H = 1: 1, 0, 0, 0; N = 2: 1, 1, 0, 0
+      {DType::kBF16, 10, 10, 1, std::nullopt},  // H = 10: 3, 3, 3, 1 at np 4, 4, 4, 2 at np 3
   };
 }
 
@@ -205,7 +222,7 @@ TEST(Sharding, EveryOpEveryPlacementMatchesTheSingleProcessOp) {
       for (int qi = 0; qi < 2; ++qi) {
         const Placement p = kPlacements[pi], q = kPlacements[qi];
         const Placement pp = kPlacements[(pi + qi) % 3];  // probs
-        const int st = expected_strategy(p, c.n * c.h);
+        const int64_t numel = c.n * c.h;
         const std::string what = case_name(c) + " tokens " + pname(p) + " indices " + pname(q) +
                                  " probs " + pname(pp) + " np " + std::to_string(m.size());
         SCOPED_TRACE(what);
@@ -214,7 +231,7 @@ TEST(Sharding, EveryOpEveryPlacementMatchesTheSingleProcessOp) {
           auto r = sharded::permute(m, {.tokens = place(tokens, p),
                                         .indices = place(indices, q),
                                         .num_out_tokens = c.num_out_tokens});
-          EXPECT_EQ(r.choice.index, st);
+          const int st = checked_strategy(r.choice, p, numel);
           expect_full(r.permuted_tokens, pr.permuted_tokens, hidden(st), "permuted_tokens");
           expect_full(r.sorted_indices, sorted, Replicate(), "sorted_indices");
         }
@@ -228,7 +245,7 @@ TEST(Sharding, EveryOpEveryPlacementMatchesTheSingleProcessOp) {
                                              .grad_permuted_tokens = place(grad_permuted, p),
                                              .indices = place(indices, q),
                                              .sorted_indices = place(sorted, q)});
-          EXPECT_EQ(r.choice.index, st);
+          const int st = checked_strategy(r.choice, p, numel);
           for (const Redistribution& d : r.choice.redistributions)
             EXPECT_NE(d.arg, "tokens") << "permute_grad reads only tokens' shape";
           expect_full(r.grad_tokens, want, hidden(st), "permute_grad grad_tokens");
@@ -237,8 +254,8 @@ TEST(Sharding, EveryOpEveryPlacementMatchesTheSingleProcessOp) {
                                                  .tokens_rows = c.n,
                                                  .tokens_dtype = c.dtype,
                                                  .num_topk = c.topk});
-          EXPECT_EQ(r2.choice.index, st);
-          expect_full(r2.grad_tokens, want, hidden(st), "permute_grad_v2 grad_tokens");
+          expect_full(r2.grad_tokens, want, hidden(checked_strategy(r2.choice, p, numel)),
+                      "permute_grad_v2 grad_tokens");
         }
         for (const bool with_probs : {true, false}) {
           const std::string w = with_probs ? " with probs" : " without probs";
@@ -259,13 +276,14 @@ TEST(Sharding, EveryOpEveryPlacementMatchesTheSingleProcessOp) {
                                           .sorted_indices = place(sorted, q),
                                           .probs = dp,
                                           .restore_shape = std::vector<int64_t>{out_rows, c.h}});
-          EXPECT_EQ(r.choice.index, st);
+          const int st = checked_strategy(r.choice, p, numel);
           expect_full(r.out, want, hidden(st), "unpermute out" + w);
           auto rs = sharded::unpermute_with_saved(m, {.permuted_tokens = place(permuted, p),
                                                       .sorted_indices = place(sorted, q),
                                                       .probs = dp});
-          expect_full(rs.out, want, hidden(st), "unpermute_with_saved out" + w);
-          expect_full(rs.permuted_tokens_for_backward, permuted, hidden(st),
+          const int sts = checked_strategy(rs.choice, p, numel);
+          expect_full(rs.out, want, hidden(sts), "unpermute_with_saved out" + w);
+          expect_full(rs.permuted_tokens_for_backward, permuted, hidden(sts),
                       "unpermute_with_saved permuted_tokens_for_backward" + w);
           // unpermute_grad and unpermute_grad_v2
           const Tensor& go = with_probs ? grad_out : grad_out_m;
@@ -280,10 +298,10 @@ TEST(Sharding, EveryOpEveryPlacementMatchesTheSingleProcessOp) {
                                                .grad_out = place(go, p),
                                                .sorted_indices = place(sorted, q),
                                                .probs = dp});
-          EXPECT_EQ(g.choice.index, st);
-          expect_full(g.grad_permuted_tokens, wg.grad_permuted_tokens, hidden(st),
+          const int stg = checked_strategy(g.choice, p, numel);
+          expect_full(g.grad_permuted_tokens, wg.grad_permuted_tokens, hidden(stg),
                       "unpermute_grad grad_permuted_tokens" + w);
-          expect_grad_probs(g.grad_probs, wg.grad_probs, st, go, permuted, sorted,
+          expect_grad_probs(g.grad_probs, wg.grad_probs, stg, go, permuted, sorted,
                             "unpermute_grad" + w);
           for (const bool give_permuted : {true, false}) {
             if (with_probs && !give_permuted) continue;
@@ -295,10 +313,10 @@ TEST(Sharding, EveryOpEveryPlacementMatchesTheSingleProcessOp) {
                                                      .permuted_dtype = c.dtype,
                                                      .probs = dp,
                                                      .permuted_tokens = dperm});
-            EXPECT_EQ(g2.choice.index, st);
-            expect_full(g2.grad_permuted_tokens, wg.grad_permuted_tokens, hidden(st),
+            const int st2 = checked_strategy(g2.choice, p, numel);
+            expect_full(g2.grad_permuted_tokens, wg.grad_permuted_tokens, hidden(st2),
                         "unpermute_grad_v2 grad_permuted_tokens" + w);
-            expect_grad_probs(g2.grad_probs, wg.grad_probs, st, go, permuted, sorted,
+            expect_grad_probs(g2.grad_probs, wg.grad_probs, st2, go, permuted, sorted,
                               "unpermute_grad_v2" + w);
           }
         }
@@ -372,7 +390,19 @@ TEST(Sharding, RedistributeBetweenReplicateAndShards) {
   const Communicator& m = *mesh();
   uint64_t seed = 100;
   for (const std::vector<int64_t>& shape :
-       std::vector<std::vector<int64_t>>{{7, 10}, {3, 2}, {0, 5}, {11}, {4, 1000}, {2, 3, 5}}) {
+       std::vector<std::vector<int64_t>>{{7, 10},
+                                         {3, 2},
+                                         {0, 5},
+                                         {11},
+                                         {4, 1000},
+                                         {2, 3, 5},
+                                         // empty trailing pieces (torch.chunk) at np 3 / 4:
+                                         {5, 3},
+                                         {3, 5},
+                                         {6, 1},
+                                         {1, 6, 2},
+                                         {2},
+                                         {9, 2, 1}}) {
     for (DType dt : {DType::kBF16, DType::kF32, DType::kI64}) {
       Tensor full = Tensor::empty(dt, shape);
       SplitMix64 rng{seed++};
@@ -411,7 +441,7 @@ TEST(Sharding, PartialReducesInRankOrderAndRoundsOnce) {
   const int n = m.size();
   for (DType local : {DType::kF32, DType::kBF16}) {
     for (const auto& [rows, cols] :
-         std::vector<std::pair<int64_t, int64_t>>{{5, 3}, {1, 7}, {0, 4}}) {
+         std::vector<std::pair<int64_t, int64_t>>{{5, 3}, {1, 7}, {0, 4}, {3, 5}, {1, 1}, {2, 6}}) {
       const DType dt = DType::kBF16;
       Tensor mine = partial_piece(local, rows, cols, m.rank());
       DTensor x = DTensor::from_local(mine, Partial(), {rows, cols});

@@ -1,8 +1,11 @@
 // SPEC §5 without a mesh: the strategy table (compared with the SPEC's table row by row), the
-// array_split shard ranges, the redistribution cost (hand-computed) and the selection rule.
+// PyTorch DTensor (torch.chunk) shard ranges, the redistribution cost (hand-computed) and the
+// selection rule.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -135,7 +138,17 @@ std::vector<ShardRange> ranges(int64_t size, int n) {
   return r;
 }
 
-TEST(ShardingRules, ShardRangesSplitLikeArraySplit) {
+// PyTorch's Shard.local_shard_size_and_offset (torch/distributed/tensor/placement_types.py),
+// transcribed: the reference the shard ranges must equal.
+ShardRange torch_chunk(int64_t size, int n, int rank) {
+  if (size % n == 0) return {size / n * rank, size / n};
+  const int64_t full_chunk_size = (size + n - 1) / n;
+  const int64_t start = full_chunk_size * rank;
+  if (size < start) return {size, 0};
+  return {start, std::min(size, start + full_chunk_size) - start};
+}
+
+TEST(ShardingRules, ShardRangesSplitLikePyTorchDTensor) {
   auto lens = [](int64_t size, int n) {
     std::vector<int64_t> out;
     int64_t next = 0;
@@ -147,14 +160,44 @@ TEST(ShardingRules, ShardRangesSplitLikeArraySplit) {
     EXPECT_EQ(next, size);
     return out;
   };
-  // numpy.array_split / torch.tensor_split; torch.chunk (PyTorch DTensor) would give 3,3,3,1.
-  EXPECT_EQ(lens(10, 4), (std::vector<int64_t>{3, 3, 2, 2}));
-  EXPECT_EQ(lens(1000, 3), (std::vector<int64_t>{334, 333, 333}));  // torch.chunk: 334,334,332
+  // torch.chunk, as PyTorch DTensor's Shard (numpy.array_split would give 3,3,2,2 / 334,333,333
+  // / 2,1,1,1 / 2,2,1,1).
+  EXPECT_EQ(lens(10, 4), (std::vector<int64_t>{3, 3, 3, 1}));
+  EXPECT_EQ(lens(1000, 3), (std::vector<int64_t>{334, 334, 332}));  // the acceptance
+  EXPECT_EQ(lens(5, 4), (std::vector<int64_t>{2, 2, 1, 0}));
+  EXPECT_EQ(lens(3, 4), (std::vector<int64_t>{1, 1, 1, 0}));
+  EXPECT_EQ(lens(6, 4), (std::vector<int64_t>{2, 2, 2, 0}));  // torch.chunk makes 3 chunks
+  EXPECT_EQ(lens(7, 4), (std::vector<int64_t>{2, 2, 2, 1}));
+  EXPECT_EQ(lens(9, 4), (std::vector<int64_t>{3, 3, 3, 0}));
   EXPECT_EQ(lens(12, 4), (std::vector<int64_t>{3, 3, 3, 3}));
   EXPECT_EQ(lens(2, 3), (std::vector<int64_t>{1, 1, 0}));
+  EXPECT_EQ(lens(1, 4), (std::vector<int64_t>{1, 0, 0, 0}));
   EXPECT_EQ(lens(0, 2), (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(lens(0, 1), (std::vector<int64_t>{0}));
   EXPECT_EQ(lens(5, 1), (std::vector<int64_t>{5}));
+  // Empty pieces sit at the end (offset = size), as PyTorch's.
   EXPECT_EQ(shard_range(2, 3, 2).offset, 2);
+  EXPECT_EQ(shard_range(5, 4, 3).offset, 5);
+  EXPECT_EQ(shard_range(10, 4, 3).offset, 9);
+  EXPECT_EQ(shard_range(1000, 3, 2).offset, 668);
+  // Against the transcription of PyTorch's formula, exhaustively for small sizes and meshes.
+  for (int n = 1; n <= 9; ++n)
+    for (int64_t size = 0; size <= 40; ++size)
+      for (int r = 0; r < n; ++r) {
+        const ShardRange got = shard_range(size, n, r), want = torch_chunk(size, n, r);
+        EXPECT_EQ(got.offset, want.offset) << size << " on " << n << ", rank " << r;
+        EXPECT_EQ(got.length, want.length) << size << " on " << n << ", rank " << r;
+      }
+  // No overflow near the int64 limit.
+  const int64_t big = std::numeric_limits<int64_t>::max();
+  int64_t total = 0;
+  for (const ShardRange& r : ranges(big, 3)) {
+    EXPECT_GE(r.length, 0);
+    EXPECT_LE(r.offset, big - r.length);
+    total += r.length;
+  }
+  EXPECT_EQ(total, big);
+  EXPECT_EQ(shard_range(big, 2, 1).length, big / 2);
 }
 
 void expect_invalid(const std::function<void()>& f, const std::string& needle) {
@@ -168,7 +211,9 @@ void expect_invalid(const std::function<void()>& f, const std::string& needle) {
 }
 
 TEST(ShardingRules, LocalShapesAndTheirErrors) {
-  EXPECT_EQ(local_shape({4, 10}, Shard(1), 4, 3), (std::vector<int64_t>{4, 2}));
+  EXPECT_EQ(local_shape({4, 10}, Shard(1), 4, 3), (std::vector<int64_t>{4, 1}));
+  EXPECT_EQ(local_shape({4, 5}, Shard(1), 4, 3), (std::vector<int64_t>{4, 0}));
+  EXPECT_EQ(local_shape({3, 8}, Shard(0), 4, 3), (std::vector<int64_t>{0, 8}));
   EXPECT_EQ(local_shape({10, 4}, Shard(0), 4, 0), (std::vector<int64_t>{3, 4}));
   EXPECT_EQ(local_shape({4, 10}, Replicate(), 4, 3), (std::vector<int64_t>{4, 10}));
   EXPECT_EQ(local_shape({4, 10}, Partial(), 4, 3), (std::vector<int64_t>{4, 10}));
@@ -186,9 +231,18 @@ TEST(ShardingRules, DistributeIsAViewOfTheFullTensor) {
   Tensor full = Tensor::zeros(DType::kF32, {4, 10});
   const DTensor d = distribute(full.view(), Shard(1), 4, 2);
   EXPECT_EQ(d.local.shape[0], 4);
-  EXPECT_EQ(d.local.shape[1], 2);
+  EXPECT_EQ(d.local.shape[1], 3);  // columns 6..8 (torch.chunk: 3, 3, 3, 1)
   EXPECT_EQ(d.local.strides[0], 10);
   EXPECT_EQ(d.local.data, full.ptr<float>() + 6);
+  const DTensor last = distribute(full.view(), Shard(1), 4, 3);
+  EXPECT_EQ(last.local.shape[1], 1);
+  EXPECT_EQ(last.local.data, full.ptr<float>() + 9);
+  // An empty trailing piece (5 columns on 4 ranks: 2, 2, 1, 0).
+  Tensor narrow = Tensor::zeros(DType::kF32, {4, 5});
+  const DTensor empty = distribute(narrow.view(), Shard(1), 4, 3);
+  EXPECT_EQ(empty.local.shape[0], 4);
+  EXPECT_EQ(empty.local.shape[1], 0);
+  EXPECT_EQ(empty.local.numel(), 0);
   EXPECT_EQ(d.global_shape, (std::vector<int64_t>{4, 10}));
   expect_invalid([&] { distribute(full.view(), Shard(2), 4, 0); },
                  "distribute: placement Shard(2) is outside dims [0, 2)");
@@ -200,14 +254,20 @@ TensorSpec spec(std::vector<int64_t> shape, DType dt, Placement p,
 }
 
 TEST(ShardingRules, RedistributeCostIsTheMostBytesARankReceives) {
-  // All-gather: the whole tensor minus the smallest shard.
+  // All-gather: the whole tensor minus the smallest shard (10 on 4: 3, 3, 3, 1; 5 on 4: 2, 2, 1,
+  // 0, so rank 3 receives everything).
   EXPECT_EQ(redistribute_cost(spec({8, 10}, DType::kF32, Shard(0)), Replicate(), 4), 60 * 4);
-  EXPECT_EQ(redistribute_cost(spec({10, 10}, DType::kBF16, Shard(0)), Replicate(), 4), 80 * 2);
-  EXPECT_EQ(redistribute_cost(spec({10, 10}, DType::kBF16, Shard(1)), Replicate(), 4), 80 * 2);
+  EXPECT_EQ(redistribute_cost(spec({10, 10}, DType::kBF16, Shard(0)), Replicate(), 4), 90 * 2);
+  EXPECT_EQ(redistribute_cost(spec({10, 10}, DType::kBF16, Shard(1)), Replicate(), 4), 90 * 2);
+  EXPECT_EQ(redistribute_cost(spec({3, 5}, DType::kF32, Shard(1)), Replicate(), 4), 15 * 4);
+  EXPECT_EQ(redistribute_cost(spec({1000}, DType::kF32, Shard(0)), Replicate(), 3), 668 * 4);
   // All-to-all: the target piece minus what the rank holds.
   EXPECT_EQ(redistribute_cost(spec({8, 12}, DType::kF32, Shard(0)), Shard(1), 4), (24 - 6) * 4);
   EXPECT_EQ(redistribute_cost(spec({8, 12}, DType::kF32, Shard(1)), Shard(0), 4), (24 - 6) * 4);
-  // Reduce-scatter: n-1 pieces of the target (cols 4, 3, 3), in the local dtype.
+  // Uneven: (5, 10) Shard(0) -> Shard(1) on 4: rows 2, 2, 1, 0, columns 3, 3, 3, 1. Rank 0..2
+  // receive 5x3 minus their rows x 3 (at most 15 - 3 = 12); rank 3 (no rows) 5x1 = 5.
+  EXPECT_EQ(redistribute_cost(spec({5, 10}, DType::kF32, Shard(0)), Shard(1), 4), 12 * 4);
+  // Reduce-scatter: n-1 pieces of the largest target (cols 4, 4, 2), in the local dtype.
   EXPECT_EQ(redistribute_cost(spec({6, 10}, DType::kBF16, Partial(), DType::kF32), Shard(1), 3),
             2 * 24 * 4);
   // All-reduce: reduce-scatter of 20 elements (fp32 pieces), all-gather of 40 (bf16).
