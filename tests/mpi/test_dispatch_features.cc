@@ -10,11 +10,13 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moe_ep/comm.h"
@@ -467,6 +469,375 @@ TEST_F(Features, HandComputedSharedExpertRankLayout) {
     EXPECT_EQ(values<float>(r), (std::vector<float>{11, 22, 30.75f, 41}));
   else
     EXPECT_EQ(values<float>(r), (std::vector<float>{70, 84}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation: the bad rank throws naming op, parameter, value and bound; the others kRemote.
+
+void expect_error(const std::function<void()>& call, int bad, ErrorKind kind,
+                  const std::vector<std::string>& needles) {
+  test::expect_collective_error(call, comm()->rank(), bad, kind, needles);
+}
+
+Spec small_spec() {
+  Spec s;
+  s.name = "errors";
+  s.tokens = 4 * world_size();  // BS = 4 everywhere
+  s.dtype = DType::kF32;
+  return s;
+}
+
+TEST_F(Features, MaskOneDTrueAfterFalse) {
+  Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank(), bad = world_size() - 1;
+  std::vector<uint8_t> mask = {1, 0, 1, 1};
+  DispatchInputs in = dispatch_inputs(b, rank);
+  if (rank == bad) in.x_active_mask = TensorView::contiguous(mask.data(), DType::kBool, {4});
+  expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"dispatch_v2: x_active_mask[2] = true follows x_active_mask[1] = false"});
+}
+
+TEST_F(Features, MaskTwoDWrongShape) {
+  Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank(), bad = 0;
+  std::vector<uint8_t> mask(8, 1);
+  DispatchInputs in = dispatch_inputs(b, rank);
+  if (rank == bad) in.x_active_mask = TensorView::contiguous(mask.data(), DType::kBool, {4, 2});
+  expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"dispatch_v2: x_active_mask.shape[1] = 2 must equal 3"});
+}
+
+TEST_F(Features, MaskWrongDtypeInCombine) {
+  Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank(), bad = world_size() - 1;
+  const DispatchOutputs out = dispatch_v2(dispatch_inputs(b, rank), config(b));
+  const Tensor y = run_experts(b, out, rank, b.W, 0, 1, b.spec.E);
+  CombineInputs in = combine_inputs(b, rank, out, y);
+  std::vector<float> mask(4, 1.0f);
+  if (rank == bad) in.x_active_mask = TensorView::contiguous(mask.data(), DType::kF32, {4});
+  expect_error([&] { combine_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"combine_v2: x_active_mask dtype fp32 is not one of {bool}"});
+}
+
+// BS differs across ranks: every token must be active (SPEC §1.3); all ranks throw.
+TEST_F(Features, MaskFalseWhileBatchSizesDiffer) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  Spec s = small_spec();
+  s.uneven = true;
+  s.mask = Mask::kOneD;
+  Batch b = make_batch(s, world_size());
+  expect_error([&] { dispatch_v2(dispatch_inputs(b, world_rank()), config(b)); }, -1,
+               ErrorKind::kInvalidArgument,
+               {"dispatch_v2: x_active_mask on rank 0 has a False entry while BS differs",
+                "every token must be active"});
+}
+
+// The same with an all-True mask is fine.
+TEST_F(Features, AllTrueMaskWhileBatchSizesDiffer) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  Spec s = small_spec();
+  s.uneven = true;
+  Batch b = make_batch(s, world_size());
+  std::vector<uint8_t> mask(std::max<int64_t>(1, b.bs[world_rank()]), 1);
+  b.inputs[world_rank()].x_active_mask =
+      TensorView::contiguous(mask.data(), DType::kBool, {b.bs[world_rank()]});
+  round_trip(b);
+}
+
+// A 2-D all-False row sends the token nowhere, not even to the shared experts: the shared rank's
+// rows (ep_recv_counts on rank 0) do not include it, and its combine output is 0.
+TEST_F(Features, AllFalseRowGoesNowhere) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  Spec s = small_spec();
+  s.S = 1;
+  s.mask = Mask::kTwoD;
+  Batch b = make_batch(s, world_size());
+  if (12 % (b.W - 1) != 0) GTEST_SKIP();
+  const int rank = world_rank();
+  for (int r = 0; r < b.W; ++r) std::fill(b.mask[r].begin(), b.mask[r].end(), 1);
+  std::fill(b.mask[1].begin() + 3, b.mask[1].begin() + 6, 0);  // rank 1, token 1
+  const DispatchOutputs out = dispatch_v2(dispatch_inputs(b, rank), config(b));
+  if (rank == 0) {
+    // Rank 0 (the only shared-expert rank) gets every rank's active tokens: 4 per rank but 3
+    // from rank 1.
+    std::vector<int32_t> want;
+    for (int r = 0, run = 0; r < b.W; ++r) want.push_back(run += r == 1 ? 3 : 4);
+    EXPECT_EQ(values<int32_t>(out.ep_recv_counts), want);
+  }
+  const Tensor y = run_experts(b, out, rank, b.W, 1, 1, b.spec.E);
+  const Tensor x = combine_v2(combine_inputs(b, rank, out, y), config(b));
+  if (rank == 1) {
+    for (int64_t h = 0; h < b.spec.H; ++h) EXPECT_EQ(x.ptr<float>()[b.spec.H + h], 0.0f);
+  }
+  const auto want =
+      ref::combine_reference(ref_inputs(b), b.world, ref::scale_expert(b.spec.E), shared_expert());
+  EXPECT_TRUE(same_bytes(x.data(), want[rank].data(), x.nbytes()));
+}
+
+Spec special_spec() {
+  Spec s = small_spec();
+  s.C = 1;
+  s.Q = 2;
+  return s;
+}
+
+struct SpecialCombine {
+  Batch b;
+  DispatchOutputs out;
+  Tensor y;
+};
+
+SpecialCombine special_dispatched() {
+  SpecialCombine c{make_batch(special_spec(), world_size()), {}, {}};
+  const int rank = world_rank();
+  c.out = dispatch_v2(dispatch_inputs(c.b, rank), config(c.b));
+  c.y = run_experts(c.b, c.out, rank, c.b.W, 0, 1, c.b.spec.E);
+  return c;
+}
+
+TEST_F(Features, OriXRequiredForCopyExperts) {
+  SpecialCombine c = special_dispatched();
+  const int rank = world_rank(), bad = world_size() - 1;
+  CombineInputs in = combine_inputs(c.b, rank, c.out, c.y);
+  if (rank == bad) in.ori_x.reset();
+  expect_error([&] { combine_v2(in, config(c.b)); }, bad, ErrorKind::kInvalidArgument,
+               {"combine_v2: ori_x is required when copy_expert_num = 1 > 0"});
+}
+
+TEST_F(Features, ConstAlphaRequired) {
+  SpecialCombine c = special_dispatched();
+  const int rank = world_rank(), bad = 0;
+  CombineInputs in = combine_inputs(c.b, rank, c.out, c.y);
+  if (rank == bad) in.const_expert_alpha_2.reset();
+  expect_error([&] { combine_v2(in, config(c.b)); }, bad, ErrorKind::kInvalidArgument,
+               {"combine_v2: const_expert_alpha_2 is required when const_expert_num = 2 > 0"});
+}
+
+TEST_F(Features, ConstVWrongShapeAndDtype) {
+  SpecialCombine c = special_dispatched();
+  const int rank = world_rank(), bad = world_size() - 1;
+  {
+    CombineInputs in = combine_inputs(c.b, rank, c.out, c.y);
+    if (rank == bad) in.const_expert_v->shape[0] = 1;
+    expect_error([&] { combine_v2(in, config(c.b)); }, bad, ErrorKind::kInvalidArgument,
+                 {"combine_v2: const_expert_v.shape[0] = 1 must equal 2 (const_expert_num)"});
+  }
+  {
+    CombineInputs in = combine_inputs(c.b, rank, c.out, c.y);
+    std::vector<uint16_t> bf(2 * c.b.spec.H, 0);
+    if (rank == bad)
+      in.const_expert_alpha_1 = TensorView::contiguous(bf.data(), DType::kBF16, {2, c.b.spec.H});
+    expect_error([&] { combine_v2(in, config(c.b)); }, bad, ErrorKind::kInvalidArgument,
+                 {"combine_v2: const_expert_alpha_1 dtype bf16 is not one of {fp32}"});
+  }
+  {
+    CombineInputs in = combine_inputs(c.b, rank, c.out, c.y);
+    if (rank == bad) in.ori_x->shape[1] = c.b.spec.H - 1;
+    expect_error([&] { combine_v2(in, config(c.b)); }, bad, ErrorKind::kInvalidArgument,
+                 {"combine_v2: ori_x.shape[1] = 7 must equal 8 (H, expand_x.shape[1])"});
+  }
+}
+
+TEST_F(Features, SpecialExpertIdOutOfRange) {
+  Batch b = make_batch(special_spec(), world_size());  // E + Z + C + Q = 15
+  const int rank = world_rank(), bad = world_size() - 1;
+  if (rank == bad) b.ids[rank][1] = 15;
+  expect_error([&] { dispatch_v2(dispatch_inputs(b, rank), config(b)); }, bad,
+               ErrorKind::kInvalidArgument,
+               {"dispatch_v2: expert_ids[0,1] = 15 is outside [0, 15) (moe_expert_num + "
+                "zero/copy/const_expert_num"});
+}
+
+TEST_F(Features, TopKAboveAllExperts) {
+  Spec s = small_spec();
+  s.E = 12;
+  s.K = 3;
+  Batch b = make_batch(s, world_size());
+  EpConfig cfg = config(b);
+  cfg.moe_expert_num = 12;
+  std::vector<int32_t> ids(4 * 14, -1);
+  DispatchInputs in = dispatch_inputs(b, world_rank());
+  in.expert_ids = TensorView::contiguous(ids.data(), DType::kI32, {4, 14});
+  in.expert_scales.reset();
+  cfg.zero_expert_num = 1;
+  expect_error([&] { dispatch_v2(in, cfg); }, -1, ErrorKind::kInvalidArgument,
+               {"dispatch_v2: expert_ids.shape[1] = 14 (K) is outside [1, 13]"});
+}
+
+TEST_F(Features, SharedExpertCombinations) {
+  Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank(), bad = 0, W = world_size();
+  EpConfig cfg = config(b);
+  if (W >= 3) {
+    if (rank == bad) cfg.shared_expert_rank_num = 2, cfg.shared_expert_num = 3;
+    expect_error([&] { dispatch_v2(dispatch_inputs(b, rank), cfg); }, bad,
+                 ErrorKind::kInvalidArgument,
+                 {"dispatch_v2: shared_expert_rank_num = 2 is not a multiple of "
+                  "shared_expert_num = 3"});
+  }
+  cfg = config(b);
+  if (rank == bad) cfg.shared_expert_num = 0, cfg.shared_expert_rank_num = 0;
+  // (0, 0) is valid; on one rank only it disagrees with the others' (1, 0).
+  if (W > 1)
+    expect_error([&] { dispatch_v2(dispatch_inputs(b, rank), cfg); }, -1,
+                 ErrorKind::kInvalidArgument, {"shared_expert_num differs across ranks"});
+}
+
+TEST_F(Features, SharedExpertXWrongShape) {
+  Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank(), bad = world_size() - 1;
+  const DispatchOutputs out = dispatch_v2(dispatch_inputs(b, rank), config(b));
+  const Tensor y = run_experts(b, out, rank, b.W, 0, 1, b.spec.E);
+  CombineInputs in = combine_inputs(b, rank, out, y);
+  if (rank == bad)
+    in.shared_expert_x = TensorView::contiguous(b.sx[rank].data(), DType::kF32, {3, 1, 8});
+  expect_error([&] { combine_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"combine_v2: shared_expert_x has 3 rows (shape[0] * shape[1]) but BS = 4"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// performance_info (SPEC §1.8): added to, never zeroed; rank 0 arrives 100 ms late, so every other
+// rank records at least 50 ms of waiting for rank 0.
+TEST_F(Features, PerformanceInfoAddsWaits) {
+  const int rank = world_rank(), W = world_size();
+  Batch b = make_batch(small_spec(), W);
+  std::vector<int64_t> perf(W, 1000000);
+  DispatchInputs in = dispatch_inputs(b, rank);
+  in.performance_info = TensorView::contiguous(perf.data(), DType::kI64, {W});
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const DispatchOutputs out = dispatch_v2(in, config(b));
+  for (int p = 0; p < W; ++p) EXPECT_GE(perf[p], 1000000) << "performance_info[" << p << "]";
+  if (rank != 0) {
+    EXPECT_GE(perf[0], 1000000 + 50000) << "the wait for late rank 0";
+  }
+  const std::vector<int64_t> after_dispatch = perf;
+  const Tensor y = run_experts(b, out, rank, b.W, 0, 1, b.spec.E);
+  CombineInputs cin = combine_inputs(b, rank, out, y);
+  cin.performance_info = TensorView::contiguous(perf.data(), DType::kI64, {W});
+  combine_v2(cin, config(b));
+  for (int p = 0; p < W; ++p) EXPECT_GE(perf[p], after_dispatch[p]);
+}
+
+TEST_F(Features, PerformanceInfoWrongSize) {
+  const int rank = world_rank(), W = world_size(), bad = W - 1;
+  Batch b = make_batch(small_spec(), W);
+  std::vector<int64_t> perf(W + 1, 0);
+  DispatchInputs in = dispatch_inputs(b, rank);
+  if (rank == bad) in.performance_info = TensorView::contiguous(perf.data(), DType::kI64, {W + 1});
+  expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"dispatch_v2: performance_info.shape[0] = " + std::to_string(W + 1) +
+                " must equal " + std::to_string(W) + " (ep_world_size)"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// elastic_info (SPEC §1.7): old rank 1 is removed; the survivors' results equal a fresh run on the
+// smaller world (the reference of W - 1 ranks); the removed rank gets empty outputs.
+std::vector<int32_t> scale_in_table(int W, int removed, int64_t newS, int64_t newE) {
+  std::vector<int32_t> t = {1, W - (removed >= 0 ? 1 : 0), static_cast<int32_t>(newS),
+                            static_cast<int32_t>(newE)};
+  std::vector<int32_t> back;
+  for (int o = 0, n = 0; o < W; ++o) {
+    t.push_back(o == removed ? -1 : n++);
+    if (o != removed) back.push_back(o);
+  }
+  back.resize(W, -1);
+  t.insert(t.end(), back.begin(), back.end());
+  return t;
+}
+
+void scale_in_round_trip(int64_t newS) {
+  const int W = world_size(), rank = world_rank(), removed = 1;
+  Spec s;
+  s.name = "scale_in";
+  s.E = 12;
+  s.S = newS;
+  s.mask = Mask::kTwoD;
+  Batch small = make_batch(s, W - 1);  // the smaller world's batch, started fresh
+  std::vector<int32_t> table = scale_in_table(W, removed, newS, 12);
+  const TensorView tv = TensorView::contiguous(table.data(), DType::kI32, {4 + 2 * W});
+  EpConfig cfg = config(small);
+  cfg.ep_world_size = W;
+  cfg.ep_rank_id = rank;
+  cfg.shared_expert_rank_num = 0;  // the old world's
+  const int nr = table[4 + rank];
+  std::vector<float> dummy_x(8, 1.0f);
+  std::vector<int32_t> dummy_ids = {0, 1, 2};
+  DispatchInputs in;
+  if (nr >= 0) {
+    in = dispatch_inputs(small, nr);
+  } else {
+    in.x = TensorView::contiguous(dummy_x.data(), DType::kBF16, {1, 8});
+    in.expert_ids = TensorView::contiguous(dummy_ids.data(), DType::kI32, {1, 3});
+  }
+  in.elastic_info = tv;
+  const DispatchOutputs out = dispatch_v2(in, cfg);
+  if (nr < 0) {
+    EXPECT_EQ(out.expand_x.size(0), 0);
+    EXPECT_EQ(out.ep_recv_counts.numel(), 0);
+    EXPECT_EQ(out.expert_token_nums.numel(), 0);
+    CombineInputs cin;
+    cin.expand_x = out.expand_x;
+    cin.expert_ids = in.expert_ids;
+    std::vector<float> w(3, 1.0f);
+    cin.expert_scales = TensorView::contiguous(w.data(), DType::kF32, {1, 3});
+    cin.assist_info_for_combine = out.assist_info_for_combine;
+    cin.ep_send_counts = out.ep_recv_counts;
+    cin.elastic_info = tv;
+    const Tensor x = combine_v2(cin, cfg);
+    ASSERT_EQ(x.size(0), 1);
+    for (int64_t h = 0; h < 8; ++h) EXPECT_EQ(ref::load(DType::kBF16, x.data(), h), 0.0f);
+    return;
+  }
+  const auto want = ref::dispatch_reference(ref_inputs(small), small.world);
+  check_dispatch(small, out, want[nr], 1);
+  const Tensor y = run_experts(small, out, nr, W - 1, newS, 1, 12);
+  CombineInputs cin = combine_inputs(small, nr, out, y);
+  cin.elastic_info = tv;
+  const Tensor x = combine_v2(cin, cfg);
+  const auto combined = ref::combine_reference(ref_inputs(small), small.world,
+                                               ref::scale_expert(12), shared_expert());
+  ASSERT_EQ(x.nbytes(), combined[nr].size());
+  EXPECT_TRUE(same_bytes(x.data(), combined[nr].data(), x.nbytes()))
+      << "survivor's combine differs from a fresh run on the smaller world";
+}
+
+TEST_F(Features, ScaleInEqualsFreshSmallerWorld) {
+  if (world_size() < 3) GTEST_SKIP() << "needs three ranks";
+  scale_in_round_trip(0);
+}
+
+TEST_F(Features, ScaleInWithSharedExpertRank) {
+  if (world_size() < 3 || 12 % (world_size() - 2) != 0) GTEST_SKIP() << "needs three ranks";
+  scale_in_round_trip(1);
+}
+
+// Without scale-in (is_scaled_down = 0) the table is not used; a bad flag is an error.
+TEST_F(Features, ElasticFlagOutOfRange) {
+  const int W = world_size(), rank = world_rank(), bad = W - 1;
+  Batch b = make_batch(small_spec(), W);
+  std::vector<int32_t> table(4 + 2 * W, 0);
+  if (rank == bad) table[0] = 2;
+  DispatchInputs in = dispatch_inputs(b, rank);
+  in.elastic_info = TensorView::contiguous(table.data(), DType::kI32, {4 + 2 * W});
+  expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"dispatch_v2: elastic_info[0] = 2 (is_scaled_down) is not one of {0, 1}"});
+  round_trip(b);  // is_scaled_down = 0 everywhere: a plain run
+}
+
+TEST_F(Features, ElasticTableInconsistentOnOneRank) {
+  const int W = world_size(), rank = world_rank(), bad = 0;
+  Batch b = make_batch(small_spec(), W);
+  std::vector<int32_t> table(4 + 2 * W, 0);
+  if (rank == bad) {
+    table = scale_in_table(W, -1, 0, 12);  // nobody removed
+    table[4 + W] = W > 1 ? 1 : 5;          // new->old no longer the inverse
+  }
+  DispatchInputs in = dispatch_inputs(b, rank);
+  in.elastic_info = TensorView::contiguous(table.data(), DType::kI32, {4 + 2 * W});
+  expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"dispatch_v2: elastic_info[" + std::to_string(4 + W) + "] = ",
+                "(old rank of new rank 0) must be 0"});
 }
 
 }  // namespace

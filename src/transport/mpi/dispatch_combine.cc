@@ -303,7 +303,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   }
   if (local && world.removed) throw *local;
   const auto headers =
-      detail::agree_on_headers(comm, world.peers, op, hdr, local ? &*local : nullptr);
+      detail::agree_on_headers(comm, world.peers, op, hdr, local ? &*local : nullptr, perf);
   check_batch_sizes(op, headers, world.peers, cfg.global_bs, "x.shape[0]");
 
   const int W = to_int(sh.W), L = to_int(sh.L);
@@ -534,7 +534,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   if (local && world.removed) throw *local;
   if (world.removed) return Tensor::zeros(sh.dtype, {sh.BS, sh.H});  // SPEC §1.7: no part
   const auto headers =
-      detail::agree_on_headers(comm, world.peers, op, hdr, local ? &*local : nullptr);
+      detail::agree_on_headers(comm, world.peers, op, hdr, local ? &*local : nullptr, perf);
   check_batch_sizes(op, headers, world.peers, cfg.global_bs, "expert_ids.shape[0]");
 
   const int W = to_int(sh.W), L = to_int(sh.L);

@@ -211,7 +211,8 @@ void Exchange::add_recv_wait_us(int64_t* per_peer) const {
 }
 
 std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
-                                       const char* op, const OpHeader& mine, const Error* local) {
+                                       const char* op, const OpHeader& mine, const Error* local,
+                                       int64_t* perf) {
   const int W = static_cast<int>(peers.size());
   const int me =
       static_cast<int>(std::find(peers.begin(), peers.end(), comm.rank()) - peers.begin());
@@ -229,6 +230,7 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
       ex.isend(sent.get(), sizeof(OpHeader), MPI_BYTE, peers[p], kTagHeader);
     }
     ex.wait();
+    if (perf != nullptr && local == nullptr) ex.add_recv_wait_us(perf);
   }
   const std::vector<OpHeader>& h = *headers;
   if (local != nullptr) throw *local;

@@ -118,7 +118,9 @@ struct OpHeader {
 //   - the ranks disagree on an argument that must be equal (op, ep_world_size, moe_expert_num,
 //     global_bs, H, K, dtype, ...): throws Error(kInvalidArgument) on every rank naming the
 //     argument, two ranks and their values.
+// `perf` (optional, indexed by communicator rank): the wait for each peer's header is added to it.
 std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
-                                       const char* op, const OpHeader& mine, const Error* local);
+                                       const char* op, const OpHeader& mine, const Error* local,
+                                       int64_t* perf = nullptr);
 
 }  // namespace moe_ep::detail
