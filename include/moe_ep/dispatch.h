@@ -2,13 +2,28 @@
 // npu_moe_distribute_combine_v2). Field names are the SPEC's parameter names.
 //
 // Supported in this build (everything else raises Error(kUnsupported) naming the argument, never a
-// wrong answer):
-//   tp_world_size 0 or 1; shared_expert_rank_num 0 with shared_expert_num 0 or 1; quant_mode 0;
-//   comm_quant_mode 0; comm_alg "" or "fullmesh"; zero/copy/const_expert_num 0; no x_active_mask,
-//   elastic_info, performance_info, scales, shared_expert_x, ori_x, const_expert_*;
-//   expert_shard_type 0; expert id -1 = inactive entry; global_bs 0 (BS equal on all ranks) or
-//   global_bs = W * m with m >= max BS (BS may differ, BS = 0 allowed); expert_token_nums_type
-//   0, 1.
+// wrong answer): tp_world_size 0 or 1 (2: Unsupported); shared-expert ranks (S, Ns); x_active_mask
+// 1-D or 2-D; zero/copy/const experts; elastic_info scale-in; performance_info; quant_mode 0 and
+// comm_quant_mode 0 (2: Unsupported, int8 is being added); comm_alg "" or "fullmesh";
+// expert_shard_type 0; expert id -1 = inactive entry; global_bs 0 (BS equal on all ranks) or
+// global_bs = W * m with m >= max BS (BS may differ, BS = 0 allowed; then every token must be
+// active); expert_token_nums_type 0, 1.
+//
+// Activity (SPEC §1.3, §1.6): entry (i, k) is active when expert_ids[i,k] != -1 and
+// x_active_mask allows it (1-D: mask[i]; 2-D: mask[i,k]); a token is active when at least one of
+// its entries is. An inactive token is sent nowhere (not to the shared experts either) and its
+// combine output is 0. Special expert ids (>= E) count as active entries but are never sent.
+//
+// Scale-in (SPEC §1.7, elastic_info with is_scaled_down = 1): a removed rank (old->new = -1) takes
+// no part: after checking its own arguments it returns at once, sending nothing (dispatch_v2:
+// expand_x (0, H), assist_info_for_combine, expand_scales, expert_token_nums and ep_recv_counts
+// empty, tp_recv_counts (1,) = 0; combine_v2: (BS, H) zeros). The surviving ranks run the op as a
+// fresh world of the new W ranks (new rank = old->new[ep_rank_id]) with the new S and E: placement,
+// ep_recv_counts, assist_info_for_combine (source = new rank), A and global_bs (interpreted for the
+// new world) are those of that smaller world, and expert_ids use the new E. The survivors check
+// that they passed the same table (a hash in the header); a rank whose table disagrees about WHO
+// survives cannot be told apart from a dead one and shows up as a Timeout. ep_world_size,
+// ep_rank_id and performance_info keep the old (group_ep) numbering.
 //
 // Both ops are collective over group_ep: every rank of it must call them, in the same order. Before
 // moving data, the ranks exchange a small header; a rank whose arguments fail validation throws
@@ -39,40 +54,60 @@ namespace moe_ep {
 // The arguments dispatch_v2 and combine_v2 share; they must be equal on all ranks (except
 // ep_rank_id and tp_rank_id) and equal between a dispatch and its combine.
 struct EpConfig {
-  Communicator* group_ep = nullptr;    // [in] not owned; group_ep->size() must equal ep_world_size
-  int64_t ep_world_size = 0;           // W >= 1
-  int64_t ep_rank_id = 0;              // r in [0, W); must equal group_ep->rank()
-  int64_t moe_expert_num = 0;          // E >= 1, E % (W - S) == 0
-  Communicator* group_tp = nullptr;    // TP group: ignored (tp_world_size 2 is unsupported)
-  int64_t tp_world_size = 0;           // 0 or 1 (2: unsupported in this build)
-  int64_t tp_rank_id = 0;              // must be 0
-  int64_t expert_shard_type = 0;       // must be 0 (the only placement: expert e on rank e / L)
-  int64_t shared_expert_num = 1;       // Ns: 0 or 1 with S == 0 in this build
-  int64_t shared_expert_rank_num = 0;  // S: 0 in this build
+  Communicator* group_ep = nullptr;  // [in] not owned; group_ep->size() must equal ep_world_size
+  int64_t ep_world_size = 0;         // W >= 1
+  int64_t ep_rank_id = 0;            // r in [0, W); must equal group_ep->rank()
+  int64_t moe_expert_num = 0;        // E >= 1, E % (W - S) == 0
+  Communicator* group_tp = nullptr;  // TP group: ignored (tp_world_size 2 is unsupported)
+  int64_t tp_world_size = 0;         // 0 or 1 (2: Unsupported in this build)
+  int64_t tp_rank_id = 0;            // must be 0
+  int64_t expert_shard_type = 0;     // must be 0 (the only placement, SPEC §1.2)
+  // Shared experts (SPEC §1.2): Ns in [0, 4]; valid (Ns, S): (1, 0) the default, (0, 0), or
+  // Ns > 0 with S % Ns == 0, S in [0, W). Ranks [0, S) host the Ns shared experts (expert s on
+  // ranks [s*S/Ns, (s+1)*S/Ns)); MoE expert e lives on rank S + e / L, L = E / (W - S). With S = 0
+  // no rank hosts shared experts (pass their output as combine_v2's shared_expert_x). Rank r sends
+  // every active token once to rank (r % (S/Ns)) + s*(S/Ns) for each s. Errors: kInvalidArgument.
+  int64_t shared_expert_num = 1;       // Ns
+  int64_t shared_expert_rank_num = 0;  // S
   int64_t global_bs = 0;  // 0 (BS equal on all ranks) or W * m, m >= max BS over ranks (BS may
                           // then differ across ranks, and be 0)
   std::string comm_alg;   // "" or "fullmesh" ("hierarchy": unsupported)
-  int64_t zero_expert_num = 0;   // Z (unsupported when > 0 in this build)
-  int64_t copy_expert_num = 0;   // C (unsupported when > 0)
-  int64_t const_expert_num = 0;  // Q (unsupported when > 0)
+  // Special experts (SPEC §2.2), Z, C, Q >= 0, E+Z+C+Q < 2^31-1: ids [E, E+Z) zero experts,
+  // [E+Z, E+Z+C) copy experts, [E+Z+C, E+Z+C+Q) const experts. Never sent; combine_v2 evaluates
+  // them locally. K <= E+Z+C+Q.
+  int64_t zero_expert_num = 0;   // Z
+  int64_t copy_expert_num = 0;   // C
+  int64_t const_expert_num = 0;  // Q
 };
 
 // SPEC §1.3.
 struct DispatchInputs {
   TensorView x;           // [in] (BS, H) bf16/fp16/fp32, BS >= 0; rows may be strided
                           //      (stride(0) >= 0 any), stride(1) == 1. Read during the call only
-  TensorView expert_ids;  // [in] (BS, K) int32, any strides; each id in [0, E) or -1 (inactive);
-                          //      the non-negative ids of a row are distinct
-  std::optional<TensorView> expert_scales;     // [in] (BS, K) fp32, any strides -> expand_scales
-  std::optional<TensorView> scales;            // quant smoothing: unsupported in this build
-  std::optional<TensorView> x_active_mask;     // unsupported in this build
-  std::optional<TensorView> elastic_info;      // unsupported in this build
-  std::optional<TensorView> performance_info;  // unsupported in this build
-  int64_t quant_mode = 0;                      // 0 (2: unsupported in this build)
-  int64_t expert_token_nums_type = 1;          // 0 = running sum, 1 = per-expert count
+  TensorView expert_ids;  // [in] (BS, K) int32, any strides; each id in [0, E+Z+C+Q) or -1
+                          //      (inactive); the non-negative ids of a row are distinct
+  std::optional<TensorView> expert_scales;  // [in] (BS, K) fp32, any strides -> expand_scales
+  std::optional<TensorView> scales;         // quant smoothing: Unsupported in this build
+  // [in] bool (BS,) with all Trues before all Falses (else kInvalidArgument naming the index and
+  // value), or bool (BS, K) per entry; any strides. See "Activity" above. When BS differs across
+  // ranks every element must be True (kInvalidArgument on all ranks). SPEC §1.3, §1.6.
+  std::optional<TensorView> x_active_mask;
+  // [in] int32 (4 + 2W,), W = ep_world_size: [is_scaled_down (0/1), new W, new S, new E,
+  // W x (old rank -> new rank, -1 = removed), W x (new rank -> old rank, -1 padding)]; checked
+  // for consistency (kInvalidArgument naming the element). See "Scale-in" above. SPEC §1.7.
+  std::optional<TensorView> elastic_info;
+  // [in/out] int64 (W,), contiguous: for each group_ep rank p, the microseconds this rank waited
+  // for p's data (header, counts and rows phases: from the start of each phase's wait until p's
+  // last message of that phase arrived) are ADDED to performance_info[p]; never zeroed. SPEC §1.8.
+  std::optional<TensorView> performance_info;
+  int64_t quant_mode = 0;              // 0 (2: unsupported in this build)
+  int64_t expert_token_nums_type = 1;  // 0 = running sum, 1 = per-expert count
 };
 
-// SPEC §1.4. A = G * min(L, K) with G = global_bs, or BS * W when global_bs is 0; L = E / W.
+// SPEC §1.4. A = G * min(L, K) on a MoE rank, (G / W) * ceil(W / (S / Ns)) on a shared-expert
+// rank, with G = global_bs, or BS * W when global_bs is 0; L = local experts of this rank
+// (E / (W - S) on a MoE rank, 1 on a shared-expert rank). On a shared-expert rank the rows form
+// one block per source rank, in rank order, holding that sender's active tokens in order.
 // All outputs are newly allocated, contiguous and owned by the returned Tensors.
 struct DispatchOutputs {
   Tensor expand_x;        // (A, H), x's dtype; the first ep_recv_counts[W*L-1] rows are valid,
@@ -80,13 +115,14 @@ struct DispatchOutputs {
                           // the rest is zero
   Tensor dynamic_scales;  // undefined (defined() == false) for quant_mode 0
   Tensor assist_info_for_combine;  // (max(BS*K, A*128),) int32: [3j, 3j+1, 3j+2] = (source rank,
-                                   // source token, top-k slot) of row j; the rest is zero
+                                   // source token, top-k slot) of row j (slot K + s for a copy
+                                   // to shared expert s); the rest is zero
   Tensor expert_token_nums;        // (L,) int64: rows per local expert (expert_token_nums_type
                                    // 1) or their running sum (type 0)
   Tensor ep_recv_counts;           // (W*L,) int32, inclusive running sum over (expert, source)
   Tensor tp_recv_counts;           // (1,) int32: the number of valid rows
   Tensor expand_scales;            // (A,) fp32: expert_scales of each row (0 when not given,
-                                   // and beyond the valid rows)
+                                   // for shared-expert copies, and beyond the valid rows)
 };
 
 // Collective over cfg.group_ep. Errors: kInvalidArgument (this rank's arguments, or ranks that
@@ -105,22 +141,39 @@ struct CombineInputs {
                                        //      source rank of each valid row is checked
   TensorView ep_send_counts;           // [in] dispatch_v2's ep_recv_counts, (W*L,) int32
   TensorView expert_scales;            // [in] (BS, K) fp32 top-K weights, any strides
-  std::optional<TensorView> tp_send_counts;        // unsupported (TP) in this build
-  std::optional<TensorView> x_active_mask;         // unsupported in this build
-  std::optional<TensorView> expand_scales;         // [in] accepted and ignored (hierarchy only)
-  std::optional<TensorView> shared_expert_x;       // unsupported in this build
-  std::optional<TensorView> elastic_info;          // unsupported in this build
-  std::optional<TensorView> ori_x;                 // unsupported in this build
-  std::optional<TensorView> const_expert_alpha_1;  // unsupported in this build
-  std::optional<TensorView> const_expert_alpha_2;  // unsupported in this build
-  std::optional<TensorView> const_expert_v;        // unsupported in this build
-  std::optional<TensorView> performance_info;      // unsupported in this build
-  int64_t comm_quant_mode = 0;                     // 0 (2: unsupported in this build)
+  std::optional<TensorView> tp_send_counts;  // Unsupported (TP) in this build
+  std::optional<TensorView> x_active_mask;   // [in] the one given to dispatch_v2 (a different
+                                             //      mask: kInvalidArgument when rows mismatch)
+  std::optional<TensorView> expand_scales;   // [in] accepted and ignored (hierarchy only)
+  // [in] expand_x's dtype, (BS, H) or (a, b, H) with a*b = BS; rows may be strided, the last
+  // stride must be 1. Added unweighted to every ACTIVE token after the K terms and the hosted
+  // shared experts (SPEC §2.3). kInvalidArgument for a wrong shape or dtype.
+  std::optional<TensorView> shared_expert_x;
+  std::optional<TensorView> elastic_info;  // [in] the same table as dispatch_v2's
+  // [in] (BS, H) expand_x's dtype, rows may be strided: the tokens before the experts. Required
+  // when copy_expert_num > 0 or const_expert_num > 0 ("combine_v2: ori_x is required when
+  // copy_expert_num = 1 > 0"); checked whenever given.
+  std::optional<TensorView> ori_x;
+  // [in] (Q, H) expand_x's dtype each, rows may be strided; required when Q > 0, checked
+  // whenever given (then with Q rows).
+  std::optional<TensorView> const_expert_alpha_1;
+  std::optional<TensorView> const_expert_alpha_2;
+  std::optional<TensorView> const_expert_v;
+  std::optional<TensorView> performance_info;  // [in/out] int64 (W,): as dispatch_v2's (rows phase)
+  int64_t comm_quant_mode = 0;                 // 0 (2: Unsupported in this build)
 };
 
-// Returns x (BS, H) in expand_x's dtype: SPEC §2.3, for each token, in fp32,
-// acc += expert_scales[i,k] * y_ik for k = 0..K-1 (active entries), rounded once to nearest even.
-// Bitwise independent of W. Inactive tokens (all ids -1) give 0; entries with id -1 are skipped.
+// Returns x (BS, H) in expand_x's dtype: SPEC §2.3 and §2.2, for each ACTIVE token i, in fp32
+// (every product rounded to fp32 before its add; no FMA), acc = 0, then for k = 0..K-1, active
+// entries only, e = expert_ids[i,k], w = expert_scales[i,k], at slot k's position:
+//   MoE expert (e < E):        acc += w * fp32(y_ik)
+//   zero expert:               nothing (skipped, like an inactive entry)
+//   copy expert:               acc += w * fp32(ori_x[i])
+//   const expert q = e-E-Z-C:  c = fp32(alpha_1[q] * ori_x[i]) + fp32(alpha_2[q] * v[q]) (fp32),
+//                              acc += w * c
+// then acc += fp32(shared_y_is) for each hosted shared expert s = 0..Ns-1 (S > 0), then
+// acc += fp32(shared_expert_x[i]) if given; rounded once to nearest even. Inactive tokens give 0.
+// Bitwise independent of W (and of S for the same shared outputs).
 // Collective over cfg.group_ep, with the errors of dispatch_v2.
 MOE_EP_API Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg);
 
