@@ -88,9 +88,10 @@ MOE_EP_API std::vector<int64_t> local_shape(const std::vector<int64_t>& global_s
 // Distributed tensors.
 
 struct MOE_EP_API DTensor {
-  // [in/out] This rank's piece: shape local_shape(global_shape, placement, n, rank). Any strides
-  // the consuming op accepts (token-like 2-D tensors: rows may be strided, each row contiguous;
-  // index tensors and probs: any strides). Not owned unless `owner` holds it.
+  // [in/out] This rank's piece: shape local_shape(global_shape, placement, n, rank), possibly
+  // empty. Any non-negative strides: redistribution copies any layout, and the sharded ops copy a
+  // token-like piece whose columns are strided before the local kernel (which needs contiguous
+  // rows), so a layout never fails on some ranks only. Not owned unless `owner` holds it.
   TensorView local{};
   std::vector<int64_t> global_shape{};  // ndim 1..4, sizes >= 0
   Placement placement{};
@@ -98,7 +99,8 @@ struct MOE_EP_API DTensor {
   // Partial may be fp32 partial sums of a bf16/fp16 tensor (the sharded ops return grad_probs
   // that way, so the sum is rounded once). Unset: local.dtype.
   std::optional<DType> dtype{};
-  // Storage of `local` when moe-ep allocated it (outputs); undefined for a caller's view.
+  // Storage of `local` when moe-ep allocated it (outputs); undefined for a caller's view. It may
+  // be larger than `local` (a buffer the piece views): only `local` is ever read.
   Tensor owner{};
 
   DType global_dtype() const { return dtype ? *dtype : local.dtype; }

@@ -35,6 +35,14 @@ Box intersect(const Box& a, const Box& b);
 void copy_box(const TensorView& src, const Box& src_box, const TensorView& dst, const Box& dst_box,
               const Box& region);
 
+// Whether x.owner is exactly x.local (same data, dtype and shape, contiguous), so that the owner
+// can stand for the piece. A DTensor may keep alive a larger buffer (a flat storage the piece
+// views): then it cannot.
+bool owner_is_local(const DTensor& x);
+
+// A contiguous copy of a view.
+Tensor contiguous_copy(const TensorView& v);
+
 // "[4, 10]"
 std::string shape_str(const std::vector<int64_t>& shape);
 

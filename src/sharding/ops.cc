@@ -28,6 +28,12 @@ struct Prepared {
   bool sharded() const { return choice.index == 1; }
 };
 
+bool is_rows(const std::vector<std::string>& rows, const char* name) {
+  for (const std::string& r : rows)
+    if (r == name) return true;
+  return false;
+}
+
 // Token-like inputs (2-D, one H for all): names of `inputs` listed in `rows`.
 int64_t check_hidden(const char* op, const std::vector<Input>& inputs,
                      const std::vector<std::string>& rows) {
@@ -35,9 +41,7 @@ int64_t check_hidden(const char* op, const std::vector<Input>& inputs,
   const char* first = nullptr;
   for (const Input& in : inputs) {
     if (!in.x) continue;
-    bool is_rows = false;
-    for (const std::string& r : rows) is_rows = is_rows || r == in.name;
-    if (!is_rows) continue;
+    if (!is_rows(rows, in.name)) continue;
     const std::vector<int64_t>& g = in.x->global_shape;
     if (g.size() != 2)
       invalid(op, ": ", in.name, " global_shape ", detail::shape_str(g), " must be 2-D (rows, H)");
@@ -112,6 +116,16 @@ Prepared prepare(const Communicator& mesh, ShardedOp id, const char* op,
     const Placement to = *want[i].placement;
     if (want[i].data_read) {
       out.placed[i] = detail::redistribute_agreed(mesh, op, inputs[i].name, *x, to);
+      // The local kernels take token-like pieces whose rows are contiguous; a piece with strided
+      // columns (any strides are a valid DTensor piece) is copied, so that such a piece never
+      // fails on some ranks only (the kernel accepts any stride where a piece is 0 or 1 wide).
+      const TensorView& v = out.placed[i].local;
+      if (is_rows(rows, inputs[i].name) && v.ndim == 2 && v.shape[1] > 1 && v.strides[1] != 1) {
+        DTensor c = out.placed[i];
+        c.owner = detail::contiguous_copy(v);
+        c.local = c.owner.view();
+        out.placed[i] = c;
+      }
     } else {
       // Only the shape and dtype are used: a data-less view of the target shape.
       DTensor meta = *x;
@@ -163,7 +177,9 @@ std::optional<TensorView> probs_for(const Prepared& p, const DTensor* probs, std
                                     Tensor& keep) {
   if (!probs) return std::nullopt;
   const TensorView& v = p.placed[i].local;
-  if (!p.sharded() || v.dtype == DType::kF32) return v;
+  // Only bf16/fp16 (N, topK) probs are widened: anything else (fp32, a wrong dtype or ndim) goes
+  // to the kernel as it is, which accepts it or rejects it with the single-process op's message.
+  if (!p.sharded() || v.ndim != 2 || (v.dtype != DType::kBF16 && v.dtype != DType::kF16)) return v;
   keep = Tensor::empty(DType::kF32, {v.shape[0], v.shape[1]});
   float* d = keep.ptr<float>();
   for (int64_t r = 0; r < v.shape[0]; ++r)

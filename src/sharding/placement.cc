@@ -174,6 +174,24 @@ void copy_box(const TensorView& src, const Box& src_box, const TensorView& dst, 
       }
 }
 
+bool owner_is_local(const DTensor& x) {
+  const TensorView& o = x.owner.view();
+  if (!x.owner.defined() || o.data != x.local.data || o.dtype != x.local.dtype ||
+      o.ndim != x.local.ndim || !x.local.is_contiguous())
+    return false;
+  for (int d = 0; d < o.ndim; ++d)
+    if (o.shape[d] != x.local.shape[d]) return false;
+  return true;
+}
+
+Tensor contiguous_copy(const TensorView& v) {
+  const std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
+  Tensor t = Tensor::empty(v.dtype, shape);
+  const Box all = box_of(shape, Replicate(), 1, 0);
+  copy_box(v, all, t.view(), all, all);
+  return t;
+}
+
 std::string shape_str(const std::vector<int64_t>& shape) {
   std::ostringstream os;
   os << "[";

@@ -80,7 +80,7 @@ int64_t offset_in(const Box& box, const Box& region) {
 // The local piece as a contiguous tensor (a copy only when it is strided).
 std::shared_ptr<Tensor> contiguous_local(const DTensor& x, const Box& box) {
   auto t = std::make_shared<Tensor>();
-  if (x.local.is_contiguous() && x.owner.defined() && x.owner.data() == x.local.data) {
+  if (owner_is_local(x)) {
     *t = x.owner;
     return t;
   }
@@ -357,12 +357,8 @@ DTensor redistribute(const Communicator& mesh, const DTensor& x, Placement to, c
 
 Tensor full_tensor(const Communicator& mesh, const DTensor& x, const char* name) {
   DTensor r = redistribute(mesh, x, Replicate(), name);
-  if (r.owner.defined() && r.owner.data() == r.local.data && r.local.is_contiguous())
-    return r.owner;
-  Tensor t = Tensor::empty(r.local.dtype, r.global_shape);
-  const detail::Box all = detail::box_of(r.global_shape, Replicate(), 1, 0);
-  detail::copy_box(r.local, all, t.view(), all, all);
-  return t;
+  if (detail::owner_is_local(r)) return r.owner;
+  return detail::contiguous_copy(r.local);
 }
 
 }  // namespace moe_ep
