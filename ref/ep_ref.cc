@@ -130,6 +130,49 @@ std::vector<EpRankDispatch> dispatch_reference(const std::vector<EpRankInput>& r
   return dispatch_reference(ranks, w);
 }
 
+EpRankDispatch tp_layout(const EpRankDispatch& own, const EpRankDispatch& peer, int64_t W) {
+  if (static_cast<int64_t>(own.ep_recv_counts.size()) != W ||
+      static_cast<int64_t>(peer.ep_recv_counts.size()) != W || own.A != peer.A)
+    throw std::invalid_argument("tp_layout: needs L = 1 and the same A on both ranks");
+  EpRankDispatch o;
+  o.A = own.A;
+  o.valid = own.valid + peer.valid;
+  const int64_t row_bytes = own.A > 0 ? static_cast<int64_t>(own.expand_x.size()) / own.A : 0;
+  o.expand_x.assign(2 * own.A * row_bytes, 0);
+  std::memcpy(o.expand_x.data(), own.expand_x.data(), own.valid * row_bytes);
+  if (peer.valid > 0)
+    std::memcpy(o.expand_x.data() + own.valid * row_bytes, peer.expand_x.data(),
+                peer.valid * row_bytes);
+  o.ep_recv_counts = own.ep_recv_counts;
+  for (int32_t c : peer.ep_recv_counts)
+    o.ep_recv_counts.push_back(static_cast<int32_t>(own.valid + c));
+  o.expert_token_nums0 = {o.valid};
+  o.expert_token_nums1 = {o.valid};
+  o.assist_info = own.assist_info;
+  std::fill(o.assist_info.begin() + 3 * own.valid, o.assist_info.end(), 0);
+  for (int64_t j = 0; j < 3 * peer.valid; ++j)
+    o.assist_info[3 * own.valid + j] = peer.assist_info[j];
+  o.expand_scales.assign(2 * own.A, 0.0f);
+  for (int64_t j = 0; j < own.valid; ++j) o.expand_scales[j] = own.expand_scales[j];
+  for (int64_t j = 0; j < peer.valid; ++j) o.expand_scales[own.valid + j] = peer.expand_scales[j];
+  o.row_expert = own.row_expert;
+  o.row_expert.insert(o.row_expert.end(), peer.row_expert.begin(), peer.row_expert.end());
+  return o;
+}
+
+ExpertFn tp_sum_expert(ExpertFn part0, ExpertFn part1) {
+  return [part0, part1](int64_t e, DType dtype, const void* in, void* out, int64_t H) {
+    const int64_t bytes = H * element_bytes(dtype);
+    std::vector<unsigned char> y0(bytes), y1(bytes);
+    part0(e, dtype, in, y0.data(), H);
+    part1(e, dtype, in, y1.data(), H);
+    for (int64_t h = 0; h < H; ++h) {
+      const float sum = load(dtype, y0.data(), h) + load(dtype, y1.data(), h);
+      store(dtype, out, h, sum);
+    }
+  };
+}
+
 ExpertFn scale_expert(int64_t E) {
   return [E](int64_t e, DType dtype, const void* in, void* out, int64_t H) {
     const float factor = 1.0f + static_cast<float>(e) / static_cast<float>(E);

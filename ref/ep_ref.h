@@ -2,8 +2,8 @@
 // Written for clarity from the SPEC's wording ("concatenate all ranks' tokens in (rank, token)
 // order and stably sort by expert id"), independent of src/ (no shared code), never optimised.
 // Covers shared-expert ranks (§1.2), x_active_mask (§1.3, §1.6) and special experts (§2.2); no
-// quantisation. TP and scale-in are composed from these by the tests (a TP rank's layout is its own
-// EP rows followed by its peer's; a scaled-in world is a fresh smaller world).
+// quantisation. TP is tp_layout / tp_sum_expert below; scale-in is composed by the tests (a
+// scaled-in world is a fresh smaller world).
 #pragma once
 
 #include <cstdint>
@@ -64,6 +64,21 @@ using ExpertFn = std::function<void(int64_t e, DType dtype, const void* in, void
 // The `scale` expert of the tests: expert e multiplies its row by (1 + e/E) in fp32 and rounds once
 // to nearest even in the row's dtype.
 ExpertFn scale_expert(int64_t E);
+
+// TP (tp_world_size 2, SPEC §1.1 step 3, §1.4): the layout of a rank whose own EP rank received
+// `own` (dispatch_reference of its EP group) and whose TP peer received `peer` (the same EP rank of
+// the other EP group; L = 1, W = ep_world_size). Own rows first, then the peer's, packed:
+// expand_x (2A, H) rows [0, own.valid) own, [own.valid, own.valid + peer.valid) the peer's, zeros
+// after; ep_recv_counts (2W,) one inclusive running sum (the peer's W blocks continue from
+// own.valid); expert_token_nums both (own + peer); assist_info and expand_scales (2A,) both halves;
+// A stays own.A (the capacity per TP rank). tp_recv_counts is [own tp rank] = own.valid,
+// [peer] = peer.valid.
+EpRankDispatch tp_layout(const EpRankDispatch& own, const EpRankDispatch& peer, int64_t W);
+
+// The TP sum of two partial experts (SPEC §2): fp32(part0(e, x)) + fp32(part1(e, x)) (tp rank 0's
+// first), rounded once to nearest even in the row's dtype. The combine result of a TP pair equals
+// combine_reference with this expert.
+ExpertFn tp_sum_expert(ExpertFn part0, ExpertFn part1);
 
 // SPEC §2.3 per token of every rank: acc = 0 (fp32); for k = 0..K-1 with expert_ids[i,k] != -1
 // (and the mask True): MoE expert e: acc += fp32(expert_scales[i,k] * fp32(y_ik)) with

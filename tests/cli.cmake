@@ -417,3 +417,53 @@ add_test(NAME cli.installed
          COMMAND ${CMAKE_COMMAND} -DBUILD_DIR=${PROJECT_BINARY_DIR} -DPREFIX=${_work}/prefix
                  -DMPIEXEC=${_mpi} -P ${_cli}/installed.cmake)
 set_tests_properties(cli.installed PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 300)
+
+# int8 (SPEC §1.5): scale/identity against the unquantised reference within the per-element bound
+# derived from amax/254; swiglu against a reference that quantises like the run.
+moe_ep_add_mpi_test(NAME cli.run.quant_int8_scale
+                    COMMAND ${_exe} run --quant int8 --comm-quant int8 --hidden 128 --tokens 8
+                            --expert-fn scale
+                    NPROCS 1 2 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.quant_dispatch_identity_fp16
+                    COMMAND ${_exe} run --quant int8 --preset mixtral-8x7b --hidden 128
+                            --tokens 8 --dtype fp16 --expert-fn identity
+                    NPROCS 2 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.comm_quant_scale_fp32
+                    COMMAND ${_exe} run --comm-quant int8 --hidden 128 --tokens 8 --dtype fp32
+                            --expert-fn scale
+                    NPROCS 2 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.quant_int8_swiglu
+                    COMMAND ${_exe} run --quant int8 --comm-quant int8 --preset mixtral-8x7b
+                            --hidden 128 --ffn 32 --tokens 8
+                    NPROCS 2 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.quant_shared_special_mask_scale
+                    COMMAND ${_exe} run --quant int8 --comm-quant int8 --preset deepseek-v3
+                            --experts 192 --hidden 128 --shared-expert-ranks 1 --zero-experts 1
+                            --copy-experts 1 --const-experts 1 --mask entries --tokens 6
+                            --expert-fn scale
+                    NPROCS 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.quant_deepseek_local_shared
+                    COMMAND ${_exe} run --quant int8 --comm-quant int8 --preset deepseek-v3
+                            --hidden 128 --tokens 6 --expert-fn scale
+                    NPROCS 2 TIMEOUT 120)
+
+# Tensor parallelism (--tp 2, SPEC §1.1 step 3, §2): world = W_ep x 2, one expert per MoE rank;
+# scale/identity bitwise (TP rank 1 adds zeros), swiglu within the tolerance (FFN halves).
+moe_ep_add_mpi_test(NAME cli.run.tp2_scale
+                    COMMAND ${_exe} run --tp 2 --experts 2 --top-k 2 --hidden 128 --tokens 8
+                            --routing uniform --expert-fn scale
+                    NPROCS 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.tp2_identity_one_ep_rank
+                    COMMAND ${_exe} run --tp 2 --experts 1 --top-k 1 --hidden 64 --tokens 5
+                            --expert-fn identity
+                    NPROCS 2 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.tp2_swiglu
+                    COMMAND ${_exe} run --tp 2 --preset mixtral-8x7b --experts 2 --top-k 2
+                            --hidden 128 --ffn 33 --tokens 6
+                    NPROCS 4 TIMEOUT 120)
+moe_ep_add_mpi_test(NAME cli.run.tp2_shared_rank_special_mask
+                    COMMAND ${_exe} run --tp 2 --experts 2 --top-k 2 --shared-experts 1
+                            --shared-expert-ranks 1 --zero-experts 1 --copy-experts 1
+                            --mask entries --hidden 64 --tokens 4 --routing uniform
+                            --expert-fn scale
+                    NPROCS 6 TIMEOUT 120)

@@ -2,12 +2,12 @@
 // npu_moe_distribute_combine_v2). Field names are the SPEC's parameter names.
 //
 // Supported in this build (everything else raises Error(kUnsupported) naming the argument, never a
-// wrong answer): tp_world_size 0 or 1 (2: Unsupported); shared-expert ranks (S, Ns); x_active_mask
-// 1-D or 2-D; zero/copy/const experts; elastic_info scale-in; performance_info; quant_mode 0 and
-// comm_quant_mode 0 (2: Unsupported, int8 is being added); comm_alg "" or "fullmesh";
-// expert_shard_type 0; expert id -1 = inactive entry; global_bs 0 (BS equal on all ranks) or
-// global_bs = W * m with m >= max BS (BS may differ, BS = 0 allowed; then every token must be
-// active); expert_token_nums_type 0, 1.
+// wrong answer): tp_world_size 0, 1 or 2 (see "Tensor parallelism"); shared-expert ranks (S, Ns);
+// x_active_mask 1-D or 2-D; zero/copy/const experts; elastic_info scale-in; performance_info;
+// quant_mode 0, 2 (int8, with optional smoothing scales) and comm_quant_mode 0, 2; comm_alg "" or
+// "fullmesh"; expert_shard_type 0; expert id -1 = inactive entry; global_bs 0 (BS equal on all
+// ranks) or global_bs = W * m with m >= max BS (BS may differ, BS = 0 allowed; then every token
+// must be active); expert_token_nums_type 0, 1.
 //
 // Activity (SPEC §1.3, §1.6): entry (i, k) is active when expert_ids[i,k] != -1 and
 // x_active_mask allows it (1-D: mask[i]; 2-D: mask[i,k]); a token is active when at least one of
@@ -25,6 +25,25 @@
 // survives cannot be told apart from a dead one and shows up as a Timeout. ep_world_size,
 // ep_rank_id and performance_info keep the old (group_ep) numbering.
 //
+// Tensor parallelism (tp_world_size 2, SPEC §1.1 step 3, §2): group_tp holds the TP pair (2
+// ranks; tp_rank_id must equal group_tp->rank()), the same ep_rank_id of two EP groups (any rank
+// grouping: group_ep and group_tp are just communicators), and L must be 1 (moe_expert_num =
+// ep_world_size - shared_expert_rank_num). dispatch_v2 runs the EP exchange, then sends this rank's
+// valid rows to its TP peer and appends the peer's, PACKED: expand_x (2A, H) rows [0, own) this
+// rank's, [own, own + peer) the peer's, zeros after; ep_recv_counts (2W,) is one inclusive running
+// sum whose second W entries (continuing from own) are the peer's blocks by source rank;
+// tp_recv_counts (2,) [tp_rank_id] = own, [1 - tp_rank_id] = peer; expert_token_nums = own + peer;
+// assist_info_for_combine, expand_scales (2A,) and dynamic_scales (2A,) hold both halves.
+// combine_v2 takes expand_x with each row's PARTIAL expert output: it sends the peer's rows to the
+// peer, receives the peer's partials for its own rows, forms rs_out[j] = fp32(partial of tp rank
+// 0) + fp32(partial of tp rank 1) rounded once (the same bits on both ranks), then runs the EP
+// all-to-all on rs_out. Before the EP header, the pair exchanges a header (same deadline): a
+// failure on one rank of a pair reaches both EP groups (kRemote), a disagreement within the pair
+// (ep_rank_id, W, E, S, H, dtype, A, row counts) is kInvalidArgument on both. Errors: group_tp
+// null or not of size 2, tp_rank_id != group_tp->rank(), L != 1, comm_quant_mode 2
+// (kInvalidArgument); elastic_info scale-in with TP (kUnsupported). A TP peer that does not call
+// the op (or passes tp_world_size != 2) shows up as kTimeout.
+//
 // Both ops are collective over group_ep: every rank of it must call them, in the same order. Before
 // moving data, the ranks exchange a small header; a rank whose arguments fail validation throws
 // its error (kInvalidArgument, or kUnsupported) and every other rank throws Error(kRemote) carrying
@@ -36,8 +55,9 @@
 //
 // Data flow (docs/design.md): a header exchange, then per-(destination, local expert) counts, then
 // one message of rows per peer and direction, described by MPI derived datatypes over x's rows and
-// expand_x's blocks (no packing). Row counts and offsets are 64-bit; one message holds at most
-// INT32_MAX rows of at most INT_MAX bytes each (Error(kUnsupported) beyond).
+// expand_x's blocks (no packing; int8 rows are packed per destination in send order, their fp32
+// scale travels in the per-row metadata message). Row counts and offsets are 64-bit; one message
+// holds at most INT32_MAX rows of at most INT_MAX bytes each (Error(kUnsupported) beyond).
 #pragma once
 
 #include <cstdint>
@@ -58,9 +78,9 @@ struct EpConfig {
   int64_t ep_world_size = 0;         // W >= 1
   int64_t ep_rank_id = 0;            // r in [0, W); must equal group_ep->rank()
   int64_t moe_expert_num = 0;        // E >= 1, E % (W - S) == 0
-  Communicator* group_tp = nullptr;  // TP group: ignored (tp_world_size 2 is unsupported)
-  int64_t tp_world_size = 0;         // 0 or 1 (2: Unsupported in this build)
-  int64_t tp_rank_id = 0;            // must be 0
+  Communicator* group_tp = nullptr;  // [in] not owned; the TP pair (size 2) when T == 2
+  int64_t tp_world_size = 0;         // T: 0, 1 (no TP) or 2 (see "Tensor parallelism")
+  int64_t tp_rank_id = 0;            // 0 unless T == 2; then group_tp->rank()
   int64_t expert_shard_type = 0;     // must be 0 (the only placement, SPEC §1.2)
   // Shared experts (SPEC §1.2): Ns in [0, 4]; valid (Ns, S): (1, 0) the default, (0, 0), or
   // Ns > 0 with S % Ns == 0, S in [0, W). Ranks [0, S) host the Ns shared experts (expert s on
@@ -87,7 +107,11 @@ struct DispatchInputs {
   TensorView expert_ids;  // [in] (BS, K) int32, any strides; each id in [0, E+Z+C+Q) or -1
                           //      (inactive); the non-negative ids of a row are distinct
   std::optional<TensorView> expert_scales;  // [in] (BS, K) fp32, any strides -> expand_scales
-  std::optional<TensorView> scales;         // quant smoothing: Unsupported in this build
+  // [in] quant_mode 2 only (given with quant_mode 0: kInvalidArgument): fp32 smoothing factors,
+  // contiguous, (Ns + E, H) when shared-expert ranks are configured (S > 0), else (E, H). A copy of
+  // token i for MoE expert e is multiplied element-wise by row Ns + e before quantisation, a copy
+  // for shared expert s by row s. Wrong dtype, shape or strides: kInvalidArgument. SPEC §1.3.
+  std::optional<TensorView> scales;
   // [in] bool (BS,) with all Trues before all Falses (else kInvalidArgument naming the index and
   // value), or bool (BS, K) per entry; any strides. See "Activity" above. When BS differs across
   // ranks every element must be True (kInvalidArgument on all ranks). SPEC §1.3, §1.6.
@@ -100,7 +124,13 @@ struct DispatchInputs {
   // for p's data (header, counts and rows phases: from the start of each phase's wait until p's
   // last message of that phase arrived) are ADDED to performance_info[p]; never zeroed. SPEC §1.8.
   std::optional<TensorView> performance_info;
-  int64_t quant_mode = 0;              // 0 (2: unsupported in this build)
+  // 0: rows travel in x's dtype. 2: dynamic per-row int8 (SPEC §1.5): every (token,
+  // destination) copy, shared-expert copies included, is xf = fp32(x_row) (* scales row),
+  // s = 127 / max|xf|, q = int8(rne(xf * s)), and expand_x gets q, dynamic_scales 1/s (an all-zero
+  // row: q = 0, scale 0; a NaN/Inf in xf: q = 0, scale NaN, never an error). Dequantised,
+  // fl(q * scale) is within max|xf| / 254 * (1 + 2^-14) + 2^-143 of xf per element
+  // (src/kernels/cpu/quant.h). Must be equal on all ranks (kInvalidArgument on every rank).
+  int64_t quant_mode = 0;
   int64_t expert_token_nums_type = 1;  // 0 = running sum, 1 = per-expert count
 };
 
@@ -110,19 +140,24 @@ struct DispatchInputs {
 // one block per source rank, in rank order, holding that sender's active tokens in order.
 // All outputs are newly allocated, contiguous and owned by the returned Tensors.
 struct DispatchOutputs {
-  Tensor expand_x;        // (A, H), x's dtype; the first ep_recv_counts[W*L-1] rows are valid,
-                          // in the SPEC §1.4 order (local expert, source rank, entry i*K+k);
-                          // the rest is zero
-  Tensor dynamic_scales;  // undefined (defined() == false) for quant_mode 0
+  Tensor expand_x;  // (max(1,T)*A, H) (T == 2: see "Tensor parallelism"), x's dtype (int8 with
+                    // quant_mode 2); the first ep_recv_counts[W*L-1] rows are valid, in the SPEC
+                    // §1.4 order (local expert, source rank, entry i*K+k); the rest is zero
+  // quant_mode 2: expand_x is int8 (same shape and row layout) and dynamic_scales is (A,) fp32,
+  // the dequantisation factor of each received row (0 beyond the valid rows); quant_mode 0:
+  // undefined (defined() == false).
+  Tensor dynamic_scales;
   Tensor assist_info_for_combine;  // (max(BS*K, A*128),) int32: [3j, 3j+1, 3j+2] = (source rank,
                                    // source token, top-k slot) of row j (slot K + s for a copy
                                    // to shared expert s); the rest is zero
   Tensor expert_token_nums;        // (L,) int64: rows per local expert (expert_token_nums_type
                                    // 1) or their running sum (type 0)
-  Tensor ep_recv_counts;           // (W*L,) int32, inclusive running sum over (expert, source)
-  Tensor tp_recv_counts;           // (1,) int32: the number of valid rows
-  Tensor expand_scales;            // (A,) fp32: expert_scales of each row (0 when not given,
-                                   // for shared-expert copies, and beyond the valid rows)
+  Tensor ep_recv_counts;           // (W*L*max(1,T),) int32, inclusive running sum over
+                                   // (expert, source); T == 2: then the peer's blocks
+  Tensor tp_recv_counts;           // (max(1,T),) int32: the number of valid rows (T == 2:
+                                   // [tp_rank_id] own, [1 - tp_rank_id] the peer's)
+  Tensor expand_scales;  // (max(1,T)*A,) fp32: expert_scales of each row (0 when not given,
+                         // for shared-expert copies, and beyond the valid rows)
 };
 
 // Collective over cfg.group_ep. Errors: kInvalidArgument (this rank's arguments, or ranks that
@@ -141,10 +176,12 @@ struct CombineInputs {
                                        //      source rank of each valid row is checked
   TensorView ep_send_counts;           // [in] dispatch_v2's ep_recv_counts, (W*L,) int32
   TensorView expert_scales;            // [in] (BS, K) fp32 top-K weights, any strides
-  std::optional<TensorView> tp_send_counts;  // Unsupported (TP) in this build
-  std::optional<TensorView> x_active_mask;   // [in] the one given to dispatch_v2 (a different
-                                             //      mask: kInvalidArgument when rows mismatch)
-  std::optional<TensorView> expand_scales;   // [in] accepted and ignored (hierarchy only)
+  // [in] T == 2: dispatch_v2's tp_recv_counts, checked against ep_send_counts when given;
+  // T < 2: Unsupported
+  std::optional<TensorView> tp_send_counts;
+  std::optional<TensorView> x_active_mask;  // [in] the one given to dispatch_v2 (a different
+                                            //      mask: kInvalidArgument when rows mismatch)
+  std::optional<TensorView> expand_scales;  // [in] accepted and ignored (hierarchy only)
   // [in] expand_x's dtype, (BS, H) or (a, b, H) with a*b = BS; rows may be strided, the last
   // stride must be 1. Added unweighted to every ACTIVE token after the K terms and the hosted
   // shared experts (SPEC §2.3). kInvalidArgument for a wrong shape or dtype.
@@ -160,7 +197,13 @@ struct CombineInputs {
   std::optional<TensorView> const_expert_alpha_2;
   std::optional<TensorView> const_expert_v;
   std::optional<TensorView> performance_info;  // [in/out] int64 (W,): as dispatch_v2's (rows phase)
-  int64_t comm_quant_mode = 0;                 // 0 (2: Unsupported in this build)
+  // 0, or 2: each expert output row travels back as int8 with an fp32 scale (SPEC §1.5 rounding,
+  // no smoothing) and is dequantised inside the weighted sum (axpy of fl(q * scale), SPEC §2.3
+  // order unchanged; the shared-expert rows too). Per token the result differs from the
+  // unquantised sum by at most sum_k |w_k| (max|y_k| / 254 (1 + 2^-14) + 2^-143) plus the usual
+  // fp32 rounding. Not allowed with tp_world_size 2 (kInvalidArgument, reported before any other
+  // check); must be equal on all ranks (kInvalidArgument on every rank).
+  int64_t comm_quant_mode = 0;
 };
 
 // Returns x (BS, H) in expand_x's dtype: SPEC §2.3 and §2.2, for each ACTIVE token i, in fp32

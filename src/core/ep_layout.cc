@@ -74,15 +74,31 @@ void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int com
             " in group_ep (ep_rank_id must be in [0, ", comm_size, ") and equal group_ep's rank)");
   if (cfg.tp_world_size < 0 || cfg.tp_world_size > 2)
     invalid(op, ": tp_world_size = ", cfg.tp_world_size, " is not one of {0, 1, 2}");
-  if (cfg.tp_world_size == 2)
-    unsupported(op, ": tp_world_size = 2 (tensor parallelism) is not supported by this build");
-  if (cfg.tp_rank_id != 0)
+  if (cfg.tp_world_size == 2) {
+    // SPEC §1.3: a TP pair is group_tp (2 ranks); this rank is tp_rank_id in it.
+    if (cfg.group_tp == nullptr) invalid(op, ": group_tp is null with tp_world_size = 2");
+    if (cfg.group_tp->size() != 2)
+      invalid(op, ": group_tp has ", cfg.group_tp->size(),
+              " ranks but tp_world_size = 2 (group_tp must hold exactly the TP pair)");
+    if (cfg.tp_rank_id != cfg.group_tp->rank())
+      invalid(op, ": tp_rank_id = ", cfg.tp_rank_id, " differs from this rank's rank ",
+              cfg.group_tp->rank(), " in group_tp (tp_rank_id must be in [0, 2) and equal ",
+              "group_tp's rank)");
+  } else if (cfg.tp_rank_id != 0) {
     invalid(op, ": tp_rank_id = ", cfg.tp_rank_id,
             " must be 0 when tp_world_size = ", cfg.tp_world_size);
+  }
   if (cfg.expert_shard_type != 0)
     invalid(op, ": expert_shard_type = ", cfg.expert_shard_type, " is not 0 (the only value)");
   check_placement(op, cfg.ep_world_size, cfg.shared_expert_rank_num, cfg.shared_expert_num,
                   cfg.moe_expert_num, "");
+  if (cfg.tp_world_size == 2 &&
+      cfg.moe_expert_num != cfg.ep_world_size - cfg.shared_expert_rank_num)
+    invalid(op, ": moe_expert_num = ", cfg.moe_expert_num,
+            " gives L = ", cfg.moe_expert_num / (cfg.ep_world_size - cfg.shared_expert_rank_num),
+            " local experts per MoE rank, but tp_world_size = 2 needs L = 1 (moe_expert_num = ",
+            "ep_world_size - shared_expert_rank_num = ",
+            cfg.ep_world_size - cfg.shared_expert_rank_num, ")");
   if (cfg.comm_alg == "hierarchy")
     unsupported(op, ": comm_alg = \"hierarchy\" is not supported by this build");
   if (!cfg.comm_alg.empty() && cfg.comm_alg != "fullmesh")

@@ -468,13 +468,15 @@ TEST(DispatchErrors, ExpertScalesShape) {
                {"dispatch_v2: expert_scales.shape[1] = 1 must equal 2"});
 }
 
-TEST(DispatchErrors, QuantModeUnsupported) {
+// quant_mode 2 on one rank only: the rows would differ in size; every rank throws.
+TEST(DispatchErrors, QuantModeDiffersAcrossRanks) {
+  if (mpi().size < 2) GTEST_SKIP() << "needs two ranks";
   Batch b = error_batch();
   const int bad = last_rank();
   DispatchInputs in = dispatch_inputs(b);
   if (is_bad(bad)) in.quant_mode = 2;
-  expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kUnsupported,
-               {"quant_mode = 2"});
+  expect_error([&] { dispatch_v2(in, config(b)); }, -1, ErrorKind::kInvalidArgument,
+               {"dispatch_v2: quant_mode differs across ranks", " has 2"});
 }
 
 TEST(DispatchErrors, ActiveMaskWrongDtype) {
@@ -496,12 +498,12 @@ TEST(DispatchErrors, NullGroup) {
                {"dispatch_v2: group_ep is null"});
 }
 
-TEST(DispatchErrors, TensorParallelUnsupported) {
+TEST(DispatchErrors, TensorParallelNeedsGroupTp) {
   Batch b = error_batch();
   EpConfig c = config(b);
   c.tp_world_size = 2;
-  expect_error([&] { dispatch_v2(dispatch_inputs(b), c); }, -1, ErrorKind::kUnsupported,
-               {"tp_world_size = 2"});
+  expect_error([&] { dispatch_v2(dispatch_inputs(b), c); }, -1, ErrorKind::kInvalidArgument,
+               {"group_tp is null with tp_world_size = 2"});
 }
 
 TEST(DispatchErrors, ExpertNumDisagrees) {
@@ -664,13 +666,14 @@ TEST(CombineErrors, ExpertScalesDtype) {
                {"combine_v2: expert_scales dtype bf16"});
 }
 
-TEST(CombineErrors, CommQuantModeUnsupported) {
+TEST(CombineErrors, CommQuantModeDiffersAcrossRanks) {
+  if (mpi().size < 2) GTEST_SKIP() << "needs two ranks";
   CombineErrorCase c = dispatched();
   const int bad = last_rank();
   CombineInputs in = combine_inputs(c.b, c.out, c.y);
   if (is_bad(bad)) in.comm_quant_mode = 2;
-  expect_error([&] { combine_v2(in, config(c.b)); }, bad, ErrorKind::kUnsupported,
-               {"combine_v2: comm_quant_mode = 2"});
+  expect_error([&] { combine_v2(in, config(c.b)); }, -1, ErrorKind::kInvalidArgument,
+               {"combine_v2: comm_quant_mode differs across ranks", " has 2"});
 }
 
 // expert_ids that differ from dispatch's: the source sees a row count it did not route. Only the

@@ -9,6 +9,9 @@
 //               the receiver describes the L blocks (l, s) of source s as an hindexed datatype over
 //               expand_x, so rows land at their final position. A second message per peer carries
 //               (token, slot, expert_scale) per row for assist_info_for_combine and expand_scales.
+//               quant_mode 2: the sender first quantises its send order into one int8 buffer
+//               (SPEC §1.5), sends each destination its contiguous slice of H-byte rows, and the
+//               metadata also carries each row's scale (-> dynamic_scales).
 // combine_v2 is the way back: the expert side sends blocks (l, s) to s (from ep_send_counts), the
 // source recomputes dispatch's send order from expert_ids and receives each row at i*K+k of a
 // (BS*K, H) buffer, then reduces in the SPEC §2.3 order.
@@ -27,6 +30,7 @@
 #include "core/ep_layout.h"
 #include "core/validate.h"
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/quant.h"
 #include "moe_ep/dispatch.h"
 #include "transport/mpi/exchange.h"
 
@@ -46,6 +50,7 @@ struct RowMeta {
   int32_t token;
   int32_t slot;
   float scale;
+  float qscale;  // quant_mode 2: the row's dynamic scale (SPEC §1.5); else 0
 };
 
 // What combine_v2 sends back with each row, so the source can check that the row is the one its
@@ -55,6 +60,7 @@ struct BackMeta {
   int32_t token;
   int32_t slot;
   int32_t expert;
+  float qscale;  // comm_quant_mode 2: the row's dynamic scale; else 0
 };
 
 const Communicator& require_comm(const char* op, const EpConfig& cfg) {
@@ -125,6 +131,16 @@ void check_batch_sizes(const char* op, const std::vector<OpHeader>& h,
         detail::invalid(op, ": x_active_mask on rank ", peers[p],
                         " has a False entry while BS differs across ranks (", bs_name,
                         "): when BS differs, every token must be active");
+}
+
+// quant_mode (dispatch_v2) / comm_quant_mode (combine_v2) must be equal on all ranks: the rows
+// would otherwise differ in size on the wire (kInvalidArgument on every rank).
+void check_quant_modes(const char* op, const std::vector<OpHeader>& h,
+                       const std::vector<int>& peers, const char* name) {
+  for (std::size_t p = 1; p < h.size(); ++p)
+    if (h[p].quant_mode != h[0].quant_mode)
+      detail::invalid(op, ": ", name, " differs across ranks: rank ", peers[0], " has ",
+                      h[0].quant_mode, ", rank ", peers[p], " has ", h[p].quant_mode);
 }
 
 // Optional arguments outside this build's slice: kUnsupported naming the first one given.
@@ -221,6 +237,18 @@ int64_t* perf_ptr(const char* op, const std::optional<TensorView>& perf, const E
   return perf->ptr<int64_t>();
 }
 
+// scales (SPEC §1.3): fp32 (Ns + E, H) when shared-expert ranks host Ns experts, else (E, H),
+// contiguous; quant_mode 2 only. Row Ns + e smooths MoE expert e, row s shared expert s.
+void check_smooth_scales(const char* op, const TensorView& t, const EpShape& sh) {
+  detail::expect_tensor(op, "scales", t, {DType::kF32}, 2);
+  detail::expect_size(op, "scales", t, 0, sh.pl.Ns + sh.E,
+                      sh.pl.Ns > 0 ? "shared_expert_num + moe_expert_num" : "moe_expert_num");
+  detail::expect_size(op, "scales", t, 1, sh.H, "H, x.shape[1]");
+  if ((t.shape[1] > 1 && t.strides[1] != 1) || (t.shape[0] > 1 && t.strides[0] != t.shape[1]))
+    detail::invalid(op, ": scales must be contiguous (strides (", t.strides[0], ", ", t.strides[1],
+                    ") for shape (", t.shape[0], ", ", t.shape[1], "))");
+}
+
 // The sizes every op derives from the world and its token tensor.
 EpShape local_shape(const EpConfig& cfg, const World& w, int64_t BS, int64_t H, DType dtype) {
   EpShape sh;
@@ -241,6 +269,264 @@ int to_int(int64_t v) {
   return static_cast<int>(v);
 }
 
+// ---- Tensor parallelism, tp_world_size 2 (SPEC §1.1 step 3, §2) --------------------------------
+// A TP pair (group_tp, 2 ranks) is the same EP rank (same expert, L = 1) of two EP groups.
+// dispatch_v2 appends the peer's rows after this rank's own, PACKED: own rows [0, valid_own), the
+// peer's [valid_own, valid_own + valid_peer), zeros up to 2A; ep_recv_counts (2W,) is ONE
+// inclusive running sum (the second W entries continue from valid_own and describe the peer's
+// blocks by source rank). combine_v2 reduce-scatters the partial outputs over the pair, then runs
+// the EP all-to-all on the sums. Tags distinct from the EP phases'.
+constexpr int kTagTpHeader = 0x4d31;
+constexpr int kTagTpCounts = 0x4d32;
+constexpr int kTagTpRows = 0x4d33;
+constexpr int kTagTpAssist = 0x4d34;
+constexpr int kTagTpScales = 0x4d35;
+constexpr int kTagTpDynScales = 0x4d36;
+
+// Rows of expand_x (and expand_scales, dynamic_scales): max(1, T) * A.
+int64_t tp_rows(const EpConfig& cfg, int64_t A) { return cfg.tp_world_size == 2 ? 2 * A : A; }
+
+// This rank takes part in a TP pair (the arguments may still fail validation).
+bool tp_pair(const EpConfig& cfg) {
+  return cfg.tp_world_size == 2 && cfg.group_tp != nullptr && cfg.group_tp->size() == 2;
+}
+
+// Scale-in with TP is not implemented: checked before a removed rank would leave.
+void reject_tp_scale_in(const char* op, const EpConfig& cfg, World& w) {
+  if (cfg.tp_world_size != 2 || w.hash == 0) return;
+  w.removed = false;  // take part in the TP header, so the peer learns of the error
+  detail::unsupported(op,
+                      ": elastic_info scale-in (is_scaled_down = 1) with tp_world_size = 2 "
+                      "is not supported by this build");
+}
+
+// What the two ranks of a TP pair tell each other before the EP header agreement.
+struct TpHeader {
+  int32_t magic = 0x4d4f5450;  // "MOTP"
+  int32_t op = 0;
+  int32_t ok = 1;
+  int32_t kind = 0;
+  int64_t ep_rank_id = 0, ep_world_size = 0, moe_expert_num = 0, shared_expert_rank_num = 0, H = 0,
+          dtype = 0, A = 0;
+  int64_t own_rows = -1, peer_rows = -1;  // combine_v2: the valid rows of each half of expand_x
+  char message[400] = {};
+};
+
+TpHeader tp_header(const EpConfig& cfg, const EpShape& sh, int64_t own_rows, int64_t peer_rows) {
+  TpHeader t;
+  t.ep_rank_id = cfg.ep_rank_id;
+  t.ep_world_size = cfg.ep_world_size;
+  t.moe_expert_num = cfg.moe_expert_num;
+  t.shared_expert_rank_num = cfg.shared_expert_rank_num;
+  t.H = sh.H;
+  t.dtype = static_cast<int64_t>(sh.dtype);
+  t.A = sh.A;
+  t.own_rows = own_rows;
+  t.peer_rows = peer_rows;
+  return t;
+}
+
+// Exchanges TpHeaders with the TP peer (phase "tp header", the communicator's deadline). A
+// failure on either rank, or a disagreement within the pair, becomes a local failure of both
+// ranks (kRemote naming the peer's message, or kInvalidArgument), so the EP header agreement that
+// follows carries it to both EP groups: no rank is left waiting for data.
+void tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr, std::optional<Error>& local,
+                  TpHeader mine) {
+  const Communicator& tp = *cfg.group_tp;
+  const int peer = 1 - tp.rank();
+  mine.op = hdr.op;
+  mine.ok = hdr.ok;
+  mine.kind = hdr.kind;
+  std::memcpy(mine.message, hdr.message, sizeof(mine.message));
+  mine.message[sizeof(mine.message) - 1] = '\0';
+  auto theirs = std::make_shared<TpHeader>();
+  auto sent = std::make_shared<TpHeader>(mine);
+  {
+    Exchange ex(tp, op, "tp header");
+    ex.keep_alive(theirs);
+    ex.keep_alive(sent);
+    ex.irecv(theirs.get(), static_cast<int>(sizeof(TpHeader)), MPI_BYTE, peer, kTagTpHeader);
+    ex.isend(sent.get(), static_cast<int>(sizeof(TpHeader)), MPI_BYTE, peer, kTagTpHeader);
+    ex.wait();
+  }
+  if (local) return;  // this rank's own error comes first
+  theirs->message[sizeof(theirs->message) - 1] = '\0';
+  const TpHeader& t = *theirs;
+  capture(hdr, local, [&] {
+    if (t.magic != mine.magic || t.op != mine.op)
+      detail::invalid(op, ": the TP peer (group_tp rank ", peer, ") is not running ", op,
+                      " (both ranks of a TP pair must call the same ops in the same order)");
+    if (t.ok == 0)
+      throw Error(ErrorKind::kRemote,
+                  detail::cat(op, ": TP peer (group_tp rank ", peer, ") failed: ", t.message));
+    const std::pair<const char*, int64_t TpHeader::*> equal[] = {
+        {"ep_rank_id", &TpHeader::ep_rank_id},
+        {"ep_world_size", &TpHeader::ep_world_size},
+        {"moe_expert_num", &TpHeader::moe_expert_num},
+        {"shared_expert_rank_num", &TpHeader::shared_expert_rank_num},
+        {"H", &TpHeader::H},
+        {"dtype", &TpHeader::dtype},
+        {"A (the receive capacity: global_bs, BS and K)", &TpHeader::A}};
+    for (const auto& [name, field] : equal)
+      if (mine.*field != t.*field)
+        detail::invalid(op, ": ", name, " differs within the TP pair: group_tp rank ", tp.rank(),
+                        " has ", mine.*field, ", rank ", peer, " has ", t.*field,
+                        " (the ranks of a TP pair hold the same expert of the same EP rank)");
+    if (mine.own_rows != t.peer_rows || mine.peer_rows != t.own_rows)
+      detail::invalid(op, ": ep_send_counts disagree within the TP pair: group_tp rank ", tp.rank(),
+                      " has ", mine.own_rows, " own rows and ", mine.peer_rows,
+                      " of its peer, rank ", peer, " has ", t.own_rows, " own rows and ",
+                      t.peer_rows, " of its peer (pass dispatch_v2's ep_recv_counts and rows)");
+  });
+}
+
+// dispatch_v2's TP all-gather (SPEC §1.1 step 3), after the EP exchange: this rank's `own` valid
+// rows with their ep_recv_counts, assist triples, expand_scales (and dynamic_scales when defined)
+// go to the TP peer; the peer's land after them. Rewrites ep_recv_counts (2W), expert_token_nums
+// and tp_recv_counts (2).
+void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64_t own,
+                   DispatchOutputs& out) {
+  const Communicator& tp = *cfg.group_tp;
+  const int tp_rank = tp.rank(), peer = 1 - tp_rank;
+  const int64_t WL = sh.W * sh.L;
+  const int64_t total = out.expand_x.size(0), cap = total - own;
+  const int64_t row_bytes = sh.H * static_cast<int64_t>(dtype_size(out.expand_x.dtype()));
+  const bool dyn = out.dynamic_scales.defined();
+  MOE_EP_CHECK(own >= 0 && cap >= 0 && out.expand_scales.numel() == total);
+  MOE_EP_CHECK(!dyn || out.dynamic_scales.numel() == total);
+  auto counts_out = std::make_shared<std::vector<int32_t>>(out.ep_recv_counts.ptr<int32_t>(),
+                                                           out.ep_recv_counts.ptr<int32_t>() + WL);
+  auto counts_in = std::make_shared<std::vector<int32_t>>(WL, 0);
+  std::vector<MPI_Status> st;
+  {
+    Exchange ex(tp, op, "tp rows");
+    ex.keep_alive(counts_out);
+    ex.keep_alive(counts_in);
+    for (const Tensor* t :
+         {&out.expand_x, &out.assist_info_for_combine, &out.expand_scales, &out.dynamic_scales})
+      if (t->defined()) ex.keep_alive(std::make_shared<Tensor>(*t));
+    const MpiType row = detail::contiguous_bytes(row_bytes, op);
+    char* x = out.expand_x.ptr<char>();
+    int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
+    float* scales = out.expand_scales.ptr<float>();
+    ex.irecv(counts_in->data(), to_int(WL), MPI_INT32_T, peer, kTagTpCounts);
+    ex.irecv(x + own * row_bytes, to_int(cap), row.get(), peer, kTagTpRows);
+    ex.irecv(assist + 3 * own, to_int(3 * cap), MPI_INT32_T, peer, kTagTpAssist);
+    ex.irecv(scales + own, to_int(cap), MPI_FLOAT, peer, kTagTpScales);
+    if (dyn)
+      ex.irecv(out.dynamic_scales.ptr<float>() + own, to_int(cap), MPI_FLOAT, peer,
+               kTagTpDynScales);
+    ex.isend(counts_out->data(), to_int(WL), MPI_INT32_T, peer, kTagTpCounts);
+    ex.isend(x, to_int(own), row.get(), peer, kTagTpRows);
+    ex.isend(assist, to_int(3 * own), MPI_INT32_T, peer, kTagTpAssist);
+    ex.isend(scales, to_int(own), MPI_FLOAT, peer, kTagTpScales);
+    if (dyn)
+      ex.isend(out.dynamic_scales.ptr<float>(), to_int(own), MPI_FLOAT, peer, kTagTpDynScales);
+    st = ex.wait();
+  }
+  const int64_t peer_rows = WL > 0 ? counts_in->back() : 0;
+  int got = 0;
+  detail::check_mpi(MPI_Get_count(&st[3], MPI_FLOAT, &got), op, "MPI_Get_count");
+  MOE_EP_CHECK(got == peer_rows && peer_rows <= cap);
+  if (total > own + peer_rows)
+    std::memset(out.expand_x.ptr<char>() + (own + peer_rows) * row_bytes, 0,
+                static_cast<std::size_t>((total - own - peer_rows) * row_bytes));
+
+  Tensor counts = Tensor::empty(DType::kI32, {2 * WL});
+  int32_t* c = counts.ptr<int32_t>();
+  std::copy(counts_out->begin(), counts_out->end(), c);
+  for (int64_t b = 0; b < WL; ++b) c[WL + b] = static_cast<int32_t>(own + (*counts_in)[b]);
+  out.ep_recv_counts = counts;
+  // L = 1: the running sum and the count are the same.
+  out.expert_token_nums.ptr<int64_t>()[0] = own + peer_rows;
+  out.tp_recv_counts = Tensor::empty(DType::kI32, {2});
+  out.tp_recv_counts.ptr<int32_t>()[tp_rank] = static_cast<int32_t>(own);
+  out.tp_recv_counts.ptr<int32_t>()[peer] = static_cast<int32_t>(peer_rows);
+}
+
+// combine_v2's blocks: with tp_world_size 2 (L = 1), ep_send_counts (2W,) is one inclusive
+// running sum over this rank's blocks, then the peer's; returns this rank's blocks and sets
+// `peer_rows`. tp_send_counts (optional) must be dispatch_v2's tp_recv_counts.
+detail::RecvPlan combine_blocks(const char* op, const EpConfig& cfg, const CombineInputs& in,
+                                const EpShape& sh, int64_t& peer_rows) {
+  peer_rows = 0;
+  if (cfg.tp_world_size != 2)
+    return detail::plan_recvs_from_inclusive(op, in.ep_send_counts, sh.W, sh.L,
+                                             in.expand_x.shape[0]);
+  MOE_EP_CHECK(sh.L == 1);
+  const TensorView& c = in.ep_send_counts;
+  detail::expect_tensor(op, "ep_send_counts", c, {DType::kI32}, 1);
+  if (c.shape[0] != 2 * sh.W)
+    detail::invalid(op, ": ep_send_counts.shape[0] = ", c.shape[0],
+                    " must equal 2 * ep_world_size * L = 2 * ", sh.W, " * 1 = ", 2 * sh.W,
+                    " with tp_world_size = 2 (dispatch_v2's ep_recv_counts)");
+  detail::RecvPlan own =
+      detail::plan_recvs_from_inclusive(op, c, 2 * sh.W, 1, in.expand_x.shape[0]);
+  const int64_t total = own.valid;
+  own.inclusive.resize(sh.W);
+  own.block_offset.resize(sh.W);
+  own.block_rows.resize(sh.W);
+  own.source_rows.resize(sh.W);
+  own.valid = own.inclusive.back();
+  peer_rows = total - own.valid;
+  if (peer_rows > sh.A)
+    detail::invalid(op, ": ep_send_counts describe ", peer_rows,
+                    " rows of the TP peer, more than the receive capacity A = ", sh.A);
+  if (in.tp_send_counts) {
+    const TensorView& t = *in.tp_send_counts;
+    detail::expect_tensor(op, "tp_send_counts", t, {DType::kI32}, 1);
+    detail::expect_size(op, "tp_send_counts", t, 0, 2, "tp_world_size");
+    const int64_t r = cfg.tp_rank_id,
+                  want[2] = {r == 0 ? own.valid : peer_rows, r == 0 ? peer_rows : own.valid};
+    for (int64_t i = 0; i < 2; ++i)
+      if (detail::index_at(t, i) != want[i])
+        detail::invalid(op, ": tp_send_counts[", i, "] = ", detail::index_at(t, i), " but ",
+                        "ep_send_counts give ", want[i], " rows of tp rank ", i,
+                        " (pass dispatch_v2's tp_recv_counts)");
+  }
+  return own;
+}
+
+// combine_v2's TP reduce-scatter (SPEC §2): this rank's partials for the peer's rows
+// [own, own + peer_rows) go to the peer; the peer's partials for this rank's rows [0, own) come
+// back; rs_out[j] = fp32(partial of tp rank 0) + fp32(partial of tp rank 1), rounded once to the
+// dtype (the same bits on both ranks of the pair). Row counts were agreed in the TP header.
+std::shared_ptr<Tensor> tp_reduce_scatter(const char* op, const EpConfig& cfg,
+                                          const CombineInputs& in, const EpShape& sh, int64_t own,
+                                          int64_t peer_rows) {
+  const Communicator& tp = *cfg.group_tp;
+  const int tp_rank = tp.rank(), peer = 1 - tp_rank;
+  const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype)), row_bytes = sh.H * esize;
+  const int64_t stride = in.expand_x.strides[0] * esize;
+  const char* x = static_cast<const char*>(in.expand_x.data);
+  auto send = std::make_shared<std::vector<char>>(static_cast<std::size_t>(peer_rows * row_bytes));
+  auto recv = std::make_shared<std::vector<char>>(static_cast<std::size_t>(own * row_bytes));
+  for (int64_t j = 0; j < peer_rows; ++j)
+    std::memcpy(send->data() + j * row_bytes, x + (own + j) * stride,
+                static_cast<std::size_t>(row_bytes));
+  {
+    Exchange ex(tp, op, "tp reduce-scatter");
+    ex.keep_alive(send);
+    ex.keep_alive(recv);
+    const MpiType row = detail::contiguous_bytes(row_bytes, op);
+    ex.irecv(recv->data(), to_int(own), row.get(), peer, kTagTpRows);
+    ex.isend(send->data(), to_int(peer_rows), row.get(), peer, kTagTpRows);
+    ex.wait();
+  }
+  auto rs = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {own, sh.H}));
+  std::vector<float> acc(static_cast<std::size_t>(sh.H));
+  for (int64_t j = 0; j < own; ++j) {
+    const char* mine = x + j * stride;
+    const char* theirs = recv->data() + j * row_bytes;
+    const char* p0 = tp_rank == 0 ? mine : theirs;
+    const char* p1 = tp_rank == 0 ? theirs : mine;
+    for (int64_t h = 0; h < sh.H; ++h)
+      acc[h] = detail::load_f32(p0, sh.dtype, h) + detail::load_f32(p1, sh.dtype, h);
+    detail::store_row_f32(rs->ptr<char>() + j * row_bytes, sh.dtype, acc.data(), sh.H);
+  }
+  return rs;
+}
+
 }  // namespace
 
 DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
@@ -251,6 +537,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   hdr.H = in.x.ndim == 2 ? in.x.shape[1] : -1;
   hdr.K = in.expert_ids.ndim == 2 ? in.expert_ids.shape[1] : -1;
   hdr.dtype = static_cast<int64_t>(in.x.dtype);
+  hdr.quant_mode = static_cast<int32_t>(in.quant_mode);
 
   std::optional<Error> local;
   EpShape sh;
@@ -258,15 +545,20 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   detail::SendPlan send;
   DispatchOutputs out;
   int64_t* perf = nullptr;
+  const bool quant = in.quant_mode == 2;
+  // quant_mode 2: the int8 rows in send order (SPEC §1.5) and their dynamic scales.
+  std::shared_ptr<std::vector<int8_t>> qsend;
+  std::shared_ptr<std::vector<float>> qsend_scale;
   capture(hdr, local, [&] {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
-    reject_given(op, {{"scales", in.scales.has_value()}});
-    if (in.quant_mode == 2)
-      detail::unsupported(op, ": quant_mode = 2 (int8) is not supported by this build");
-    if (in.quant_mode != 0)
+    reject_tp_scale_in(op, cfg, world);
+    if (in.quant_mode != 0 && in.quant_mode != 2)
       detail::invalid(op, ": quant_mode = ", in.quant_mode, " is not one of {0, 2}");
+    if (in.scales && in.quant_mode != 2)
+      detail::invalid(op, ": scales (smoothing factors) are given but quant_mode = ", in.quant_mode,
+                      "; they apply to quant_mode 2 (int8) only");
     if (in.expert_token_nums_type != 0 && in.expert_token_nums_type != 1)
       detail::invalid(op, ": expert_token_nums_type = ", in.expert_token_nums_type,
                       " is not one of {0, 1}");
@@ -281,19 +573,27 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       hdr.all_active = detail::mask_all_true(*in.x_active_mask) ? 1 : 0;
     }
     if (in.expert_scales) detail::check_expert_scales(op, *in.expert_scales, sh.BS, sh.K);
+    if (in.scales) check_smooth_scales(op, *in.scales, sh);
     if (world.removed) return;
     detail::compute_capacity(op, cfg.global_bs, sh);
     const detail::Activity act{&in.expert_ids, in.x_active_mask ? &*in.x_active_mask : nullptr};
     send = detail::plan_sends(act, sh.pl, sh.rank);
     // Allocated before the header exchange, so an allocation failure on one rank is reported to
     // every rank instead of leaving them waiting for its rows.
-    out.expand_x = Tensor::empty(sh.dtype, {sh.A, sh.H});
+    out.expand_x = Tensor::empty(quant ? DType::kI8 : sh.dtype, {tp_rows(cfg, sh.A), sh.H});
+    if (quant) {
+      out.dynamic_scales = Tensor::zeros(DType::kF32, {tp_rows(cfg, sh.A)});
+      const int64_t n = static_cast<int64_t>(send.order.size());
+      qsend = std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(n * sh.H));
+      qsend_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(n));
+    }
     out.assist_info_for_combine = Tensor::zeros(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
-    out.expand_scales = Tensor::zeros(DType::kF32, {sh.A});
+    out.expand_scales = Tensor::zeros(DType::kF32, {tp_rows(cfg, sh.A)});
   });
   if (world.removed && !local) {
     // Scaled in (SPEC §1.7): this rank takes no part; its outputs are empty.
-    out.expand_x = Tensor::zeros(sh.dtype, {0, sh.H});
+    out.expand_x = Tensor::zeros(quant ? DType::kI8 : sh.dtype, {0, sh.H});
+    if (quant) out.dynamic_scales = Tensor::zeros(DType::kF32, {0});
     out.assist_info_for_combine = Tensor::zeros(DType::kI32, {0});
     out.expand_scales = Tensor::zeros(DType::kF32, {0});
     out.expert_token_nums = Tensor::zeros(DType::kI64, {0});
@@ -302,9 +602,11 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     return out;
   }
   if (local && world.removed) throw *local;
+  if (tp_pair(cfg)) tp_handshake(op, cfg, hdr, local, tp_header(cfg, sh, -1, -1));
   const auto headers =
       detail::agree_on_headers(comm, world.peers, op, hdr, local ? &*local : nullptr, perf);
   check_batch_sizes(op, headers, world.peers, cfg.global_bs, "x.shape[0]");
+  check_quant_modes(op, headers, world.peers, "quant_mode");
 
   const int W = to_int(sh.W), L = to_int(sh.L);
   const std::vector<int>& peers = world.peers;
@@ -328,17 +630,51 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
 
   const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
   const int64_t row_bytes = sh.H * esize;
+  const int64_t out_row_bytes = quant ? sh.H : row_bytes;  // of expand_x (int8 with quant_mode 2)
   if (sh.A > recv.valid)
-    std::memset(out.expand_x.ptr<char>() + recv.valid * row_bytes, 0,
-                static_cast<std::size_t>((sh.A - recv.valid) * row_bytes));
+    std::memset(out.expand_x.ptr<char>() + recv.valid * out_row_bytes, 0,
+                static_cast<std::size_t>((sh.A - recv.valid) * out_row_bytes));
+  if (quant) {
+    // SPEC §1.5: every (token, destination) copy in send order, smoothed by its expert's row of
+    // scales (Ns + e for MoE expert e, s for shared expert s).
+    const int64_t n = static_cast<int64_t>(send.order.size());
+    std::vector<int32_t> src_index(static_cast<std::size_t>(n)), smooth_index;
+    if (in.scales) smooth_index.resize(static_cast<std::size_t>(n));
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = send.order[j] / sh.KS, k = send.order[j] % sh.KS;
+      src_index[j] = static_cast<int32_t>(i);
+      if (in.scales)
+        smooth_index[j] = static_cast<int32_t>(
+            k < sh.K ? sh.pl.Ns + detail::index_at(in.expert_ids, i, k) : k - sh.K);
+    }
+    detail::QuantizeRowsInt8Args qa;
+    qa.op = op;
+    qa.name = "x";
+    qa.rows = n;
+    qa.n = sh.H;
+    qa.dtype = sh.dtype;
+    qa.src = in.x.data;
+    qa.src_stride = in.x.strides[0];
+    qa.src_index = src_index.data();
+    if (in.scales) {
+      qa.smooth = in.scales->ptr<float>();
+      qa.smooth_stride = sh.H;
+      qa.smooth_index = smooth_index.data();
+    }
+    qa.q = qsend->data();
+    qa.q_stride = sh.H;
+    qa.scales = qsend_scale->data();
+    detail::quantize_rows_int8(qa);
+  }
 
   // Phase "rows": rows and their metadata, one message each per peer and direction.
   {
     Exchange ex(comm, op, "rows");
     auto expand_x = std::make_shared<Tensor>(out.expand_x);
     ex.keep_alive(expand_x);
-    const MpiType row = detail::contiguous_bytes(row_bytes, op);
+    const MpiType row = detail::contiguous_bytes(out_row_bytes, op);
     const MpiType meta_type = detail::contiguous_bytes(sizeof(RowMeta), op);
+    if (quant) ex.keep_alive(qsend);
     std::vector<MpiType> types;
     types.reserve(2 * W);
     std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in(W), meta_out(W);
@@ -347,7 +683,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       std::vector<MPI_Aint> disp(L);
       for (int l = 0; l < L; ++l) {
         len[l] = recv.block_rows[l * W + s];
-        disp[l] = static_cast<MPI_Aint>(recv.block_offset[l * W + s] * row_bytes);
+        disp[l] = static_cast<MPI_Aint>(recv.block_offset[l * W + s] * out_row_bytes);
       }
       types.push_back(detail::blocks_at(len, disp, row.get(), op));
       ex.irecv(out.expand_x.data(), 1, types.back().get(), peers[s], detail::kTagRows);
@@ -366,12 +702,18 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         const int64_t flat = send.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
         disp[j] = static_cast<MPI_Aint>(i * x_row_stride);
         // Shared-expert copies (slot >= K) carry no weight: expand_scales 0.
-        (*meta_out[d])[j] = RowMeta{
-            static_cast<int32_t>(i), static_cast<int32_t>(k),
-            in.expert_scales && k < sh.K ? detail::float_at(*in.expert_scales, i, k) : 0.0f};
+        (*meta_out[d])[j] =
+            RowMeta{static_cast<int32_t>(i), static_cast<int32_t>(k),
+                    in.expert_scales && k < sh.K ? detail::float_at(*in.expert_scales, i, k) : 0.0f,
+                    quant ? (*qsend_scale)[first + j] : 0.0f};
       }
-      types.push_back(detail::rows_at(disp, row.get(), op));
-      ex.isend(in.x.data, 1, types.back().get(), peers[d], detail::kTagRows);
+      if (quant) {
+        // The int8 rows for d are contiguous in the send buffer.
+        ex.isend(qsend->data() + first * sh.H, to_int(n), row.get(), peers[d], detail::kTagRows);
+      } else {
+        types.push_back(detail::rows_at(disp, row.get(), op));
+        ex.isend(in.x.data, 1, types.back().get(), peers[d], detail::kTagRows);
+      }
       ex.isend(meta_out[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagMeta);
     }
     ex.wait();
@@ -379,6 +721,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
 
     int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
     float* scales = out.expand_scales.ptr<float>();
+    float* dyn = quant ? out.dynamic_scales.ptr<float>() : nullptr;
     for (int s = 0; s < W; ++s) {
       const RowMeta* m = meta_in[s]->data();
       for (int l = 0; l < L; ++l) {
@@ -389,6 +732,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
           assist[3 * j + 1] = m->token;
           assist[3 * j + 2] = m->slot;
           scales[j] = m->scale;
+          if (dyn) dyn[j] = m->qscale;
         }
       }
     }
@@ -406,6 +750,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   }
   out.tp_recv_counts = Tensor::empty(DType::kI32, {1});
   out.tp_recv_counts.ptr<int32_t>()[0] = static_cast<int32_t>(recv.valid);
+  if (cfg.tp_world_size == 2) tp_all_gather(op, cfg, sh, recv.valid, out);  // T == 2 (SPEC §1.1)
   return out;
 }
 
@@ -456,26 +801,37 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   hdr.H = in.expand_x.ndim == 2 ? in.expand_x.shape[1] : -1;
   hdr.K = in.expert_ids.ndim == 2 ? in.expert_ids.shape[1] : -1;
   hdr.dtype = static_cast<int64_t>(in.expand_x.dtype);
+  hdr.quant_mode = static_cast<int32_t>(in.comm_quant_mode);
 
   std::optional<Error> local;
   EpShape sh;
   World world = whole_world(comm);
   detail::SendPlan back;  // what this rank sent in dispatch = what it receives now
   detail::RecvPlan blocks;
-  std::shared_ptr<Tensor> y;  // the expert output of slot (i, k) at row i*KS+k
+  int64_t tp_peer_rows = 0;        // T == 2: rows of the TP peer in expand_x, after this rank's
+  std::shared_ptr<Tensor> rs_out;  // T == 2: the reduce-scattered rows sent back (SPEC §2)
+  std::shared_ptr<Tensor> y;       // the expert output of slot (i, k) at row i*KS+k (int8 with cq)
+  const bool cq = in.comm_quant_mode == 2;
+  // comm_quant_mode 2: the dynamic scale of y's row i*KS+k; the int8 rows this rank sends back
+  // (in send order: source rank, then its blocks) and their scales.
+  std::shared_ptr<std::vector<float>> yscale;
+  std::shared_ptr<std::vector<int8_t>> qback;
+  std::shared_ptr<std::vector<float>> qback_scale;
   Tensor out;
   int64_t* perf = nullptr;
   const TensorView* mask = in.x_active_mask ? &*in.x_active_mask : nullptr;
   const int64_t Z = cfg.zero_expert_num, C = cfg.copy_expert_num, Q = cfg.const_expert_num;
   capture(hdr, local, [&] {
+    // Checked first: never valid (SPEC §2.1), whatever else this build supports.
+    if (in.comm_quant_mode != 0 && in.comm_quant_mode != 2)
+      detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");
+    if (in.comm_quant_mode == 2 && cfg.tp_world_size == 2)
+      detail::invalid(op, ": comm_quant_mode = 2 (int8) is not allowed with tp_world_size = 2");
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
-    reject_given(op, {{"tp_send_counts", in.tp_send_counts.has_value()}});
-    if (in.comm_quant_mode == 2)
-      detail::unsupported(op, ": comm_quant_mode = 2 (int8) is not supported by this build");
-    if (in.comm_quant_mode != 0)
-      detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");
+    reject_tp_scale_in(op, cfg, world);
+    reject_given(op, {{"tp_send_counts", in.tp_send_counts.has_value() && cfg.tp_world_size != 2}});
     perf = perf_ptr(op, in.performance_info, cfg);
     detail::expect_rows(op, "expand_x", in.expand_x);
     detail::expect_ndim(op, "expert_ids", in.expert_ids, 2);
@@ -504,8 +860,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     }
     if (world.removed) return;
     detail::compute_capacity(op, cfg.global_bs, sh);
-    blocks =
-        detail::plan_recvs_from_inclusive(op, in.ep_send_counts, sh.W, sh.L, in.expand_x.shape[0]);
+    blocks = combine_blocks(op, cfg, in, sh, tp_peer_rows);
     if (blocks.valid > sh.A)
       detail::invalid(op, ": ep_send_counts[", sh.W * sh.L - 1, "] = ", blocks.valid,
                       " exceeds the receive capacity A = ", sh.A, " of this rank");
@@ -528,23 +883,66 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       detail::expect_tensor(op, "expand_scales", *in.expand_scales, {DType::kF32}, 1);
     back = detail::plan_sends(detail::Activity{&in.expert_ids, mask}, sh.pl, sh.rank);
     // Allocated before the header exchange (see dispatch_v2).
-    y = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {sh.BS * sh.KS, sh.H}));
+    y = std::make_shared<Tensor>(Tensor::empty(cq ? DType::kI8 : sh.dtype, {sh.BS * sh.KS, sh.H}));
+    if (cq) {
+      yscale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(sh.BS * sh.KS));
+      qback = std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(blocks.valid * sh.H));
+      qback_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(blocks.valid));
+    }
     out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
   });
   if (local && world.removed) throw *local;
   if (world.removed) return Tensor::zeros(sh.dtype, {sh.BS, sh.H});  // SPEC §1.7: no part
+  if (tp_pair(cfg)) {
+    // SPEC §2: rs_out = ReduceScatterV_TP(expand_x), before the EP header agreement so that a
+    // failure within the pair reaches both EP groups.
+    tp_handshake(op, cfg, hdr, local, tp_header(cfg, sh, blocks.valid, tp_peer_rows));
+    if (!local)
+      capture(hdr, local,
+              [&] { rs_out = tp_reduce_scatter(op, cfg, in, sh, blocks.valid, tp_peer_rows); });
+  }
   const auto headers =
       detail::agree_on_headers(comm, world.peers, op, hdr, local ? &*local : nullptr, perf);
   check_batch_sizes(op, headers, world.peers, cfg.global_bs, "expert_ids.shape[0]");
+  check_quant_modes(op, headers, world.peers, "comm_quant_mode");
 
   const int W = to_int(sh.W), L = to_int(sh.L);
   const std::vector<int>& peers = world.peers;
   const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
   const int64_t row_bytes = sh.H * esize;
+  const int64_t wire_row = cq ? sh.H : row_bytes;  // bytes of a row on the way back (and in y)
+  int64_t qback_row = 0;                           // comm_quant_mode 2: next row of qback
+  if (cq) {
+    // SPEC §2.1: each row sent back is quantised like §1.5 (no smoothing), in send order.
+    std::vector<int32_t> src_index;
+    src_index.reserve(static_cast<std::size_t>(blocks.valid));
+    for (int s = 0; s < W; ++s)
+      for (int l = 0; l < L; ++l) {
+        const int64_t b = static_cast<int64_t>(l) * W + s;
+        for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
+             ++j)
+          src_index.push_back(static_cast<int32_t>(j));
+      }
+    detail::QuantizeRowsInt8Args qa;
+    qa.op = op;
+    qa.name = "expand_x";
+    qa.rows = static_cast<int64_t>(src_index.size());
+    qa.n = sh.H;
+    qa.dtype = sh.dtype;
+    qa.src = in.expand_x.data;
+    qa.src_stride = in.expand_x.strides[0];
+    qa.src_index = src_index.data();
+    qa.q = qback->data();
+    qa.q_stride = sh.H;
+    qa.scales = qback_scale->data();
+    detail::quantize_rows_int8(qa);
+  }
   {
     Exchange ex(comm, op, "rows");
     ex.keep_alive(y);
-    const MpiType row = detail::contiguous_bytes(row_bytes, op);
+    if (rs_out) ex.keep_alive(rs_out);
+    if (cq) ex.keep_alive(qback);
+    const MpiType row = detail::contiguous_bytes(wire_row, op);
     std::vector<MpiType> types;
     types.reserve(2 * W);
     std::vector<int64_t> expected(W);
@@ -554,15 +952,16 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       const int64_t first = back.rank_offset[d], n = back.rank_offset[d + 1] - first;
       std::vector<MPI_Aint> disp(n);
       for (int64_t j = 0; j < n; ++j)
-        disp[j] = static_cast<MPI_Aint>(back.order[first + j] * row_bytes);
+        disp[j] = static_cast<MPI_Aint>(back.order[first + j] * wire_row);
       types.push_back(detail::rows_at(disp, row.get(), op));
       ex.irecv(y->data(), 1, types.back().get(), peers[d], detail::kTagCombineRows);
-      expected[d] = n * row_bytes;
+      expected[d] = n * wire_row;
       meta_in[d] = std::make_shared<std::vector<BackMeta>>(n);
       ex.keep_alive(meta_in[d]);
       ex.irecv(meta_in[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagCombineMeta);
     }
-    const int64_t stride = in.expand_x.strides[0] * esize;
+    const TensorView& rows_src = rs_out ? rs_out->view() : in.expand_x;  // T == 2: the TP sums
+    const int64_t stride = rows_src.strides[0] * esize;
     const TensorView& ai = in.assist_info_for_combine;
     for (int s = 0; s < W; ++s) {
       std::vector<MPI_Aint> disp;
@@ -575,13 +974,23 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
         for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
              ++j) {
           disp.push_back(static_cast<MPI_Aint>(j * stride));
-          meta_out[s]->push_back(BackMeta{static_cast<int32_t>(detail::index_at(ai, 3 * j + 1)),
-                                          static_cast<int32_t>(detail::index_at(ai, 3 * j + 2)),
-                                          static_cast<int32_t>(sh.pl.expert_on(sh.rank, l))});
+          meta_out[s]->push_back(BackMeta{
+              static_cast<int32_t>(detail::index_at(ai, 3 * j + 1)),
+              static_cast<int32_t>(detail::index_at(ai, 3 * j + 2)),
+              static_cast<int32_t>(sh.pl.expert_on(sh.rank, l)),
+              cq ? (*qback_scale)[qback_row + static_cast<int64_t>(meta_out[s]->size())] : 0.0f});
         }
       }
-      types.push_back(detail::rows_at(disp, row.get(), op));
-      ex.isend(in.expand_x.data, 1, types.back().get(), peers[s], detail::kTagCombineRows);
+      if (cq) {
+        // The int8 rows for s are contiguous in qback.
+        const int64_t n = static_cast<int64_t>(meta_out[s]->size());
+        ex.isend(qback->data() + qback_row * sh.H, to_int(n), row.get(), peers[s],
+                 detail::kTagCombineRows);
+        qback_row += n;
+      } else {
+        types.push_back(detail::rows_at(disp, row.get(), op));
+        ex.isend(rows_src.data, 1, types.back().get(), peers[s], detail::kTagCombineRows);
+      }
       ex.isend(meta_out[s]->data(), to_int(static_cast<int64_t>(meta_out[s]->size())),
                meta_type.get(), peers[s], detail::kTagCombineMeta);
     }
@@ -593,8 +1002,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                         "MPI_Get_elements_x");
       if (got != expected[d])
         detail::invalid(op, ": rank ", peers[d], " sent back ",
-                        got / std::max<int64_t>(row_bytes, 1), " rows but expert_ids on rank ",
-                        comm.rank(), " route ", expected[d] / std::max<int64_t>(row_bytes, 1),
+                        got / std::max<int64_t>(wire_row, 1), " rows but expert_ids on rank ",
+                        comm.rank(), " route ", expected[d] / std::max<int64_t>(wire_row, 1),
                         " entries to it: expert_ids and ep_send_counts must be those of the "
                         "matching dispatch_v2");
     }
@@ -612,6 +1021,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                           m[j].token, ", slot ", m[j].slot,
                           ") at that position: expert_ids (and x_active_mask) must be those of "
                           "the matching dispatch_v2 (same tokens, same order)");
+        if (cq) (*yscale)[flat] = m[j].qscale;
       }
     }
   }
@@ -622,6 +1032,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   // acc += w * c. Then the hosted shared experts in s order (unweighted), then shared_expert_x.
   // Every product is rounded to fp32 before its add (-ffp-contract=off); one final rounding.
   const char* ybase = y->ptr<char>();
+  const float* ysc = cq ? yscale->data() : nullptr;
   char* obase = out.ptr<char>();
   const int64_t BS = sh.BS, K = sh.K, KS = sh.KS, H = sh.H, E = sh.E, Ns = sh.pl.Ns;
   const DType dtype = sh.dtype;
@@ -638,7 +1049,12 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
           const int64_t e = detail::index_at(in.expert_ids, i, k);
           const float w = detail::float_at(in.expert_scales, i, k);
           if (e < E) {
-            detail::axpy_row_f32(acc.data(), w, ybase + (i * KS + k) * row_bytes, dtype, H);
+            if (cq)  // SPEC §2.3 with comm_quant_mode 2: the dequantised row
+              detail::axpy_row_int8(acc.data(), w,
+                                    reinterpret_cast<const int8_t*>(ybase) + (i * KS + k) * H,
+                                    ysc[i * KS + k], H);
+            else
+              detail::axpy_row_f32(acc.data(), w, ybase + (i * KS + k) * row_bytes, dtype, H);
           } else if (e < E + Z) {
             // zero expert: contributes nothing
           } else if (e < E + Z + C) {
@@ -658,7 +1074,12 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
           }
         }
         for (int64_t s = 0; s < Ns; ++s)
-          detail::add_row_f32(acc.data(), ybase + (i * KS + K + s) * row_bytes, dtype, H);
+          if (cq)  // acc + fl(1 * y) == acc + y: the unweighted add
+            detail::axpy_row_int8(acc.data(), 1.0f,
+                                  reinterpret_cast<const int8_t*>(ybase) + (i * KS + K + s) * H,
+                                  ysc[i * KS + K + s], H);
+          else
+            detail::add_row_f32(acc.data(), ybase + (i * KS + K + s) * row_bytes, dtype, H);
         if (in.shared_expert_x)
           detail::add_row_f32(acc.data(), shared_row(*in.shared_expert_x, i), dtype, H);
       }

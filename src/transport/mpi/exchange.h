@@ -106,7 +106,7 @@ struct OpHeader {
   int64_t BS = 0, H = 0, K = 0, dtype = 0;
   int64_t elastic = 0;     // hash of elastic_info (0: none or not scaled down)
   int32_t all_active = 1;  // 0: x_active_mask given and not all True
-  int32_t pad = 0;
+  int32_t quant_mode = 0;  // dispatch_v2: quant_mode; combine_v2: comm_quant_mode (the op checks)
   char message[400] = {};  // the local error, truncated
 };
 
