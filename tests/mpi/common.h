@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <cstdint>
 #include <exception>
@@ -14,6 +15,18 @@
 #include "moe_ep/tensor.h"
 
 namespace moe_ep::test {
+
+inline int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+inline int world_size() {
+  int s = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
 
 // splitmix64: portable and seedable, so every rank can build the same global batch. Each test
 // file derives its own seeding and value helpers.

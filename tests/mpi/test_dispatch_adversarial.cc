@@ -29,16 +29,8 @@
 namespace moe_ep {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using test::world_rank;
+using test::world_size;
 
 // Created by the fixture's SetUp on every rank at the same point (MPI_Comm_dup is collective).
 Communicator* comm() {

@@ -31,16 +31,8 @@ namespace {
 
 using test::values;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int s = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
+using test::world_rank;
+using test::world_size;
 
 Communicator* comm() {
   static std::shared_ptr<Communicator> c = Communicator::from_mpi(MPI_COMM_WORLD);
