@@ -58,7 +58,10 @@ struct MOE_EP_API TensorView {
 // DLPack interchange.
 //   from_dlpack: the DLTensor must be on kDLCPU, lanes 1, a supported dtype (bf16, fp16, fp32,
 //     int8, int32, int64, bool) and ndim <= kMaxDims; strides == NULL means contiguous. byte_offset
-//     is folded into data. Throws Error(kInvalidArgument) naming `what` otherwise.
+//     is folded into data. The strides of size-1 dimensions, and all strides of a tensor with no
+//     elements, are replaced by the contiguous ones (they address nothing). Throws
+//     Error(kInvalidArgument) naming `what` otherwise (Error(kUnsupported) for an unsupported
+//     dtype or a negative stride).
 //   to_dlpack: a DLTensor whose shape and strides point INTO `view`: `view` must outlive it.
 MOE_EP_API TensorView from_dlpack(const DLTensor& tensor, const char* what = "tensor");
 MOE_EP_API DLTensor to_dlpack(TensorView& view);

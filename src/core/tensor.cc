@@ -134,11 +134,20 @@ TensorView from_dlpack(const DLTensor& t, const char* what) {
     if (t.shape[d] < 0)
       detail::invalid("from_dlpack: ", what, " shape[", d, "] = ", t.shape[d], " is negative");
     v.shape[d] = t.shape[d];
-    v.strides[d] = t.strides ? t.strides[d] : stride;
-    if (v.strides[d] < 0)
-      detail::unsupported("from_dlpack: ", what, " stride[", d, "] = ", v.strides[d],
-                          " is negative");
+    v.strides[d] = stride;
     stride *= t.shape[d];
+  }
+  // The strides of a size-1 dimension, and all strides of a tensor without elements, address
+  // nothing; producers export arbitrary values there (PyTorch: 0 or the old stride), so they are
+  // replaced by the contiguous ones rather than rejected by the ops' layout checks.
+  if (t.strides != nullptr && stride != 0) {
+    for (int d = 0; d < t.ndim; ++d) {
+      if (t.shape[d] == 1) continue;
+      if (t.strides[d] < 0)
+        detail::unsupported("from_dlpack: ", what, " stride[", d, "] = ", t.strides[d],
+                            " is negative");
+      v.strides[d] = t.strides[d];
+    }
   }
   return v;
 }

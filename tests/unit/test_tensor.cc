@@ -83,6 +83,39 @@ TEST(DLPack, NullStridesMeanContiguousAndOffsetIsFolded) {
   EXPECT_EQ(v.strides[1], 1);
 }
 
+TEST(DLPack, StridesThatAddressNothingAreNormalised) {
+  float buf[8];
+  int64_t shape[2] = {4, 1};
+  int64_t strides[2] = {2, 0};  // PyTorch exports x[:, :1] of a (4, 2) tensor like this
+  DLTensor t{};
+  t.data = buf;
+  t.device = {kDLCPU, 0};
+  t.ndim = 2;
+  t.dtype = {kDLFloat, 32, 1};
+  t.shape = shape;
+  t.strides = strides;
+  TensorView v = from_dlpack(t);
+  EXPECT_EQ(v.strides[0], 2);  // a real stride is kept
+  EXPECT_EQ(v.strides[1], 1);  // size 1: contiguous
+  shape[0] = 0;
+  shape[1] = 5;
+  strides[0] = 0;
+  strides[1] = 0;
+  v = from_dlpack(t);  // no elements: every stride contiguous
+  EXPECT_EQ(v.strides[0], 5);
+  EXPECT_EQ(v.strides[1], 1);
+  shape[0] = 3;
+  strides[1] = -1;
+  try {
+    from_dlpack(t, "x");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("x stride[1] = -1 is negative"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(DLPack, RejectsUnsupported) {
   float buf[2];
   int64_t shape[1] = {2};

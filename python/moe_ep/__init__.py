@@ -1,0 +1,29 @@
+"""moe-ep: mixture-of-experts expert parallelism.
+
+``moe_ep._C`` is the framework-agnostic DLPack binding of the C++ library; ``moe_ep.torch``
+registers the PyTorch custom ops (``torch.ops.moe_ep.*``) with autograd, fake implementations
+for torch.compile and DTensor sharding rules.
+"""
+
+from moe_ep._C import (
+    Error,
+    InternalError,
+    InvalidArgumentError,
+    RemoteError,
+    SystemError,
+    TimeoutError,
+    UnsupportedError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Error",
+    "InternalError",
+    "InvalidArgumentError",
+    "RemoteError",
+    "SystemError",
+    "TimeoutError",
+    "UnsupportedError",
+    "__version__",
+]

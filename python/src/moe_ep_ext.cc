@@ -1,0 +1,540 @@
+// moe_ep._C: the DLPack binding of the C++ library (nanobind). Framework-agnostic: tensors come in
+// as any object with __dlpack__ (torch, numpy, ...) and go out as DLPack-capable arrays that
+// torch.from_dlpack / numpy.from_dlpack take without a copy. The GIL is released while an op runs.
+// Not compiled against PyTorch; moe_ep/torch/ builds the torch ops on top of it.
+#include <mpi.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moe_ep/comm.h"
+#include "moe_ep/dispatch.h"
+#include "moe_ep/error.h"
+#include "moe_ep/permute.h"
+#include "moe_ep/sharding.h"
+#include "moe_ep/tensor.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using moe_ep::DType;
+using moe_ep::Tensor;
+using moe_ep::TensorView;
+
+// Inputs are read-only views (numpy's read-only arrays are accepted too); outputs are writable.
+using InArray = nb::ndarray<nb::ro>;
+using OutArray = nb::ndarray<>;
+using OptIn = std::optional<InArray>;
+
+TensorView view_of(const InArray& a, const char* what) {
+  DLTensor dl{};
+  dl.data = const_cast<void*>(a.data());
+  dl.device = {static_cast<DLDeviceType>(a.device_type()), a.device_id()};
+  dl.ndim = static_cast<int32_t>(a.ndim());
+  const auto dt = a.dtype();
+  dl.dtype = {dt.code, dt.bits, dt.lanes};
+  dl.shape = const_cast<int64_t*>(a.shape_ptr());
+  dl.strides = const_cast<int64_t*>(a.stride_ptr());
+  return moe_ep::from_dlpack(dl, what);
+}
+
+std::optional<TensorView> view_of(const OptIn& a, const char* what) {
+  if (!a) return std::nullopt;
+  return view_of(*a, what);
+}
+
+TensorView view_of_writable(const OutArray& a, const char* what) {
+  DLTensor dl{};
+  dl.data = a.data();
+  dl.device = {static_cast<DLDeviceType>(a.device_type()), a.device_id()};
+  dl.ndim = static_cast<int32_t>(a.ndim());
+  const auto dt = a.dtype();
+  dl.dtype = {dt.code, dt.bits, dt.lanes};
+  dl.shape = const_cast<int64_t*>(a.shape_ptr());
+  dl.strides = const_cast<int64_t*>(a.stride_ptr());
+  return moe_ep::from_dlpack(dl, what);
+}
+
+nb::dlpack::dtype dl_dtype(DType d) {
+  switch (d) {
+    case DType::kBF16:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+    case DType::kF16:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    case DType::kF32:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 32, 1};
+    case DType::kI8:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Int), 8, 1};
+    case DType::kI32:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Int), 32, 1};
+    case DType::kI64:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Int), 64, 1};
+    case DType::kBool:
+      return {static_cast<uint8_t>(nb::dlpack::dtype_code::Bool), 8, 1};
+  }
+  return {};
+}
+
+// Hands an owned Tensor to Python without a copy: the capsule keeps the storage alive until the
+// last consumer (e.g. a torch tensor made by torch.from_dlpack) lets go. Undefined -> None.
+nb::object to_python(Tensor t) {
+  if (!t.defined()) return nb::none();
+  auto* holder = new Tensor(std::move(t));
+  nb::capsule owner(holder, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
+  std::vector<size_t> shape(holder->ndim());
+  for (int d = 0; d < holder->ndim(); ++d) shape[d] = static_cast<size_t>(holder->size(d));
+  OutArray array(holder->data(), shape.size(), shape.data(), owner, nullptr,
+                 dl_dtype(holder->dtype()), nb::device::cpu::value);
+  return nb::cast(array, nb::rv_policy::reference);
+}
+
+DType parse_dtype(const std::string& name, const char* op, const char* param) {
+  for (DType d : {DType::kBF16, DType::kF16, DType::kF32}) {
+    if (name == moe_ep::dtype_name(d)) return d;
+  }
+  throw moe_ep::Error(
+      moe_ep::ErrorKind::kInvalidArgument,
+      std::string(op) + ": " + param + " = '" + name + "' is not one of 'bf16', 'fp16', 'fp32'");
+}
+
+// The Python face of moe_ep::Communicator: built from an MPI communicator's Fortran handle
+// (mpi4py's comm.py2f()), so no MPI header of the caller's Python binding is needed.
+struct PyCommunicator {
+  std::shared_ptr<moe_ep::Communicator> comm;
+};
+
+PyCommunicator make_communicator(int64_t fortran_handle, std::optional<double> timeout_s) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) {
+    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                        "Communicator: MPI is not initialised (import mpi4py.MPI first, and "
+                        "start the processes with mpirun)");
+  }
+  MPI_Comm c = MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle));
+  if (c == MPI_COMM_NULL) {
+    throw moe_ep::Error(
+        moe_ep::ErrorKind::kInvalidArgument,
+        "Communicator: the handle " + std::to_string(fortran_handle) + " is MPI_COMM_NULL");
+  }
+  moe_ep::CommOptions options;
+  options.timeout_s = timeout_s;
+  nb::gil_scoped_release release;
+  return PyCommunicator{moe_ep::Communicator::from_mpi(c, options)};
+}
+
+nb::object placement_to_python(const std::optional<moe_ep::Placement>& p) {
+  if (!p) return nb::none();
+  switch (p->kind) {
+    case moe_ep::Placement::Kind::kReplicate:
+      return nb::make_tuple("replicate", 0);
+    case moe_ep::Placement::Kind::kShard:
+      return nb::make_tuple("shard", p->dim);
+    case moe_ep::Placement::Kind::kPartial:
+      return nb::make_tuple("partial", 0);
+  }
+  return nb::none();
+}
+
+moe_ep::ShardedOp parse_op(const std::string& name) {
+  using moe_ep::ShardedOp;
+  for (ShardedOp op : {ShardedOp::kPermute, ShardedOp::kPermuteGrad, ShardedOp::kPermuteGradV2,
+                       ShardedOp::kUnpermute, ShardedOp::kUnpermuteWithSaved,
+                       ShardedOp::kUnpermuteGrad, ShardedOp::kUnpermuteGradV2}) {
+    if (name == moe_ep::op_name(op)) return op;
+  }
+  throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                      "strategies: op = '" + name +
+                          "' is not one of permute, permute_grad, permute_grad_v2, unpermute, "
+                          "unpermute_with_saved, unpermute_grad, unpermute_grad_v2");
+}
+
+nb::list strategies(const std::string& op, bool has_probs, bool has_permuted_tokens) {
+  const auto table = moe_ep::strategies(parse_op(op), has_probs, has_permuted_tokens);
+  auto args = [](const std::vector<moe_ep::ArgPlacement>& v) {
+    nb::list out;
+    for (const auto& a : v) {
+      out.append(nb::make_tuple(a.name, placement_to_python(a.placement), a.data_read));
+    }
+    return out;
+  };
+  nb::list result;
+  for (const auto& s : table) {
+    nb::dict d;
+    d["name"] = s.name;
+    d["inputs"] = args(s.inputs);
+    d["outputs"] = args(s.outputs);
+    result.append(d);
+  }
+  return result;
+}
+
+PyObject* g_errors[6] = {};
+
+void register_errors(nb::module_& m) {
+  // moe_ep.Error(RuntimeError) with one subclass per ErrorKind; the kinds that have a natural
+  // Python counterpart also derive from it, so `except ValueError` works as users expect.
+  PyObject* base = PyErr_NewExceptionWithDoc(
+      "moe_ep._C.Error", "moe-ep error; .kind names the ErrorKind", PyExc_RuntimeError, nullptr);
+  m.attr("Error") = nb::handle(base);
+  struct Kind {
+    moe_ep::ErrorKind kind;
+    const char* name;
+    PyObject* also;
+  };
+  const Kind kinds[] = {
+      {moe_ep::ErrorKind::kInvalidArgument, "InvalidArgumentError", PyExc_ValueError},
+      {moe_ep::ErrorKind::kUnsupported, "UnsupportedError", PyExc_NotImplementedError},
+      {moe_ep::ErrorKind::kTimeout, "TimeoutError", PyExc_TimeoutError},
+      {moe_ep::ErrorKind::kRemote, "RemoteError", nullptr},
+      {moe_ep::ErrorKind::kSystem, "SystemError", nullptr},
+      {moe_ep::ErrorKind::kInternal, "InternalError", nullptr},
+  };
+  for (const Kind& k : kinds) {
+    PyObject* bases = k.also ? PyTuple_Pack(2, base, k.also) : PyTuple_Pack(1, base);
+    const std::string qualified = std::string("moe_ep._C.") + k.name;
+    PyObject* type = PyErr_NewException(qualified.c_str(), bases, nullptr);
+    Py_DECREF(bases);
+    g_errors[static_cast<int>(k.kind)] = type;
+    m.attr(k.name) = nb::handle(type);
+  }
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const moe_ep::Error& e) {
+      PyObject* type = g_errors[static_cast<int>(e.kind())];
+      PyObject* value = PyObject_CallFunction(type, "s", e.what());
+      if (value) {
+        PyObject* kind = PyUnicode_FromString(moe_ep::error_kind_name(e.kind()));
+        PyObject_SetAttrString(value, "kind", kind);
+        Py_XDECREF(kind);
+        PyErr_SetObject(type, value);
+        Py_DECREF(value);
+      }
+    }
+  });
+}
+
+// ---- SPEC §4 ops --------------------------------------------------------------------------
+
+nb::tuple token_permute(const InArray& tokens, const InArray& indices,
+                        std::optional<int64_t> num_out_tokens, bool padded_mode) {
+  moe_ep::PermuteArgs a;
+  a.tokens = view_of(tokens, "tokens");
+  a.indices = view_of(indices, "indices");
+  a.num_out_tokens = num_out_tokens;
+  a.padded_mode = padded_mode;
+  moe_ep::PermuteResult r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::permute(a);
+  }
+  return nb::make_tuple(to_python(std::move(r.permuted_tokens)),
+                        to_python(std::move(r.sorted_indices)));
+}
+
+nb::object token_permute_grad(const InArray& tokens, const InArray& grad_permuted_tokens,
+                              const InArray& indices, const InArray& sorted_indices,
+                              bool padded_mode) {
+  moe_ep::PermuteGradArgs a;
+  a.tokens = view_of(tokens, "tokens");
+  a.grad_permuted_tokens = view_of(grad_permuted_tokens, "grad_permuted_tokens");
+  a.indices = view_of(indices, "indices");
+  a.sorted_indices = view_of(sorted_indices, "sorted_indices");
+  a.padded_mode = padded_mode;
+  Tensor r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::permute_grad(a);
+  }
+  return to_python(std::move(r));
+}
+
+nb::object token_permute_grad_v2(const InArray& grad_permuted_tokens, const InArray& sorted_indices,
+                                 int64_t tokens_rows, const std::string& tokens_dtype,
+                                 int64_t num_topk, bool padded_mode) {
+  moe_ep::PermuteGradV2Args a;
+  a.grad_permuted_tokens = view_of(grad_permuted_tokens, "grad_permuted_tokens");
+  a.sorted_indices = view_of(sorted_indices, "sorted_indices");
+  a.tokens_rows = tokens_rows;
+  a.tokens_dtype = parse_dtype(tokens_dtype, "permute_grad_v2", "tokens_dtype");
+  a.num_topk = num_topk;
+  a.padded_mode = padded_mode;
+  Tensor r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::permute_grad_v2(a);
+  }
+  return to_python(std::move(r));
+}
+
+moe_ep::UnpermuteArgs unpermute_args(const InArray& permuted_tokens, const InArray& sorted_indices,
+                                     const OptIn& probs, bool padded_mode,
+                                     const std::optional<std::vector<int64_t>>& restore_shape) {
+  moe_ep::UnpermuteArgs a;
+  a.permuted_tokens = view_of(permuted_tokens, "permuted_tokens");
+  a.sorted_indices = view_of(sorted_indices, "sorted_indices");
+  a.probs = view_of(probs, "probs");
+  a.padded_mode = padded_mode;
+  a.restore_shape = restore_shape;
+  return a;
+}
+
+nb::object token_unpermute(const InArray& permuted_tokens, const InArray& sorted_indices,
+                           const OptIn& probs, bool padded_mode,
+                           const std::optional<std::vector<int64_t>>& restore_shape) {
+  const auto a = unpermute_args(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape);
+  Tensor r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::unpermute(a);
+  }
+  return to_python(std::move(r));
+}
+
+nb::tuple token_unpermute_with_saved(const InArray& permuted_tokens, const InArray& sorted_indices,
+                                     const OptIn& probs, bool padded_mode,
+                                     const std::optional<std::vector<int64_t>>& restore_shape) {
+  const auto a = unpermute_args(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape);
+  moe_ep::UnpermuteWithSavedResult r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::unpermute_with_saved(a);
+  }
+  return nb::make_tuple(to_python(std::move(r.out)),
+                        to_python(std::move(r.permuted_tokens_for_backward)));
+}
+
+nb::tuple grad_result(moe_ep::UnpermuteGradResult r) {
+  return nb::make_tuple(to_python(std::move(r.grad_permuted_tokens)),
+                        to_python(std::move(r.grad_probs)));
+}
+
+nb::tuple token_unpermute_grad(const InArray& permuted_tokens, const InArray& grad_out,
+                               const InArray& sorted_indices, const OptIn& probs, bool padded_mode,
+                               const std::optional<std::vector<int64_t>>& restore_shape) {
+  moe_ep::UnpermuteGradArgs a;
+  a.permuted_tokens = view_of(permuted_tokens, "permuted_tokens");
+  a.grad_out = view_of(grad_out, "grad_out");
+  a.sorted_indices = view_of(sorted_indices, "sorted_indices");
+  a.probs = view_of(probs, "probs");
+  a.padded_mode = padded_mode;
+  a.restore_shape = restore_shape;
+  moe_ep::UnpermuteGradResult r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::unpermute_grad(a);
+  }
+  return grad_result(std::move(r));
+}
+
+nb::tuple token_unpermute_grad_v2(const InArray& grad_out, const InArray& sorted_indices,
+                                  int64_t permuted_rows, const std::string& permuted_dtype,
+                                  const OptIn& probs, bool padded_mode,
+                                  const std::optional<std::vector<int64_t>>& restore_shape,
+                                  const OptIn& permuted_tokens) {
+  moe_ep::UnpermuteGradV2Args a;
+  a.grad_out = view_of(grad_out, "grad_out");
+  a.sorted_indices = view_of(sorted_indices, "sorted_indices");
+  a.permuted_rows = permuted_rows;
+  a.permuted_dtype = parse_dtype(permuted_dtype, "unpermute_grad_v2", "permuted_dtype");
+  a.probs = view_of(probs, "probs");
+  a.padded_mode = padded_mode;
+  a.restore_shape = restore_shape;
+  a.permuted_tokens = view_of(permuted_tokens, "permuted_tokens");
+  moe_ep::UnpermuteGradResult r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::unpermute_grad_v2(a);
+  }
+  return grad_result(std::move(r));
+}
+
+// ---- SPEC §1-2 ops ------------------------------------------------------------------------
+
+struct EpArgs {
+  int64_t ep_world_size, ep_rank_id, moe_expert_num;
+  std::optional<PyCommunicator> group_tp;
+  int64_t tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num,
+      global_bs;
+  std::string comm_alg;
+  int64_t zero_expert_num, copy_expert_num, const_expert_num;
+};
+
+moe_ep::EpConfig ep_config(const PyCommunicator& group_ep, const EpArgs& e) {
+  moe_ep::EpConfig c;
+  c.group_ep = group_ep.comm.get();
+  c.ep_world_size = e.ep_world_size;
+  c.ep_rank_id = e.ep_rank_id;
+  c.moe_expert_num = e.moe_expert_num;
+  c.group_tp = e.group_tp ? e.group_tp->comm.get() : nullptr;
+  c.tp_world_size = e.tp_world_size;
+  c.tp_rank_id = e.tp_rank_id;
+  c.expert_shard_type = e.expert_shard_type;
+  c.shared_expert_num = e.shared_expert_num;
+  c.shared_expert_rank_num = e.shared_expert_rank_num;
+  c.global_bs = e.global_bs;
+  c.comm_alg = e.comm_alg;
+  c.zero_expert_num = e.zero_expert_num;
+  c.copy_expert_num = e.copy_expert_num;
+  c.const_expert_num = e.const_expert_num;
+  return c;
+}
+
+nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommunicator& group_ep,
+                      int64_t ep_world_size, int64_t ep_rank_id, int64_t moe_expert_num,
+                      const OptIn& scales, const OptIn& x_active_mask, const OptIn& expert_scales,
+                      const OptIn& elastic_info, const std::optional<OutArray>& performance_info,
+                      std::optional<PyCommunicator> group_tp, int64_t tp_world_size,
+                      int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
+                      int64_t shared_expert_rank_num, int64_t quant_mode, int64_t global_bs,
+                      int64_t expert_token_nums_type, const std::string& comm_alg,
+                      int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num) {
+  const moe_ep::EpConfig cfg = ep_config(
+      group_ep, {ep_world_size, ep_rank_id, moe_expert_num, std::move(group_tp), tp_world_size,
+                 tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num,
+                 global_bs, comm_alg, zero_expert_num, copy_expert_num, const_expert_num});
+  moe_ep::DispatchInputs in;
+  in.x = view_of(x, "x");
+  in.expert_ids = view_of(expert_ids, "expert_ids");
+  in.scales = view_of(scales, "scales");
+  in.x_active_mask = view_of(x_active_mask, "x_active_mask");
+  in.expert_scales = view_of(expert_scales, "expert_scales");
+  in.elastic_info = view_of(elastic_info, "elastic_info");
+  if (performance_info)
+    in.performance_info = view_of_writable(*performance_info, "performance_info");
+  in.quant_mode = quant_mode;
+  in.expert_token_nums_type = expert_token_nums_type;
+  moe_ep::DispatchOutputs r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::dispatch_v2(in, cfg);
+  }
+  return nb::make_tuple(
+      to_python(std::move(r.expand_x)), to_python(std::move(r.dynamic_scales)),
+      to_python(std::move(r.assist_info_for_combine)), to_python(std::move(r.expert_token_nums)),
+      to_python(std::move(r.ep_recv_counts)), to_python(std::move(r.tp_recv_counts)),
+      to_python(std::move(r.expand_scales)));
+}
+
+nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
+                      const InArray& assist_info_for_combine, const InArray& ep_send_counts,
+                      const InArray& expert_scales, const PyCommunicator& group_ep,
+                      int64_t ep_world_size, int64_t ep_rank_id, int64_t moe_expert_num,
+                      const OptIn& tp_send_counts, const OptIn& x_active_mask,
+                      const OptIn& expand_scales, const OptIn& shared_expert_x,
+                      const OptIn& elastic_info, const OptIn& ori_x,
+                      const OptIn& const_expert_alpha_1, const OptIn& const_expert_alpha_2,
+                      const OptIn& const_expert_v, const std::optional<OutArray>& performance_info,
+                      std::optional<PyCommunicator> group_tp, int64_t tp_world_size,
+                      int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
+                      int64_t shared_expert_rank_num, int64_t global_bs, int64_t comm_quant_mode,
+                      const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
+                      int64_t const_expert_num) {
+  const moe_ep::EpConfig cfg = ep_config(
+      group_ep, {ep_world_size, ep_rank_id, moe_expert_num, std::move(group_tp), tp_world_size,
+                 tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num,
+                 global_bs, comm_alg, zero_expert_num, copy_expert_num, const_expert_num});
+  moe_ep::CombineInputs in;
+  in.expand_x = view_of(expand_x, "expand_x");
+  in.expert_ids = view_of(expert_ids, "expert_ids");
+  in.assist_info_for_combine = view_of(assist_info_for_combine, "assist_info_for_combine");
+  in.ep_send_counts = view_of(ep_send_counts, "ep_send_counts");
+  in.expert_scales = view_of(expert_scales, "expert_scales");
+  in.tp_send_counts = view_of(tp_send_counts, "tp_send_counts");
+  in.x_active_mask = view_of(x_active_mask, "x_active_mask");
+  in.expand_scales = view_of(expand_scales, "expand_scales");
+  in.shared_expert_x = view_of(shared_expert_x, "shared_expert_x");
+  in.elastic_info = view_of(elastic_info, "elastic_info");
+  in.ori_x = view_of(ori_x, "ori_x");
+  in.const_expert_alpha_1 = view_of(const_expert_alpha_1, "const_expert_alpha_1");
+  in.const_expert_alpha_2 = view_of(const_expert_alpha_2, "const_expert_alpha_2");
+  in.const_expert_v = view_of(const_expert_v, "const_expert_v");
+  if (performance_info)
+    in.performance_info = view_of_writable(*performance_info, "performance_info");
+  in.comm_quant_mode = comm_quant_mode;
+  Tensor r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::combine_v2(in, cfg);
+  }
+  return to_python(std::move(r));
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "moe-ep's DLPack binding (framework-agnostic); see moe_ep.torch for the torch ops";
+  register_errors(m);
+
+  nb::class_<PyCommunicator>(m, "Communicator",
+                             "An MPI communicator (duplicated) with moe-ep's deadline settings")
+      .def_static("from_fortran", &make_communicator, "fortran_handle"_a,
+                  "timeout_s"_a = nb::none(),
+                  "Collective over the communicator whose Fortran handle is given (mpi4py: "
+                  "comm.py2f()). timeout_s: the deadline of every wait (default "
+                  "$MOE_EP_TIMEOUT_S, else 300)")
+      .def_prop_ro("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
+      .def_prop_ro("size", [](const PyCommunicator& c) { return c.comm->size(); })
+      .def_prop_ro("timeout_s", [](const PyCommunicator& c) { return c.comm->timeout_s(); });
+
+  m.def("strategies", &strategies, "op"_a, "has_probs"_a, "has_permuted_tokens"_a = true,
+        "SPEC §5: the two sharding strategies of a local op, R first, as the C++ table gives "
+        "them: [{'name', 'inputs': [(arg, placement, data_read)], 'outputs': [...]}], placement "
+        "= ('replicate', 0) | ('shard', dim) | ('partial', 0) | None (absent)");
+
+  m.def("token_permute", &token_permute, "tokens"_a, "indices"_a, "num_out_tokens"_a = nb::none(),
+        "padded_mode"_a = false);
+  m.def("token_permute_grad", &token_permute_grad, "tokens"_a, "grad_permuted_tokens"_a,
+        "indices"_a, "sorted_indices"_a, "padded_mode"_a = false);
+  m.def("token_permute_grad_v2", &token_permute_grad_v2, "grad_permuted_tokens"_a,
+        "sorted_indices"_a, "tokens_rows"_a, "tokens_dtype"_a, "num_topk"_a,
+        "padded_mode"_a = false);
+  m.def("token_unpermute", &token_unpermute, "permuted_tokens"_a, "sorted_indices"_a,
+        "probs"_a = nb::none(), "padded_mode"_a = false, "restore_shape"_a = nb::none());
+  m.def("token_unpermute_with_saved", &token_unpermute_with_saved, "permuted_tokens"_a,
+        "sorted_indices"_a, "probs"_a = nb::none(), "padded_mode"_a = false,
+        "restore_shape"_a = nb::none());
+  m.def("token_unpermute_grad", &token_unpermute_grad, "permuted_tokens"_a, "grad_out"_a,
+        "sorted_indices"_a, "probs"_a = nb::none(), "padded_mode"_a = false,
+        "restore_shape"_a = nb::none());
+  m.def("token_unpermute_grad_v2", &token_unpermute_grad_v2, "grad_out"_a, "sorted_indices"_a,
+        "permuted_rows"_a, "permuted_dtype"_a, "probs"_a = nb::none(), "padded_mode"_a = false,
+        "restore_shape"_a = nb::none(), "permuted_tokens"_a = nb::none());
+
+  m.def("dispatch_v2", &dispatch_v2, "x"_a, "expert_ids"_a, "group_ep"_a, "ep_world_size"_a,
+        "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(), "scales"_a = nb::none(),
+        "x_active_mask"_a = nb::none(), "expert_scales"_a = nb::none(),
+        "elastic_info"_a = nb::none(), "performance_info"_a = nb::none(), "group_tp"_a = nb::none(),
+        "tp_world_size"_a = 0, "tp_rank_id"_a = 0, "expert_shard_type"_a = 0,
+        "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0, "quant_mode"_a = 0,
+        "global_bs"_a = 0, "expert_token_nums_type"_a = 1, "comm_alg"_a = "",
+        "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
+        "SPEC §1. Returns (expand_x, dynamic_scales or None, assist_info_for_combine, "
+        "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales)");
+  m.def("combine_v2", &combine_v2, "expand_x"_a, "expert_ids"_a, "assist_info_for_combine"_a,
+        "ep_send_counts"_a, "expert_scales"_a, "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a,
+        "moe_expert_num"_a, nb::kw_only(), "tp_send_counts"_a = nb::none(),
+        "x_active_mask"_a = nb::none(), "expand_scales"_a = nb::none(),
+        "shared_expert_x"_a = nb::none(), "elastic_info"_a = nb::none(), "ori_x"_a = nb::none(),
+        "const_expert_alpha_1"_a = nb::none(), "const_expert_alpha_2"_a = nb::none(),
+        "const_expert_v"_a = nb::none(), "performance_info"_a = nb::none(),
+        "group_tp"_a = nb::none(), "tp_world_size"_a = 0, "tp_rank_id"_a = 0,
+        "expert_shard_type"_a = 0, "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0,
+        "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
+        "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "SPEC §2. Returns x (BS, H)");
+}
