@@ -1,0 +1,31 @@
+"""moe-ep's PyTorch front.
+
+Importing this module registers the custom ops ``torch.ops.moe_ep.*`` (SPEC §4: token_permute,
+token_permute_grad, token_permute_grad_v2, token_unpermute, _token_unpermute,
+token_unpermute_grad, token_unpermute_grad_v2; SPEC §1-2: dispatch_v2, combine_v2), their fake
+implementations for torch.compile, autograd for permute and unpermute, and the DTensor sharding
+rules of SPEC §5 (generated from the C++ strategy table).
+
+dispatch_v2 / combine_v2 take mpi4py communicators (default: MPI.COMM_WORLD); start the processes
+with mpirun.
+"""
+
+from moe_ep.torch.ops import (
+    _token_unpermute,
+    token_permute,
+    token_permute_grad,
+    token_permute_grad_v2,
+    token_unpermute,
+    token_unpermute_grad,
+    token_unpermute_grad_v2,
+)
+
+__all__ = [
+    "_token_unpermute",
+    "token_permute",
+    "token_permute_grad",
+    "token_permute_grad_v2",
+    "token_unpermute",
+    "token_unpermute_grad",
+    "token_unpermute_grad_v2",
+]

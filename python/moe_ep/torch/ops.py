@@ -1,0 +1,353 @@
+"""SPEC §4 as torch custom ops: moe_ep::token_permute, token_permute_grad(_v2),
+token_unpermute, _token_unpermute, token_unpermute_grad(_v2).
+
+Each op has a real (CPU) implementation calling the C++ library through moe_ep._C, a fake
+implementation giving output shapes (so torch.compile(fullgraph=True) traces it), and, for permute
+and unpermute, autograd as SPEC §4.3 and torch_npu wire it: permute's backward is
+token_permute_grad_v2; unpermute's backward is token_unpermute_grad_v2, which keeps
+permuted_tokens only when probs are given.
+
+Argument names and defaults are the SPEC's (and torch_npu's npu_moe_token_* ops). Dtypes: token
+tensors bf16/fp16/fp32, indices int32/int64, sorted_indices int32, probs bf16/fp16/fp32; other
+dtypes (fp64 included) raise moe_ep.UnsupportedError. Errors are moe_ep.Error subclasses naming
+the op, the parameter, the value and the bound.
+
+Decisions of this front (beyond SPEC §4):
+- token_unpermute_grad(_v2) without probs returns grad_probs as an empty (0,) tensor of
+  grad_out's dtype: a custom op cannot return None.
+- restore_shape only matters in padded mode (unsupported, as in torch_npu). Its first entry must
+  equal the output rows N; its hidden size is not checked, because under a DTensor Shard(1)
+  strategy every shard sees the global restore_shape.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from moe_ep import InvalidArgumentError, _C
+from moe_ep.torch._convert import dl, dtype_name, tt
+
+# ---------------------------------------------------------------------------------------------
+# Shape rules shared by the real and the fake implementations.
+
+
+def _topk(indices: Tensor) -> int:
+    return 1 if indices.dim() == 1 else indices.shape[1]
+
+
+def _permute_rows(op: str, m: int, num_out_tokens: Optional[int]) -> int:
+    n = num_out_tokens or 0
+    if n > 0:
+        return min(n, m)
+    if n < -m:
+        raise InvalidArgumentError(
+            f"{op}: num_out_tokens = {n} drops more than the M = {m} rows there are"
+        )
+    return m + n
+
+
+def _unpermute_rows(sorted_indices: Tensor, probs: Optional[Tensor]) -> int:
+    """N: probs' rows, or M without probs (no reduction)."""
+    return probs.shape[0] if probs is not None else sorted_indices.shape[0]
+
+
+def _check_restore_shape(op: str, restore_shape: Optional[List[int]], rows: int) -> None:
+    if restore_shape is None:
+        return
+    if len(restore_shape) != 2:
+        raise InvalidArgumentError(
+            f"{op}: restore_shape = {list(restore_shape)} has {len(restore_shape)} entries, "
+            "expected 2 (N, H)"
+        )
+    if restore_shape[0] != rows:
+        raise InvalidArgumentError(
+            f"{op}: restore_shape[0] = {restore_shape[0]} is not the number of output rows "
+            f"N = {rows}"
+        )
+
+
+def _empty_grad_probs(like: Tensor) -> Tensor:
+    return like.new_empty((0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# permute
+
+
+@torch.library.custom_op("moe_ep::token_permute", mutates_args=())
+def token_permute(
+    tokens: Tensor,
+    indices: Tensor,
+    num_out_tokens: Optional[int] = None,
+    padded_mode: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """SPEC §4.1. tokens (N, H); indices (N,) or (N, topK) int32/int64.
+    Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32)."""
+    p, s = _C.token_permute(dl(tokens), dl(indices), num_out_tokens, padded_mode)
+    return tt(p), tt(s)
+
+
+@token_permute.register_fake
+def _(tokens, indices, num_out_tokens=None, padded_mode=False):
+    m = indices.numel()
+    rows = _permute_rows("token_permute", m, num_out_tokens)
+    return tokens.new_empty((rows, tokens.shape[1])), indices.new_empty((m,), dtype=torch.int32)
+
+
+def _permute_setup(ctx, inputs, output):
+    tokens, indices, _, padded_mode = inputs
+    ctx.tokens_rows = tokens.shape[0]
+    ctx.tokens_dtype = tokens.dtype
+    ctx.num_topk = _topk(indices)
+    ctx.padded_mode = padded_mode
+    ctx.save_for_backward(output[1])
+
+
+def _permute_backward(ctx, grad_permuted, grad_sorted_indices):
+    if grad_permuted is None or not ctx.needs_input_grad[0]:
+        return None, None, None, None
+    (sorted_indices,) = ctx.saved_tensors
+    grad_tokens = token_permute_grad_v2(
+        grad_permuted,
+        sorted_indices,
+        ctx.tokens_rows,
+        ctx.tokens_dtype,
+        ctx.num_topk,
+        ctx.padded_mode,
+    )
+    return grad_tokens, None, None, None
+
+
+token_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("moe_ep::token_permute_grad", mutates_args=())
+def token_permute_grad(
+    tokens: Tensor,
+    grad_permuted_tokens: Tensor,
+    indices: Tensor,
+    sorted_indices: Tensor,
+    padded_mode: bool = False,
+) -> Tensor:
+    """SPEC §4.3. Returns grad_tokens (N, H) in tokens' dtype (only tokens' shape and dtype are
+    used)."""
+    return tt(
+        _C.token_permute_grad(
+            dl(tokens), dl(grad_permuted_tokens), dl(indices), dl(sorted_indices), padded_mode
+        )
+    )
+
+
+@token_permute_grad.register_fake
+def _(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode=False):
+    return tokens.new_empty((tokens.shape[0], grad_permuted_tokens.shape[1]))
+
+
+@torch.library.custom_op("moe_ep::token_permute_grad_v2", mutates_args=())
+def token_permute_grad_v2(
+    grad_permuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    tokens_rows: int,
+    tokens_dtype: torch.dtype,
+    num_topk: int,
+    padded_mode: bool = False,
+) -> Tensor:
+    """SPEC §4.3 with sizes instead of tensors. Returns grad_tokens (tokens_rows, H) in
+    tokens_dtype."""
+    name = dtype_name("token_permute_grad_v2", "tokens_dtype", tokens_dtype)
+    return tt(
+        _C.token_permute_grad_v2(
+            dl(grad_permuted_tokens), dl(sorted_indices), tokens_rows, name, num_topk, padded_mode
+        )
+    )
+
+
+@token_permute_grad_v2.register_fake
+def _(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype, num_topk, padded_mode=False):
+    return grad_permuted_tokens.new_empty(
+        (tokens_rows, grad_permuted_tokens.shape[1]), dtype=tokens_dtype
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# unpermute
+
+
+@torch.library.custom_op("moe_ep::token_unpermute", mutates_args=())
+def token_unpermute(
+    permuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    probs: Optional[Tensor] = None,
+    padded_mode: bool = False,
+    restore_shape: Optional[List[int]] = None,
+) -> Tensor:
+    """SPEC §4.2. permuted_tokens (P, H); sorted_indices (M,) int32; probs (N, topK) or None.
+    Returns out (N, H) (N = M without probs) in permuted_tokens' dtype."""
+    _check_restore_shape("token_unpermute", restore_shape, _unpermute_rows(sorted_indices, probs))
+    return tt(_C.token_unpermute(dl(permuted_tokens), dl(sorted_indices), dl(probs), padded_mode))
+
+
+@token_unpermute.register_fake
+def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    rows = _unpermute_rows(sorted_indices, probs)
+    return permuted_tokens.new_empty((rows, permuted_tokens.shape[1]))
+
+
+@torch.library.custom_op("moe_ep::_token_unpermute", mutates_args=())
+def _token_unpermute(
+    permuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    probs: Optional[Tensor] = None,
+    padded_mode: bool = False,
+    restore_shape: Optional[List[int]] = None,
+) -> Tuple[Tensor, Tensor]:
+    """torch_npu's _npu_moe_token_unpermute: token_unpermute plus a copy of permuted_tokens kept
+    for the backward. Returns (out (N, H), permuted_tokens_for_backward (P, H))."""
+    _check_restore_shape("_token_unpermute", restore_shape, _unpermute_rows(sorted_indices, probs))
+    out, saved = _C.token_unpermute_with_saved(
+        dl(permuted_tokens), dl(sorted_indices), dl(probs), padded_mode
+    )
+    return tt(out), tt(saved)
+
+
+@_token_unpermute.register_fake
+def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    rows = _unpermute_rows(sorted_indices, probs)
+    return (
+        permuted_tokens.new_empty((rows, permuted_tokens.shape[1])),
+        permuted_tokens.new_empty(permuted_tokens.shape),
+    )
+
+
+def _unpermute_setup_common(ctx, inputs, permuted_for_backward):
+    permuted_tokens, sorted_indices, probs, padded_mode, restore_shape = inputs
+    ctx.permuted_rows = permuted_tokens.shape[0]
+    ctx.permuted_dtype = permuted_tokens.dtype
+    ctx.padded_mode = padded_mode
+    ctx.restore_shape = restore_shape
+    ctx.has_probs = probs is not None
+    # SPEC §4.3: the activations are needed only for grad_probs.
+    if probs is not None:
+        ctx.save_for_backward(sorted_indices, probs, permuted_for_backward)
+    else:
+        ctx.save_for_backward(sorted_indices)
+
+
+def _unpermute_setup(ctx, inputs, output):
+    _unpermute_setup_common(ctx, inputs, inputs[0])
+
+
+def _unpermute_with_saved_setup(ctx, inputs, output):
+    _unpermute_setup_common(ctx, inputs, output[1])
+
+
+def _unpermute_backward_common(ctx, grad_out):
+    if ctx.has_probs:
+        sorted_indices, probs, permuted = ctx.saved_tensors
+    else:
+        (sorted_indices,) = ctx.saved_tensors
+        probs = permuted = None
+    grad_permuted, grad_probs = token_unpermute_grad_v2(
+        grad_out,
+        sorted_indices,
+        ctx.permuted_rows,
+        ctx.permuted_dtype,
+        probs,
+        ctx.padded_mode,
+        ctx.restore_shape,
+        permuted,
+    )
+    want_permuted = ctx.needs_input_grad[0]
+    want_probs = ctx.has_probs and ctx.needs_input_grad[2]
+    return (
+        grad_permuted if want_permuted else None,
+        None,
+        grad_probs if want_probs else None,
+        None,
+        None,
+    )
+
+
+def _unpermute_backward(ctx, grad_out):
+    return _unpermute_backward_common(ctx, grad_out)
+
+
+def _unpermute_with_saved_backward(ctx, grad_out, grad_saved):
+    # The saved copy exists for the backward only; a gradient flowing into it is not supported.
+    return _unpermute_backward_common(ctx, grad_out)
+
+
+token_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+_token_unpermute.register_autograd(
+    _unpermute_with_saved_backward, setup_context=_unpermute_with_saved_setup
+)
+
+
+@torch.library.custom_op("moe_ep::token_unpermute_grad", mutates_args=())
+def token_unpermute_grad(
+    permuted_tokens: Tensor,
+    grad_out: Tensor,
+    sorted_indices: Tensor,
+    probs: Optional[Tensor] = None,
+    padded_mode: bool = False,
+    restore_shape: Optional[List[int]] = None,
+) -> Tuple[Tensor, Tensor]:
+    """SPEC §4.3. Returns (grad_permuted_tokens (P, H), grad_probs (N, topK) in probs' dtype, or
+    an empty (0,) tensor without probs)."""
+    _check_restore_shape("token_unpermute_grad", restore_shape, grad_out.shape[0])
+    gp, gprobs = _C.token_unpermute_grad(
+        dl(permuted_tokens), dl(grad_out), dl(sorted_indices), dl(probs), padded_mode
+    )
+    return tt(gp), tt(gprobs) if gprobs is not None else _empty_grad_probs(grad_out)
+
+
+@token_unpermute_grad.register_fake
+def _(permuted_tokens, grad_out, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    gp = grad_out.new_empty((permuted_tokens.shape[0], grad_out.shape[1]))
+    return gp, probs.new_empty(probs.shape) if probs is not None else _empty_grad_probs(grad_out)
+
+
+@torch.library.custom_op("moe_ep::token_unpermute_grad_v2", mutates_args=())
+def token_unpermute_grad_v2(
+    grad_out: Tensor,
+    sorted_indices: Tensor,
+    permuted_rows: int,
+    permuted_dtype: torch.dtype,
+    probs: Optional[Tensor] = None,
+    padded_mode: bool = False,
+    restore_shape: Optional[List[int]] = None,
+    permuted_tokens: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """SPEC §4.3 with sizes instead of tensors; permuted_tokens is required only with probs.
+    Returns as token_unpermute_grad."""
+    _check_restore_shape("token_unpermute_grad_v2", restore_shape, grad_out.shape[0])
+    name = dtype_name("token_unpermute_grad_v2", "permuted_dtype", permuted_dtype)
+    gp, gprobs = _C.token_unpermute_grad_v2(
+        dl(grad_out),
+        dl(sorted_indices),
+        permuted_rows,
+        name,
+        dl(probs),
+        padded_mode,
+        None,
+        dl(permuted_tokens),
+    )
+    return tt(gp), tt(gprobs) if gprobs is not None else _empty_grad_probs(grad_out)
+
+
+@token_unpermute_grad_v2.register_fake
+def _(
+    grad_out,
+    sorted_indices,
+    permuted_rows,
+    permuted_dtype,
+    probs=None,
+    padded_mode=False,
+    restore_shape=None,
+    permuted_tokens=None,
+):
+    gp = grad_out.new_empty((permuted_rows, grad_out.shape[1]), dtype=permuted_dtype)
+    return gp, probs.new_empty(probs.shape) if probs is not None else _empty_grad_probs(grad_out)
