@@ -10,6 +10,7 @@ dispatch_v2 / combine_v2 take mpi4py communicators (default: MPI.COMM_WORLD); st
 with mpirun.
 """
 
+from moe_ep.torch.distributed import combine_v2, dispatch_v2, group_id, release_group
 from moe_ep.torch.ops import (
     _token_unpermute,
     token_permute,
@@ -22,6 +23,10 @@ from moe_ep.torch.ops import (
 
 __all__ = [
     "_token_unpermute",
+    "combine_v2",
+    "dispatch_v2",
+    "group_id",
+    "release_group",
     "token_permute",
     "token_permute_grad",
     "token_permute_grad_v2",

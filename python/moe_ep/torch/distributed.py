@@ -1,0 +1,426 @@
+"""SPEC §1-2 from Python: dispatch_v2 / combine_v2 on torch CPU tensors over MPI.
+
+The communicators are mpi4py communicators (default MPI.COMM_WORLD); start the processes with
+mpirun. The torch custom ops ``torch.ops.moe_ep.dispatch_v2`` / ``combine_v2`` take the
+communicator as an integer group id (a custom op cannot take a Python object): ``group_id(comm)``
+gives it, and the wrappers ``dispatch_v2`` / ``combine_v2`` below take the mpi4py communicator
+itself, with the SPEC's argument names and defaults.
+
+The first use of an mpi4py communicator duplicates it (MPI_Comm_dup: collective, so every rank
+must make its first call on it at the same point, as the ops themselves require); later uses of
+the same communicator reuse the duplicate. ``release_group(comm)`` frees it.
+
+Both ops are collective over group_ep: every rank calls them in the same order. A bad argument on
+one rank raises moe_ep.InvalidArgumentError there and moe_ep.RemoteError on the others; every wait
+has a deadline (moe_ep.TimeoutError; $MOE_EP_TIMEOUT_S, default 300 s). Neither op has autograd.
+The fake implementations give the SPEC §1.4 output shapes, so torch.compile can trace a layer that
+calls them (not with elastic_info, whose output shapes depend on the table's values).
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from moe_ep import InvalidArgumentError, UnsupportedError, _C
+from moe_ep.torch._convert import dl, tt
+
+# ---------------------------------------------------------------------------------------------
+# Communicators.
+
+_groups: Dict[int, "_C.Communicator"] = {}
+_by_handle: Dict[int, int] = {}  # mpi4py Fortran handle -> group id
+
+
+@atexit.register
+def _free_groups() -> None:
+    # Python's atexit handlers run before mpi4py finalises MPI: free the duplicates while MPI is
+    # still up.
+    _by_handle.clear()
+    _groups.clear()
+
+
+def _world():
+    from mpi4py import MPI  # initialises MPI when not yet done
+
+    return MPI.COMM_WORLD
+
+
+def group_id(comm=None, timeout_s: Optional[float] = None) -> int:
+    """The group id of an mpi4py communicator (None: MPI.COMM_WORLD) for the torch custom ops.
+    The first call for a communicator is collective over it. timeout_s: the deadline of every
+    wait of the ops on it (default $MOE_EP_TIMEOUT_S, else 300); only the first call's counts."""
+    if comm is None:
+        comm = _world()
+    if isinstance(comm, int):
+        if comm not in _groups:
+            raise InvalidArgumentError(f"group_id: {comm} is not a registered group id")
+        return comm
+    try:
+        handle = comm.py2f()
+    except AttributeError:
+        raise InvalidArgumentError(
+            f"group_id: comm = {comm!r} is not an mpi4py communicator (or a group id)"
+        ) from None
+    gid = _by_handle.get(handle)
+    if gid is not None:
+        g = _groups[gid]
+        if g.size == comm.Get_size() and g.rank == comm.Get_rank():
+            return gid
+        release_group(comm)  # the handle was reused by another communicator
+    g = _C.Communicator.from_fortran(handle, timeout_s)
+    gid = len(_groups) + 1
+    while gid in _groups:
+        gid += 1
+    _groups[gid] = g
+    _by_handle[handle] = gid
+    return gid
+
+
+def release_group(comm) -> None:
+    """Frees moe-ep's duplicate of an mpi4py communicator (or group id); not collective."""
+    if isinstance(comm, int):
+        gid = comm
+        handle = next((h for h, g in _by_handle.items() if g == gid), None)
+    else:
+        handle = comm.py2f()
+        gid = _by_handle.get(handle)
+    if handle is not None:
+        _by_handle.pop(handle, None)
+    if gid is not None:
+        _groups.pop(gid, None)
+
+
+def _group(op: str, param: str, gid: int):
+    try:
+        return _groups[gid]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"{op}: {param} = {gid} is not a registered group id (use moe_ep.torch.group_id(comm))"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Output shapes (SPEC §1.4), for the fake implementations.
+
+
+def _dispatch_shapes(
+    bs: int,
+    k: int,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    tp_world_size: int,
+    shared_expert_num: int,
+    shared_expert_rank_num: int,
+    global_bs: int,
+):
+    w, s, ns, e = ep_world_size, shared_expert_rank_num, shared_expert_num, moe_expert_num
+    if w < 1 or not 0 <= s < w or e < 1 or (s > 0 and (ns < 1 or s % ns)):
+        raise InvalidArgumentError(
+            f"dispatch_v2: ep_world_size = {w}, shared_expert_rank_num = {s}, "
+            f"shared_expert_num = {ns}, moe_expert_num = {e} do not form a valid placement"
+        )
+    g = global_bs if global_bs else bs * w
+    if ep_rank_id < s:
+        local = 1
+        a = (g // w) * -(-w // (s // ns))
+    else:
+        local = e // (w - s)
+        a = g * min(local, k)
+    t = max(1, tp_world_size)
+    return a, local, t
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch_v2
+
+
+@torch.library.custom_op("moe_ep::dispatch_v2", mutates_args=("performance_info",))
+def _dispatch_v2_op(
+    x: Tensor,
+    expert_ids: Tensor,
+    group_ep: int,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    scales: Optional[Tensor] = None,
+    x_active_mask: Optional[Tensor] = None,
+    expert_scales: Optional[Tensor] = None,
+    elastic_info: Optional[Tensor] = None,
+    performance_info: Optional[Tensor] = None,
+    group_tp: int = 0,
+    tp_world_size: int = 0,
+    tp_rank_id: int = 0,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    quant_mode: int = 0,
+    global_bs: int = 0,
+    expert_token_nums_type: int = 1,
+    comm_alg: str = "",
+    zero_expert_num: int = 0,
+    copy_expert_num: int = 0,
+    const_expert_num: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if performance_info is not None and not performance_info.is_contiguous():
+        raise InvalidArgumentError("dispatch_v2: performance_info must be contiguous")
+    outs = _C.dispatch_v2(
+        dl(x),
+        dl(expert_ids),
+        _group("dispatch_v2", "group_ep", group_ep),
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        scales=dl(scales),
+        x_active_mask=dl(x_active_mask),
+        expert_scales=dl(expert_scales),
+        elastic_info=dl(elastic_info),
+        performance_info=performance_info,
+        group_tp=_group("dispatch_v2", "group_tp", group_tp) if group_tp else None,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        quant_mode=quant_mode,
+        global_bs=global_bs,
+        expert_token_nums_type=expert_token_nums_type,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+    )
+    expand_x, dynamic_scales, *rest = outs
+    if dynamic_scales is None:  # quant_mode 0: empty, as torch_npu returns
+        dynamic_scales = torch.empty((0,), dtype=torch.float32)
+    else:
+        dynamic_scales = tt(dynamic_scales)
+    return (tt(expand_x), dynamic_scales, *(tt(r) for r in rest))
+
+
+@_dispatch_v2_op.register_fake
+def _(
+    x,
+    expert_ids,
+    group_ep,
+    ep_world_size,
+    ep_rank_id,
+    moe_expert_num,
+    scales=None,
+    x_active_mask=None,
+    expert_scales=None,
+    elastic_info=None,
+    performance_info=None,
+    group_tp=0,
+    tp_world_size=0,
+    tp_rank_id=0,
+    expert_shard_type=0,
+    shared_expert_num=1,
+    shared_expert_rank_num=0,
+    quant_mode=0,
+    global_bs=0,
+    expert_token_nums_type=1,
+    comm_alg="",
+    zero_expert_num=0,
+    copy_expert_num=0,
+    const_expert_num=0,
+):
+    if elastic_info is not None:
+        raise UnsupportedError(
+            "dispatch_v2: elastic_info cannot be traced (the output shapes depend on its values)"
+        )
+    bs, k = expert_ids.shape[0], expert_ids.shape[1]
+    ns = shared_expert_num if shared_expert_rank_num > 0 else 0
+    a, local, t = _dispatch_shapes(
+        bs,
+        k,
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        tp_world_size,
+        ns,
+        shared_expert_rank_num,
+        global_bs,
+    )
+    h = x.shape[1]
+    f32, i32 = torch.float32, torch.int32
+    return (
+        x.new_empty((t * a, h), dtype=torch.int8 if quant_mode == 2 else x.dtype),
+        x.new_empty((t * a,) if quant_mode == 2 else (0,), dtype=f32),
+        x.new_empty((max(bs * k, a * 128),), dtype=i32),
+        x.new_empty((local,), dtype=torch.int64),
+        x.new_empty((ep_world_size * local * t,), dtype=i32),
+        x.new_empty((t,), dtype=i32),
+        x.new_empty((t * a,), dtype=f32),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# combine_v2
+
+
+@torch.library.custom_op("moe_ep::combine_v2", mutates_args=("performance_info",))
+def _combine_v2_op(
+    expand_x: Tensor,
+    expert_ids: Tensor,
+    assist_info_for_combine: Tensor,
+    ep_send_counts: Tensor,
+    expert_scales: Tensor,
+    group_ep: int,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    tp_send_counts: Optional[Tensor] = None,
+    x_active_mask: Optional[Tensor] = None,
+    expand_scales: Optional[Tensor] = None,
+    shared_expert_x: Optional[Tensor] = None,
+    elastic_info: Optional[Tensor] = None,
+    ori_x: Optional[Tensor] = None,
+    const_expert_alpha_1: Optional[Tensor] = None,
+    const_expert_alpha_2: Optional[Tensor] = None,
+    const_expert_v: Optional[Tensor] = None,
+    performance_info: Optional[Tensor] = None,
+    group_tp: int = 0,
+    tp_world_size: int = 0,
+    tp_rank_id: int = 0,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    global_bs: int = 0,
+    comm_quant_mode: int = 0,
+    comm_alg: str = "",
+    zero_expert_num: int = 0,
+    copy_expert_num: int = 0,
+    const_expert_num: int = 0,
+) -> Tensor:
+    if performance_info is not None and not performance_info.is_contiguous():
+        raise InvalidArgumentError("combine_v2: performance_info must be contiguous")
+    out = _C.combine_v2(
+        dl(expand_x),
+        dl(expert_ids),
+        dl(assist_info_for_combine),
+        dl(ep_send_counts),
+        dl(expert_scales),
+        _group("combine_v2", "group_ep", group_ep),
+        ep_world_size,
+        ep_rank_id,
+        moe_expert_num,
+        tp_send_counts=dl(tp_send_counts),
+        x_active_mask=dl(x_active_mask),
+        expand_scales=dl(expand_scales),
+        shared_expert_x=dl(shared_expert_x),
+        elastic_info=dl(elastic_info),
+        ori_x=dl(ori_x),
+        const_expert_alpha_1=dl(const_expert_alpha_1),
+        const_expert_alpha_2=dl(const_expert_alpha_2),
+        const_expert_v=dl(const_expert_v),
+        performance_info=performance_info,
+        group_tp=_group("combine_v2", "group_tp", group_tp) if group_tp else None,
+        tp_world_size=tp_world_size,
+        tp_rank_id=tp_rank_id,
+        expert_shard_type=expert_shard_type,
+        shared_expert_num=shared_expert_num,
+        shared_expert_rank_num=shared_expert_rank_num,
+        global_bs=global_bs,
+        comm_quant_mode=comm_quant_mode,
+        comm_alg=comm_alg,
+        zero_expert_num=zero_expert_num,
+        copy_expert_num=copy_expert_num,
+        const_expert_num=const_expert_num,
+    )
+    return tt(out)
+
+
+@_combine_v2_op.register_fake
+def _(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, *args, **kw):
+    return expand_x.new_empty((expert_ids.shape[0], expand_x.shape[1]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Python face: mpi4py communicators instead of group ids.
+
+
+def dispatch_v2(
+    x: Tensor,
+    expert_ids: Tensor,
+    group_ep=None,
+    ep_world_size: Optional[int] = None,
+    ep_rank_id: Optional[int] = None,
+    moe_expert_num: int = 0,
+    *,
+    group_tp=None,
+    **kwargs,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """SPEC §1: moves each token to the ranks that host its experts.
+
+    x (BS, H) bf16/fp16/fp32; expert_ids (BS, K) int32. group_ep: an mpi4py communicator (None:
+    MPI.COMM_WORLD) or a group id; ep_world_size / ep_rank_id default to its size and rank.
+    group_tp: the TP pair's communicator when tp_world_size = 2. Keyword arguments as SPEC §1
+    (scales, x_active_mask, expert_scales, elastic_info, performance_info (int64 (W,), added to
+    in place), tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num,
+    shared_expert_rank_num, quant_mode, global_bs, expert_token_nums_type, comm_alg,
+    zero_expert_num, copy_expert_num, const_expert_num).
+
+    Returns (expand_x, dynamic_scales ((0,) unless quant_mode 2), assist_info_for_combine,
+    expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales): SPEC §1.4.
+    """
+    gid = group_id(group_ep)
+    g = _groups[gid]
+    return torch.ops.moe_ep.dispatch_v2(
+        x,
+        expert_ids,
+        gid,
+        g.size if ep_world_size is None else ep_world_size,
+        g.rank if ep_rank_id is None else ep_rank_id,
+        moe_expert_num,
+        group_tp=group_id(group_tp) if group_tp is not None else 0,
+        **kwargs,
+    )
+
+
+def combine_v2(
+    expand_x: Tensor,
+    expert_ids: Tensor,
+    assist_info_for_combine: Tensor,
+    ep_send_counts: Tensor,
+    expert_scales: Tensor,
+    group_ep=None,
+    ep_world_size: Optional[int] = None,
+    ep_rank_id: Optional[int] = None,
+    moe_expert_num: int = 0,
+    *,
+    group_tp=None,
+    **kwargs,
+) -> Tensor:
+    """SPEC §2: brings the expert outputs back as the weighted sum of SPEC §2.3.
+
+    expand_x: the expert outputs, row for row in dispatch_v2's layout; expert_ids,
+    assist_info_for_combine, ep_send_counts (dispatch_v2's ep_recv_counts) and expert_scales
+    (BS, K) fp32 as SPEC §2.1. group_ep / group_tp as dispatch_v2. Keyword arguments as SPEC §2
+    (tp_send_counts, x_active_mask, expand_scales, shared_expert_x, elastic_info, ori_x,
+    const_expert_alpha_1/2, const_expert_v, performance_info, tp_world_size, tp_rank_id,
+    expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_quant_mode,
+    comm_alg, zero/copy/const_expert_num). Returns x (BS, H) in expand_x's dtype.
+    """
+    gid = group_id(group_ep)
+    g = _groups[gid]
+    return torch.ops.moe_ep.combine_v2(
+        expand_x,
+        expert_ids,
+        assist_info_for_combine,
+        ep_send_counts,
+        expert_scales,
+        gid,
+        g.size if ep_world_size is None else ep_world_size,
+        g.rank if ep_rank_id is None else ep_rank_id,
+        moe_expert_num,
+        group_tp=group_id(group_tp) if group_tp is not None else 0,
+        **kwargs,
+    )
+
+
+__all__: List[str] = ["combine_v2", "dispatch_v2", "group_id", "release_group"]
