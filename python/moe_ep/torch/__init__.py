@@ -21,6 +21,10 @@ from moe_ep.torch.ops import (
     token_unpermute_grad_v2,
 )
 
+from moe_ep.torch.sharding import register_rules as _register_rules
+
+_register_rules()
+
 __all__ = [
     "_token_unpermute",
     "combine_v2",
