@@ -27,6 +27,26 @@ moe_ep_mpi_env() {
   fi
 }
 
+# The Python front: a venv ($MOE_EP_VENV, default .venv) with PyTorch 2.13.0 (the CPU build; never
+# a plain `pip install torch`, which would fetch a CUDA build), mpi4py built against the system
+# OpenMPI, pytest, and moe_ep itself (`pip install .`: scikit-build-core builds the extension
+# into build-python/, reused across runs). Sets MOE_EP_PYTHON to the venv's interpreter.
+MOE_EP_VENV=${MOE_EP_VENV:-$MOE_EP_ROOT/.venv}
+moe_ep_python_env() {
+  if ! python3 -c "import venv, ensurepip" 2>/dev/null; then
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo=sudo
+    $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-dev
+  fi
+  [ -x "$MOE_EP_VENV/bin/python" ] || python3 -m venv "$MOE_EP_VENV"
+  MOE_EP_PYTHON="$MOE_EP_VENV/bin/python"
+  local pip=("$MOE_EP_PYTHON" -m pip install -q --disable-pip-version-check)
+  "${pip[@]}" torch==2.13.0 numpy pytest "nanobind>=2" "scikit-build-core>=0.10"
+  # mpi4py from source, so it links the same libmpi as moe_ep (needs mpicc: libopenmpi-dev).
+  "$MOE_EP_PYTHON" -c "import mpi4py" 2>/dev/null || "${pip[@]}" --no-binary mpi4py mpi4py
+  "${pip[@]}" --no-build-isolation "$MOE_EP_ROOT"
+}
+
 # moe_ep_build BUILD_DIR [cmake args...]
 moe_ep_build() {
   local dir=$1

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Runs every test: installs what is missing, builds (Release), runs ctest.
+# Runs every test: installs what is missing, builds (Release), runs ctest, then installs the
+# Python package into a venv (.venv) and runs pytest (python/tests).
 # MOE_EP_TEST_SANITIZE=1 also builds with AddressSanitizer + UndefinedBehaviorSanitizer into
-# build-asan/ and runs the library's tests there.
+# build-asan/ and runs the library's tests there. MOE_EP_TEST_PYTHON=0 skips the Python part.
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 moe_ep_install_deps
 moe_ep_mpi_env
 moe_ep_build "$MOE_EP_ROOT/build" -DMOE_EP_BUILD_TESTS=ON
 (cd "$MOE_EP_ROOT/build" && ctest --output-on-failure -j 2)
+if [ "${MOE_EP_TEST_PYTHON:-1}" = 1 ]; then
+  moe_ep_python_env
+  (cd "$MOE_EP_ROOT" && MOE_EP_TIMEOUT_S=${MOE_EP_TIMEOUT_S:-60} "$MOE_EP_PYTHON" -m pytest -q)
+fi
 if [ "${MOE_EP_TEST_SANITIZE:-0}" = 1 ]; then
   moe_ep_build "$MOE_EP_ROOT/build-asan" -DMOE_EP_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug \
     "-DMOE_EP_SANITIZE=address;undefined"
