@@ -4,13 +4,21 @@ For every op of SPEC §4 this registers a rule with
 torch.distributed.tensor.experimental.register_sharding. The rule asks moe_ep._C.strategies()
 (the table of src/sharding/strategy.cc, the one the C++ sharded ops use) for the op's two
 strategies, R (everything Replicate) and S (hidden dimension Shard(1), index tensors and probs
-Replicate, grad_probs Partial), and hands them to DTensor, which picks the cheaper one and
-redistributes inputs placed otherwise (e.g. Shard(0)). Nothing here restates the table.
+Replicate, grad_probs Partial), and hands them to DTensor, which picks one by its own cost model
+and redistributes inputs placed otherwise. Nothing here restates the table.
+
+DTensor's choice (torch 2.13) is not the C++ cost rule's: it drops S when H is smaller than the
+mesh (a Shard(1) input with fewer columns than ranks is "not shardable"), and it prices
+Shard(0) -> Shard(1) as an all-gather plus a fixed penalty, so Shard(0) tokens go to R unless
+the tensor is large (the C++ rule picks S). Either strategy gives the single-process values
+(grad_probs under S up to the rounding below).
 
 Outputs the table marks absent ("-": grad_probs without probs) are the op's empty (0,) tensor;
 they are declared Replicate. Under DTensor each shard's grad_probs is rounded to probs' dtype
-before DTensor sums the Partial (the C++ sharded ops keep fp32 partial sums instead): with bf16
-probs the two can differ in the last bit.
+before DTensor sums the Partial in that dtype (the C++ sharded ops keep fp32 partial sums
+instead): with fp32 probs the result differs from one process by fp32 re-association only; with
+bf16/fp16 probs by up to (ranks + 1) * u * sum_h |g_h x_h| (u = 2^-8 for bf16, 2^-11 for fp16),
+which exceeds the result itself when the shards' dot products cancel (docs/sharding.md).
 """
 
 from __future__ import annotations
