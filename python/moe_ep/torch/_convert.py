@@ -9,13 +9,35 @@ import torch
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def dl(t: Optional[torch.Tensor]):
+# The dtypes moe_ep._C can represent. Others (fp64, int16, ...) would be refused by the binding
+# with a message naming neither the op nor the torch dtype, so dl() refuses them first when told
+# the op and parameter. Representable but wrong dtypes are left to the C++ checks.
+_BINDING_DTYPES = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+
+
+def dl(t: Optional[torch.Tensor], op: Optional[str] = None, param: Optional[str] = None):
     """A torch tensor as an input of moe_ep._C (None stays None), sharing its data. detach():
     DLPack refuses tensors that require grad. The kernels take strided rows but need each row
     contiguous; a tensor whose last dimension is strided (an expanded gradient, a transpose) is
-    copied to a contiguous one first: the only copy this front makes."""
+    copied to a contiguous one first: the only copy this front makes. With op and param, a dtype
+    the binding cannot take raises moe_ep.UnsupportedError naming them."""
     if t is None:
         return None
+    if op is not None and t.dtype not in _BINDING_DTYPES:
+        from moe_ep import UnsupportedError
+
+        raise UnsupportedError(
+            f"{op}: {param} dtype {t.dtype} is not supported (moe_ep takes torch.bfloat16, "
+            "torch.float16, torch.float32 values and torch.int32, torch.int64 indices)"
+        )
     t = t.detach()
     if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()

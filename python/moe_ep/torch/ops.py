@@ -73,6 +73,12 @@ def _empty_grad_probs(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
+def _inputs(op: str, **tensors: Optional[Tensor]):
+    """The tensors as moe_ep._C inputs (dl), in argument order; a dtype the binding cannot take
+    (fp64, ...) raises moe_ep.UnsupportedError naming op and parameter."""
+    return tuple(dl(t, op, name) for name, t in tensors.items())
+
+
 # ---------------------------------------------------------------------------------------------
 # permute
 
@@ -86,7 +92,8 @@ def token_permute(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.1. tokens (N, H); indices (N,) or (N, topK) int32/int64.
     Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32)."""
-    p, s = _C.token_permute(dl(tokens), dl(indices), num_out_tokens, padded_mode)
+    tokens, indices = _inputs("token_permute", tokens=tokens, indices=indices)
+    p, s = _C.token_permute(tokens, indices, num_out_tokens, padded_mode)
     return tt(p), tt(s)
 
 
@@ -134,11 +141,14 @@ def token_permute_grad(
 ) -> Tensor:
     """SPEC §4.3. Returns grad_tokens (N, H) in tokens' dtype (only tokens' shape and dtype are
     used)."""
-    return tt(
-        _C.token_permute_grad(
-            dl(tokens), dl(grad_permuted_tokens), dl(indices), dl(sorted_indices), padded_mode
-        )
+    args = _inputs(
+        "token_permute_grad",
+        tokens=tokens,
+        grad_permuted_tokens=grad_permuted_tokens,
+        indices=indices,
+        sorted_indices=sorted_indices,
     )
+    return tt(_C.token_permute_grad(*args, padded_mode))
 
 
 @token_permute_grad.register_fake
@@ -158,11 +168,12 @@ def token_permute_grad_v2(
     """SPEC §4.3 with sizes instead of tensors. Returns grad_tokens (tokens_rows, H) in
     tokens_dtype."""
     name = dtype_name("token_permute_grad_v2", "tokens_dtype", tokens_dtype)
-    return tt(
-        _C.token_permute_grad_v2(
-            dl(grad_permuted_tokens), dl(sorted_indices), tokens_rows, name, num_topk, padded_mode
-        )
+    grad, si = _inputs(
+        "token_permute_grad_v2",
+        grad_permuted_tokens=grad_permuted_tokens,
+        sorted_indices=sorted_indices,
     )
+    return tt(_C.token_permute_grad_v2(grad, si, tokens_rows, name, num_topk, padded_mode))
 
 
 @token_permute_grad_v2.register_fake
@@ -187,7 +198,13 @@ def token_unpermute(
     """SPEC §4.2. permuted_tokens (P, H); sorted_indices (M,) int32; probs (N, topK) or None.
     Returns out (N, H) (N = M without probs) in permuted_tokens' dtype."""
     _check_restore_shape("token_unpermute", restore_shape, _unpermute_rows(sorted_indices, probs))
-    return tt(_C.token_unpermute(dl(permuted_tokens), dl(sorted_indices), dl(probs), padded_mode))
+    args = _inputs(
+        "token_unpermute",
+        permuted_tokens=permuted_tokens,
+        sorted_indices=sorted_indices,
+        probs=probs,
+    )
+    return tt(_C.token_unpermute(*args, padded_mode))
 
 
 @token_unpermute.register_fake
@@ -207,9 +224,13 @@ def _token_unpermute(
     """torch_npu's _npu_moe_token_unpermute: token_unpermute plus a copy of permuted_tokens kept
     for the backward. Returns (out (N, H), permuted_tokens_for_backward (P, H))."""
     _check_restore_shape("_token_unpermute", restore_shape, _unpermute_rows(sorted_indices, probs))
-    out, saved = _C.token_unpermute_with_saved(
-        dl(permuted_tokens), dl(sorted_indices), dl(probs), padded_mode
+    args = _inputs(
+        "_token_unpermute",
+        permuted_tokens=permuted_tokens,
+        sorted_indices=sorted_indices,
+        probs=probs,
     )
+    out, saved = _C.token_unpermute_with_saved(*args, padded_mode)
     return tt(out), tt(saved)
 
 
@@ -298,9 +319,14 @@ def token_unpermute_grad(
     """SPEC §4.3. Returns (grad_permuted_tokens (P, H), grad_probs (N, topK) in probs' dtype, or
     an empty (0,) tensor without probs)."""
     _check_restore_shape("token_unpermute_grad", restore_shape, grad_out.shape[0])
-    gp, gprobs = _C.token_unpermute_grad(
-        dl(permuted_tokens), dl(grad_out), dl(sorted_indices), dl(probs), padded_mode
+    args = _inputs(
+        "token_unpermute_grad",
+        permuted_tokens=permuted_tokens,
+        grad_out=grad_out,
+        sorted_indices=sorted_indices,
+        probs=probs,
     )
+    gp, gprobs = _C.token_unpermute_grad(*args, padded_mode)
     return tt(gp), tt(gprobs) if gprobs is not None else _empty_grad_probs(grad_out)
 
 
@@ -325,16 +351,14 @@ def token_unpermute_grad_v2(
     Returns as token_unpermute_grad."""
     _check_restore_shape("token_unpermute_grad_v2", restore_shape, grad_out.shape[0])
     name = dtype_name("token_unpermute_grad_v2", "permuted_dtype", permuted_dtype)
-    gp, gprobs = _C.token_unpermute_grad_v2(
-        dl(grad_out),
-        dl(sorted_indices),
-        permuted_rows,
-        name,
-        dl(probs),
-        padded_mode,
-        None,
-        dl(permuted_tokens),
+    g, si, pr, x = _inputs(
+        "token_unpermute_grad_v2",
+        grad_out=grad_out,
+        sorted_indices=sorted_indices,
+        probs=probs,
+        permuted_tokens=permuted_tokens,
     )
+    gp, gprobs = _C.token_unpermute_grad_v2(g, si, permuted_rows, name, pr, padded_mode, None, x)
     return tt(gp), tt(gprobs) if gprobs is not None else _empty_grad_probs(grad_out)
 
 
