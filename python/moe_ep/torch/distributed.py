@@ -14,7 +14,9 @@ Both ops are collective over group_ep: every rank calls them in the same order. 
 one rank raises moe_ep.InvalidArgumentError there and moe_ep.RemoteError on the others; every wait
 has a deadline (moe_ep.TimeoutError; $MOE_EP_TIMEOUT_S, default 300 s). Neither op has autograd.
 The fake implementations give the SPEC §1.4 output shapes, so torch.compile can trace a layer that
-calls them (not with elastic_info, whose output shapes depend on the table's values).
+calls them (not with elastic_info, whose output shapes depend on the table's values). The wrappers
+trace too (fullgraph) once their communicators are registered: torch.compile cannot trace into
+mpi4py, so make the first call on a communicator (or group_id(comm)) outside the compiled code.
 """
 
 from __future__ import annotations
@@ -33,12 +35,19 @@ from moe_ep.torch._convert import dl, tt
 
 _groups: Dict[int, "_C.Communicator"] = {}
 _by_handle: Dict[int, int] = {}  # mpi4py Fortran handle -> group id
+# What the wrappers look up, in plain Python containers so that torch.compile traces the lookup
+# (it cannot trace mpi4py's py2f nor the nanobind Communicator's properties):
+_by_object: Dict[int, Tuple[object, int]] = {}  # id(mpi4py communicator) -> (it, group id); the
+#                                                 reference keeps the id from being reused
+_size_rank: Dict[int, Tuple[int, int]] = {}  # group id -> (size, rank)
 
 
 @atexit.register
 def _free_groups() -> None:
     # Python's atexit handlers run before mpi4py finalises MPI: free the duplicates while MPI is
     # still up.
+    _by_object.clear()
+    _size_rank.clear()
     _by_handle.clear()
     _groups.clear()
 
@@ -69,6 +78,7 @@ def group_id(comm=None, timeout_s: Optional[float] = None) -> int:
     if gid is not None:
         g = _groups[gid]
         if g.size == comm.Get_size() and g.rank == comm.Get_rank():
+            _by_object[id(comm)] = (comm, gid)
             return gid
         release_group(comm)  # the handle was reused by another communicator
     g = _C.Communicator.from_fortran(handle, timeout_s)
@@ -77,6 +87,8 @@ def group_id(comm=None, timeout_s: Optional[float] = None) -> int:
         gid += 1
     _groups[gid] = g
     _by_handle[handle] = gid
+    _by_object[id(comm)] = (comm, gid)
+    _size_rank[gid] = (g.size, g.rank)
     return gid
 
 
@@ -92,6 +104,26 @@ def release_group(comm) -> None:
         _by_handle.pop(handle, None)
     if gid is not None:
         _groups.pop(gid, None)
+        _size_rank.pop(gid, None)
+        for key in [k for k, (_, g) in _by_object.items() if g == gid]:
+            del _by_object[key]
+
+
+def _resolve(comm) -> Tuple[int, int, int]:
+    """(group id, size, rank) of an mpi4py communicator (None: MPI.COMM_WORLD) or a group id.
+    A registered communicator is found by identity, a lookup torch.compile can trace; the first
+    use of one goes through group_id (collective, not traceable)."""
+    if isinstance(comm, int):
+        gid = comm
+    else:
+        if comm is None:
+            comm = _world()
+        hit = _by_object.get(id(comm))
+        gid = hit[1] if hit is not None and hit[0] is comm else group_id(comm)
+    if gid not in _size_rank:
+        group_id(gid)  # raises InvalidArgumentError naming the unknown id
+    size, rank = _size_rank[gid]
+    return gid, size, rank
 
 
 def _group(op: str, param: str, gid: int):
@@ -368,16 +400,15 @@ def dispatch_v2(
     Returns (expand_x, dynamic_scales ((0,) unless quant_mode 2), assist_info_for_combine,
     expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales): SPEC §1.4.
     """
-    gid = group_id(group_ep)
-    g = _groups[gid]
+    gid, size, rank = _resolve(group_ep)
     return torch.ops.moe_ep.dispatch_v2(
         x,
         expert_ids,
         gid,
-        g.size if ep_world_size is None else ep_world_size,
-        g.rank if ep_rank_id is None else ep_rank_id,
+        size if ep_world_size is None else ep_world_size,
+        rank if ep_rank_id is None else ep_rank_id,
         moe_expert_num,
-        group_tp=group_id(group_tp) if group_tp is not None else 0,
+        group_tp=_resolve(group_tp)[0] if group_tp is not None else 0,
         **kwargs,
     )
 
@@ -406,8 +437,7 @@ def combine_v2(
     expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_quant_mode,
     comm_alg, zero/copy/const_expert_num). Returns x (BS, H) in expand_x's dtype.
     """
-    gid = group_id(group_ep)
-    g = _groups[gid]
+    gid, size, rank = _resolve(group_ep)
     return torch.ops.moe_ep.combine_v2(
         expand_x,
         expert_ids,
@@ -415,10 +445,10 @@ def combine_v2(
         ep_send_counts,
         expert_scales,
         gid,
-        g.size if ep_world_size is None else ep_world_size,
-        g.rank if ep_rank_id is None else ep_rank_id,
+        size if ep_world_size is None else ep_world_size,
+        rank if ep_rank_id is None else ep_rank_id,
         moe_expert_num,
-        group_tp=group_id(group_tp) if group_tp is not None else 0,
+        group_tp=_resolve(group_tp)[0] if group_tp is not None else 0,
         **kwargs,
     )
 
