@@ -1,0 +1,752 @@
+"""dispatch_v2 / combine_v2 cases run under mpirun by test_dispatch_mpi.py (one launch per world
+size runs every case):
+
+    mpirun -n 4 --oversubscribe python python/tests/mpi_dispatch_cases.py [CASE ...]
+
+Every rank prints one line per case, ``CASE <name> rank=<r> OK`` or ``CASE <name> rank=<r> FAIL:
+<why>``, then ``DONE rank=<r> failed=<n>``, and exits 1 when a case failed on it.
+
+The oracle is independent of moe_ep: every rank regenerates every rank's inputs from per-rank
+seeds and computes in plain torch
+  - the rows this rank must receive, in SPEC §1.4's order (all ranks' entries in (rank, token,
+    slot) order, stably sorted by expert id; on a shared-expert rank one block per source rank),
+    expert_token_nums, ep_recv_counts (inclusive, expert major, source minor), the
+    (source rank, token, slot) triples of assist_info_for_combine and expand_scales;
+  - SPEC §2.3's weighted sum for this rank's tokens: fp32, entries in k order, each product
+    rounded to fp32 before it is added, then the shared experts, one rounding to the output dtype
+    (each torch op below is one elementwise IEEE operation, so the result is exact).
+Experts are elementwise (expert e multiplies its rows by coef(e), 1 for some: identity), so the
+expected combine output is bitwise determined; the comparisons are of bit patterns.
+
+Collectives stay in step: every case makes the same op calls on every rank, and a case that goes
+on after a check first agrees on the outcome (agreed()), so a failure on one rank fails the case
+on all of them instead of leaving the others waiting. Each round trip also runs the ops' fake
+implementations on the same arguments and compares their shapes and dtypes with the real outputs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import moe_ep
+import moe_ep.torch as mt
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, regenerated identically on every rank from (seed, rank).
+
+
+@dataclass(frozen=True)
+class Spec:
+    seed: int
+    bs: Tuple[int, ...]  # tokens per rank (length W)
+    k: int
+    e: int  # moe_expert_num
+    dtype: torch.dtype = torch.float32
+    h: int = 24
+    p_off: float = 0.0  # probability that an entry is -1 (inactive)
+    mask: str = ""  # "", "1d", "2d": an x_active_mask
+    skew: bool = False  # slot 0 of every token is expert 0
+    s: int = 0  # shared_expert_rank_num
+    ns: int = 1  # shared_expert_num
+    global_bs: int = 0
+    smooth: bool = False  # quant_mode 2 smoothing scales
+    strided: bool = False  # x every other row of a wider buffer; expert_ids, weights transposed
+
+
+@dataclass
+class Inputs:
+    x: Tensor  # (BS, H)
+    ids: Tensor  # (BS, K) int32
+    w: Tensor  # (BS, K) fp32 expert_scales
+    mask: Optional[Tensor]  # x_active_mask or None
+
+    def entry_active(self, i: int, k: int) -> bool:
+        if int(self.ids[i, k]) < 0:
+            return False
+        if self.mask is None:
+            return True
+        return bool(self.mask[i]) if self.mask.dim() == 1 else bool(self.mask[i, k])
+
+    def token_active(self, i: int) -> bool:
+        return any(self.entry_active(i, k) for k in range(self.ids.shape[1]))
+
+
+def make_inputs(spec: Spec, rank: int) -> Inputs:
+    g = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
+    bs, k, e = spec.bs[rank], spec.k, spec.e
+    x = torch.randn(bs, spec.h, generator=g).to(spec.dtype)
+    ids = torch.empty(bs, k, dtype=torch.int32)
+    for i in range(bs):
+        if spec.skew:
+            rest = torch.randperm(e - 1, generator=g)[: k - 1] + 1
+            ids[i] = torch.cat([torch.zeros(1, dtype=torch.int64), rest]).to(torch.int32)
+        else:
+            ids[i] = torch.randperm(e, generator=g)[:k].to(torch.int32)
+    if spec.p_off:
+        ids[torch.rand(bs, k, generator=g) < spec.p_off] = -1
+    w = torch.randn(bs, k, generator=g)
+    mask = None
+    if spec.mask == "1d":
+        n = int(torch.randint(0, bs + 1, (1,), generator=g)) if bs else 0
+        mask = torch.arange(bs) < n
+    elif spec.mask == "2d":
+        mask = torch.rand(bs, k, generator=g) < 0.6
+        if bs:
+            mask[0] = False  # a token sent nowhere, not even to shared experts
+    if spec.strided:  # the same values in non-contiguous tensors
+        buf = torch.full((2 * bs, spec.h + 3), float("nan"), dtype=spec.dtype)
+        buf[::2, : spec.h] = x
+        x = buf[::2, : spec.h]
+        ids, w = ids.t().contiguous().t(), w.t().contiguous().t()
+    return Inputs(x, ids, w, mask)
+
+
+def smooth_scales(spec: Spec) -> Tensor:
+    """quant_mode 2 smoothing scales: (Ns + E, H) with shared-expert ranks, else (E, H)."""
+    rows = spec.e + (spec.ns if spec.s else 0)
+    g = torch.Generator().manual_seed(spec.seed + 99)
+    return torch.rand(rows, spec.h, generator=g) + 0.5
+
+
+def smooth_row(spec: Spec, expert: int) -> int:
+    """The row of the smoothing scales for MoE expert e >= 0 or shared expert s (expert -1 - s):
+    SPEC §1.3, row Ns + e (row e without shared-expert ranks), row s."""
+    if expert < 0:
+        return -1 - expert
+    return expert + (spec.ns if spec.s else 0)
+
+
+def coef(e: int) -> float:
+    """MoE expert e multiplies its rows by coef(e) (exact in bf16/fp16; 1 = identity)."""
+    return (1.0, 0.5, -1.25, 2.0, 0.75)[e % 5]
+
+
+SHARED_COEF = (0.25, -0.5, 1.5, 3.0)  # shared expert s multiplies by SHARED_COEF[s]
+
+# ---------------------------------------------------------------------------------------------
+# The reference (SPEC §1.2, §1.4, §1.5, §2.3).
+
+
+@dataclass
+class Row:
+    src: int
+    token: int
+    slot: int  # k, or K + s for a shared-expert copy
+    block: int  # local expert (0 on a shared-expert rank)
+    expert: int  # global MoE expert id, or -1 - s for shared expert s
+
+
+def local_num(spec: Spec, world: int, rank: int) -> int:
+    return 1 if rank < spec.s else spec.e // (world - spec.s)
+
+
+def capacity(spec: Spec, world: int, rank: int) -> int:
+    """A of SPEC §1.4."""
+    g = spec.global_bs or spec.bs[0] * world
+    if rank < spec.s:
+        per = spec.s // spec.ns
+        return (g // world) * -(-world // per)
+    return g * min(local_num(spec, world, rank), spec.k)
+
+
+def expected_rows(spec: Spec, world: int, rank: int, all_in: Sequence[Inputs]) -> List[Row]:
+    rows: List[Row] = []
+    if rank < spec.s:  # shared-expert rank: hosts shared expert rank // (S/Ns)
+        per = spec.s // spec.ns
+        s = rank // per
+        for src in range(world):
+            if src % per != rank % per:
+                continue
+            for i in range(all_in[src].ids.shape[0]):
+                if all_in[src].token_active(i):
+                    rows.append(Row(src, i, spec.k + s, 0, -1 - s))
+        return rows
+    L = local_num(spec, world, rank)
+    first = (rank - spec.s) * L
+    for src in range(world):  # (rank, token, slot) order, then a stable sort by expert
+        inp = all_in[src]
+        for i in range(inp.ids.shape[0]):
+            for k in range(spec.k):
+                e = int(inp.ids[i, k])
+                if inp.entry_active(i, k) and first <= e < first + L:
+                    rows.append(Row(src, i, k, e - first, e))
+    rows.sort(key=lambda r: r.block)
+    return rows
+
+
+def ref_quant(xf: Tensor) -> Tuple[Tensor, Tensor]:
+    """SPEC §1.5 on one fp32 row: (q int8, dynamic scale 1/s fp32)."""
+    amax = xf.abs().max()
+    if float(amax) == 0.0:
+        return torch.zeros_like(xf, dtype=torch.int8), torch.zeros((), dtype=torch.float32)
+    s = torch.tensor(127.0, dtype=torch.float32) / amax
+    q = torch.round(xf * s).to(torch.int8)  # torch.round: half to even
+    return q, torch.tensor(1.0, dtype=torch.float32) / s
+
+
+def expert_row(spec: Spec, row: Row, x_row: Tensor, quant: bool, smooth: Optional[Tensor]):
+    """What the expert writes for `row`: coef * (x_row, or its dequantised int8 copy)."""
+    if quant:
+        xf = x_row.float()
+        if smooth is not None:
+            xf = xf * smooth[smooth_row(spec, row.expert)]
+        q, ds = ref_quant(xf)
+        x_row = (q.float() * ds).to(spec.dtype)
+    c = SHARED_COEF[-1 - row.expert] if row.expert < 0 else coef(row.expert)
+    return x_row * c
+
+
+def ref_combine(spec: Spec, inp: Inputs, quant=False, smooth=None) -> Tensor:
+    """SPEC §2.3 for one rank's tokens."""
+    bs, k = inp.ids.shape
+    out = torch.zeros(bs, spec.h, dtype=spec.dtype)
+    for i in range(bs):
+        if not inp.token_active(i):
+            continue
+        acc = torch.zeros(spec.h, dtype=torch.float32)
+        for kk in range(k):
+            if inp.entry_active(i, kk):
+                e = int(inp.ids[i, kk])
+                y = expert_row(spec, Row(-1, i, kk, 0, e), inp.x[i], quant, smooth)
+                acc = acc + inp.w[i, kk] * y.float()
+        if spec.s:
+            for s in range(spec.ns):
+                y = expert_row(spec, Row(-1, i, k + s, 0, -1 - s), inp.x[i], quant, smooth)
+                acc = acc + y.float()
+        out[i] = acc.to(spec.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks.
+
+
+class CaseFailure(AssertionError):
+    pass
+
+
+def check(cond: bool, msg: Callable[[], str] | str) -> None:
+    if not cond:
+        raise CaseFailure(msg() if callable(msg) else msg)
+
+
+def bits(t: Tensor) -> Tensor:
+    """The bit patterns of a float tensor (so -0 != +0 and NaN == NaN)."""
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    return t.contiguous().view(view[t.dtype]) if t.dtype in view else t
+
+
+def check_bitwise(what: str, got: Tensor, want: Tensor) -> None:
+    check(got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}")
+    check(got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}")
+    diff = bits(got) != bits(want)
+    if diff.any():
+        idx = tuple(int(v) for v in diff.nonzero()[0])
+        raise CaseFailure(
+            f"{what}: {int(diff.sum())} elements differ, first at {idx}: got {got[idx].item()!r}, "
+            f"want {want[idx].item()!r}"
+        )
+
+
+def check_dispatch(spec, world, rank, all_in, out, etn_type=1, quant=False, smooth=None):
+    """Checks dispatch_v2's outputs against the reference layout; returns the expected rows."""
+    expand_x, dyn, assist, etn, recv, tp_recv, exp_scales = out
+    rows = expected_rows(spec, world, rank, all_in)
+    a, L, h, n = capacity(spec, world, rank), local_num(spec, world, rank), spec.h, len(rows)
+    mine = all_in[rank]
+    check(
+        tuple(expand_x.shape) == (a, h),
+        lambda: f"expand_x shape {tuple(expand_x.shape)} != (A={a}, H={h})",
+    )
+    check(expand_x.dtype == (torch.int8 if quant else spec.dtype), f"expand_x {expand_x.dtype}")
+    check(
+        tuple(dyn.shape) == ((a,) if quant else (0,)) and dyn.dtype == torch.float32,
+        lambda: f"dynamic_scales {tuple(dyn.shape)} {dyn.dtype}",
+    )
+    bsk = mine.ids.shape[0] * spec.k
+    check(
+        tuple(assist.shape) == (max(bsk, a * 128),) and assist.dtype == torch.int32,
+        lambda: f"assist_info_for_combine {tuple(assist.shape)} {assist.dtype}",
+    )
+    check(tuple(tp_recv.shape) == (1,) and int(tp_recv[0]) == n, f"tp_recv_counts {tp_recv}")
+    check(
+        tuple(exp_scales.shape) == (a,) and exp_scales.dtype == torch.float32,
+        f"expand_scales {tuple(exp_scales.shape)}",
+    )
+    # Counts: blocks (local expert major, source rank minor), inclusive running sum.
+    blocks = torch.zeros(L, world, dtype=torch.int64)
+    for r in rows:
+        blocks[r.block, r.src] += 1
+    want_recv = blocks.flatten().cumsum(0).to(torch.int32)
+    check_bitwise("ep_recv_counts", recv, want_recv)
+    per_expert = blocks.sum(1)
+    want_etn = per_expert if etn_type == 1 else per_expert.cumsum(0)
+    check_bitwise(f"expert_token_nums (type {etn_type})", etn, want_etn)
+    # Rows, in order.
+    got_meta = assist[: 3 * n].view(n, 3) if n else torch.empty(0, 3, dtype=torch.int32)
+    want_meta = torch.tensor([[r.src, r.token, r.slot] for r in rows], dtype=torch.int32)
+    check_bitwise("assist_info_for_combine (source, token, slot)", got_meta, want_meta.view(n, 3))
+    if n == 0:
+        return rows
+    want_x = torch.stack([all_in[r.src].x[r.token] for r in rows])
+    want_w = torch.tensor(
+        [float(all_in[r.src].w[r.token, r.slot]) if r.expert >= 0 else 0.0 for r in rows]
+    )
+    check_bitwise("expand_scales", exp_scales[:n], want_w)
+    if not quant:
+        check_bitwise("expand_x rows", expand_x[:n], want_x)
+        return rows
+    # quant_mode 2: SPEC §1.5 bitwise, and the documented dequantisation bound.
+    for j, r in enumerate(rows):
+        xf = all_in[r.src].x[r.token].float()
+        if smooth is not None:
+            xf = xf * smooth[smooth_row(spec, r.expert)]
+        q, ds = ref_quant(xf)
+        check_bitwise(f"expand_x int8 row {j} ({r})", expand_x[j], q)
+        check_bitwise(f"dynamic_scales[{j}]", dyn[j], ds)
+        deq = expand_x[j].float() * dyn[j]
+        bound = float(xf.abs().max()) / 254 * (1 + 2**-14) + 2**-143
+        err = float((deq - xf).abs().max())
+        check(err <= bound, f"row {j}: dequantised error {err} > bound {bound}")
+    return rows
+
+
+def fake_run(op, args, kwargs):
+    """The op's fake implementation on fake copies of the arguments (no communication):
+    [(shape, dtype)] of its outputs."""
+    with FakeTensorMode() as mode:
+        conv = lambda t: mode.from_tensor(t) if isinstance(t, Tensor) else t  # noqa: E731
+        outs = op(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return [(tuple(t.shape), t.dtype) for t in outs]
+
+
+def check_fake(op: str, fake, real) -> None:
+    real = [(tuple(t.shape), t.dtype) for t in real]
+    check(fake == real, f"{op}: fake outputs {fake} != real {real}")
+
+
+def agreed(ctx, checks: Callable[[], None]) -> None:
+    """Runs checks on every rank, then all ranks fail together if any did: a case that goes on
+    with more op calls must not leave the ranks out of step (the others would wait for the
+    failed rank until the deadline)."""
+    err = None
+    try:
+        checks()
+    except Exception as e:  # noqa: BLE001 (re-raised below)
+        err = e
+    failed = [r for r, bad in enumerate(ctx.comm.allgather(err is not None)) if bad]
+    if err is not None:
+        raise err
+    if failed:
+        raise CaseFailure(f"checks failed on rank(s) {failed}")
+
+
+def run_experts(spec, world, rank, expand_x, etn, etn_type=1, dyn=None) -> Tensor:
+    """The experts of this rank on the valid rows of expand_x (dequantising int8 rows first),
+    grouped by expert_token_nums; rows past the valid ones are left as zeros."""
+    counts = etn.tolist()
+    if etn_type == 0:
+        counts = [c - p for c, p in zip(counts, [0] + counts[:-1])]
+    out = torch.zeros(expand_x.shape, dtype=spec.dtype)
+    start = 0
+    for block, n in enumerate(counts):
+        rows = expand_x[start : start + n]
+        if dyn is not None:
+            rows = (rows.float() * dyn[start : start + n, None]).to(spec.dtype)
+        if rank < spec.s:
+            c = SHARED_COEF[rank // (spec.s // spec.ns)]
+        else:
+            c = coef((rank - spec.s) * len(counts) + block)
+        out[start : start + n] = rows * c
+        start += n
+    return out
+
+
+def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True):
+    """dispatch_v2 -> experts -> combine_v2 on this rank's inputs of `spec`, everything checked."""
+    world, rank = ctx.world, ctx.rank
+    all_in = [make_inputs(spec, r) for r in range(world)]
+    mine = all_in[rank]
+    smooth = smooth_scales(spec) if spec.smooth else None
+    kw = dict(
+        expert_scales=mine.w,
+        x_active_mask=mine.mask,
+        shared_expert_num=spec.ns,
+        shared_expert_rank_num=spec.s,
+        global_bs=spec.global_bs,
+    )
+    kw.update(expert_token_nums_type=etn_type, quant_mode=2 if quant else 0, scales=smooth)
+    out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, **kw)
+    y = run_experts(spec, world, rank, out[0], out[3], etn_type, out[1] if quant else None)
+    ckw = dict(
+        x_active_mask=mine.mask, shared_expert_num=spec.ns, shared_expert_rank_num=spec.s,
+        global_bs=spec.global_bs,
+    )
+    got = mt.combine_v2(
+        y, mine.ids, out[2], out[4], mine.w, ctx.comm, moe_expert_num=spec.e, **ckw
+    )
+    # What torch.compile would see: the fake implementations on the same arguments.
+    gid = mt.group_id(ctx.comm)
+    fake_d = fake_run(
+        torch.ops.moe_ep.dispatch_v2, (mine.x, mine.ids, gid, world, rank, spec.e), kw
+    )
+    fake_c = fake_run(
+        torch.ops.moe_ep.combine_v2,
+        (y, mine.ids, out[2], out[4], mine.w, gid, world, rank, spec.e), ckw,
+    )
+
+    def checks():
+        check_fake("dispatch_v2", fake_d, out)
+        check_fake("combine_v2", fake_c, (got,))
+        check_dispatch(spec, world, rank, all_in, out, etn_type, quant, smooth)
+        check_bitwise("combine_v2 output", got, ref_combine(spec, mine, quant, smooth))
+
+    agreed(ctx, checks)
+    return out, got
+
+
+# ---------------------------------------------------------------------------------------------
+# Cases.
+
+
+@dataclass
+class Ctx:
+    comm: object
+    world: int
+    rank: int
+
+
+# name -> (fn, predicate on the world size)
+CASES: Dict[str, Tuple[Callable[[Ctx], None], Callable[[int], bool]]] = {}
+
+
+def case(min_world: int = 1, only: Optional[int] = None):
+    """Registers a case for world sizes >= min_world (only: that world size alone; the costly
+    cases, whose op calls do not depend on W, run once)."""
+
+    def deco(fn):
+        CASES[fn.__name__] = (fn, lambda w: w == only if only else w >= min_world)
+        return fn
+
+    return deco
+
+
+def case_names(world: int) -> List[str]:
+    return [n for n, (_, runs) in CASES.items() if runs(world)]
+
+
+def bs_all(ctx, n):
+    return (n,) * ctx.world
+
+
+@case()
+def round_trip_fp32(ctx):
+    round_trip(ctx, Spec(1, bs_all(ctx, 5), k=2, e=2 * ctx.world, p_off=0.2))
+
+
+@case()
+def round_trip_bf16_running_sum(ctx):
+    # expert_token_nums_type 0: running sums over local experts
+    round_trip(ctx, Spec(2, bs_all(ctx, 7), k=3, e=3 * ctx.world, dtype=torch.bfloat16), 0)
+
+
+@case()
+def round_trip_fp16(ctx):
+    round_trip(ctx, Spec(3, bs_all(ctx, 4), k=2, e=ctx.world * 2, dtype=torch.float16, p_off=0.3))
+
+
+@case()
+def grid_topk_tokens(ctx):
+    # STYLE's grid: top-k 1, 2, 8; tokens 1, odd, larger; L = 1, 3, 8; fp32 and bf16.
+    for n, (bs, k, L, dt) in enumerate(
+        [
+            (1, 1, 1, torch.float32),
+            (9, 2, 3, torch.bfloat16),
+            (3, 8, 8, torch.float32),
+            (40, 8, 8, torch.bfloat16),
+            (17, 1, 3, torch.float32),
+        ]
+    ):
+        round_trip(ctx, Spec(10 + n, bs_all(ctx, bs), k=k, e=L * ctx.world, dtype=dt))
+
+
+@case()
+def strided_inputs(ctx):
+    # SPEC §1.3: strided (non-contiguous) views are accepted; the NaN gaps between x's rows must
+    # never be read
+    spec = Spec(5, bs_all(ctx, 6), k=2, e=2 * ctx.world, strided=True, p_off=0.2)
+    check(not make_inputs(spec, ctx.rank).x.is_contiguous(), "x is contiguous")
+    round_trip(ctx, spec)
+    round_trip(ctx, replace(spec, seed=6, dtype=torch.bfloat16), quant=True)
+
+
+@case()
+def no_tokens_anywhere(ctx):
+    round_trip(ctx, Spec(20, bs_all(ctx, 0), k=2, e=2 * ctx.world))
+
+
+@case()
+def skewed_routing(ctx):
+    # slot 0 of every token goes to expert 0: one big block, empty experts elsewhere (K = 1:
+    # every expert but 0 is empty)
+    round_trip(ctx, Spec(21, bs_all(ctx, 6), k=1, e=2 * ctx.world, skew=True))
+    round_trip(ctx, Spec(22, bs_all(ctx, 6), k=2, e=2 * ctx.world, skew=True, dtype=torch.bfloat16))
+
+
+@case()
+def uneven_tokens_global_bs(ctx):
+    # BS differs across ranks (one rank has none); global_bs = W * m with m >= max BS
+    bs = tuple((3, 0, 5, 1)[r % 4] for r in range(ctx.world))
+    round_trip(ctx, Spec(23, bs, k=2, e=2 * ctx.world, global_bs=ctx.world * 6))
+
+
+@case()
+def active_mask_1d(ctx):
+    round_trip(ctx, Spec(24, bs_all(ctx, 8), k=2, e=2 * ctx.world, mask="1d"))
+    round_trip(ctx, Spec(25, bs_all(ctx, 8), k=3, e=4 * ctx.world, mask="1d", p_off=0.25,
+                         dtype=torch.bfloat16))
+
+
+@case()
+def active_mask_2d(ctx):
+    round_trip(ctx, Spec(26, bs_all(ctx, 8), k=3, e=3 * ctx.world, mask="2d"))
+
+
+@case()
+def quant_mode_2(ctx):
+    # int8 expand_x, fp32 dynamic_scales: SPEC §1.5 bitwise plus the dequantisation bound; the
+    # experts dequantise, and combine's sum is checked bitwise against the same arithmetic
+    round_trip(ctx, Spec(27, bs_all(ctx, 6), k=2, e=2 * ctx.world, dtype=torch.bfloat16),
+               quant=True)
+    round_trip(ctx, Spec(28, bs_all(ctx, 5), k=3, e=3 * ctx.world, p_off=0.2, smooth=True),
+               quant=True)
+
+
+@case(min_world=2)
+def shared_expert_rank(ctx):
+    # S = 1 (rank 0 hosts the shared expert, gets every active token), Ns = 1, L = 2
+    w = ctx.world
+    round_trip(ctx, Spec(30, bs_all(ctx, 5), k=2, e=2 * (w - 1), s=1, ns=1, p_off=0.2))
+    round_trip(ctx, Spec(31, bs_all(ctx, 4), k=2, e=2 * (w - 1), s=1, ns=1, mask="2d",
+                         dtype=torch.bfloat16), quant=True)
+    round_trip(ctx, Spec(33, bs_all(ctx, 4), k=2, e=2 * (w - 1), s=1, ns=1, smooth=True),
+               quant=True)
+
+
+@case(min_world=3)
+def two_shared_expert_ranks(ctx):
+    # S = 2, Ns = 2: rank 0 hosts shared expert 0, rank 1 shared expert 1 (every token goes to
+    # both); S = 2, Ns = 1: shared expert 0 on ranks 0 and 1, even ranks send to 0, odd to 1
+    w = ctx.world
+    round_trip(ctx, Spec(32, bs_all(ctx, 5), k=1, e=w - 2, s=2, ns=2))
+    round_trip(ctx, Spec(34, bs_all(ctx, 3), k=2, e=2 * (w - 2), s=2, ns=1, p_off=0.2))
+
+
+@case()
+def performance_info_in_place(ctx):
+    w = ctx.world
+    start = 10**12
+    # a (W,) view inside a bigger buffer: the op must write through it, and only into it
+    buf = torch.full((w + 2,), start, dtype=torch.int64)
+    buf[0] = buf[-1] = -7
+    perf = buf[1 : w + 1]
+    ptr = perf.data_ptr()
+    spec = Spec(40, bs_all(ctx, 4), k=2, e=2 * w)
+    mine = make_inputs(spec, ctx.rank)
+    out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, performance_info=perf)
+    after_dispatch = perf.clone()
+    got = mt.combine_v2(out[0], mine.ids, out[2], out[4], mine.w, ctx.comm, moe_expert_num=spec.e,
+                        performance_info=perf)
+    check(perf.data_ptr() == ptr and perf.dtype == torch.int64, "performance_info was replaced")
+    check(int(buf[0]) == -7 and int(buf[-1]) == -7, f"wrote outside performance_info: {buf}")
+    # added to, never zeroed: at least the start value, and at most a minute of waiting more
+    for name, t in (("dispatch", after_dispatch), ("combine", perf)):
+        check(bool((t >= start).all()) and bool((t < start + 60 * 10**6).all()),
+              f"performance_info after {name}: {t.tolist()} (started at {start})")
+    check(bool((perf >= after_dispatch).all()), f"combine decreased performance_info: {perf}")
+    check(got.shape == mine.x.shape, "combine shape")
+    # through the custom op itself: the mutation is declared in the schema
+    schema = torch.ops.moe_ep.dispatch_v2.default._schema
+    arg = next(a for a in schema.arguments if a.name == "performance_info")
+    check(arg.alias_info is not None and arg.alias_info.is_write, f"schema: {schema}")
+
+
+@case()
+def bad_expert_id_on_one_rank(ctx):
+    w, rank, bad = ctx.world, ctx.rank, ctx.world - 1
+    spec = Spec(50, bs_all(ctx, 4), k=2, e=2 * w)
+    mine = make_inputs(spec, rank)
+    ids = mine.ids.clone()
+    if rank == bad:
+        ids[1, 1] = spec.e + 3  # outside [0, E): no special experts configured
+    seen = None
+    try:
+        mt.dispatch_v2(mine.x, ids, ctx.comm, moe_expert_num=spec.e)
+    except moe_ep.Error as err:
+        seen = err
+    want = moe_ep.InvalidArgumentError if rank == bad else moe_ep.RemoteError
+
+    def dispatch_error():
+        check(type(seen) is want, f"dispatch_v2: rank {rank} raised {seen!r}, want {want.__name__}")
+        check("expert_ids" in str(seen) and str(spec.e + 3) in str(seen),
+              f"message does not name expert_ids and the value: {seen}")
+
+    agreed(ctx, dispatch_error)
+    # combine with a wrong expert_scales shape on one rank
+    out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e)
+    scales = mine.w[:, :1] if rank == bad else mine.w
+    seen = None
+    try:
+        mt.combine_v2(out[0], mine.ids, out[2], out[4], scales, ctx.comm, moe_expert_num=spec.e)
+    except moe_ep.Error as err:
+        seen = err
+    combine_error = seen
+
+    def combine_error_checks():
+        check(type(combine_error) is want,
+              f"combine_v2: rank {rank} raised {combine_error!r}, want {want.__name__}")
+        check("expert_scales" in str(combine_error),
+              f"message does not name expert_scales: {combine_error}")
+
+    agreed(ctx, combine_error_checks)
+    # the communicator keeps working
+    round_trip(ctx, Spec(51, bs_all(ctx, 4), k=2, e=2 * w))
+
+
+def _opcheck_args(ctx):
+    spec = Spec(60, bs_all(ctx, 5), k=2, e=2 * ctx.world)
+    mine = make_inputs(spec, ctx.rank)
+    gid = mt.group_id(ctx.comm)
+    return spec, mine, gid
+
+
+@case(only=2)
+def opcheck_dispatch_combine(ctx):
+    spec, mine, gid = _opcheck_args(ctx)
+    w, r = ctx.world, ctx.rank
+    perf = torch.zeros(w, dtype=torch.int64)
+    d_args = (mine.x, mine.ids, gid, w, r, spec.e)
+    torch.library.opcheck(
+        torch.ops.moe_ep.dispatch_v2.default, d_args,
+        {"expert_scales": mine.w, "performance_info": perf},
+    )
+    torch.library.opcheck(torch.ops.moe_ep.dispatch_v2.default, d_args, {"quant_mode": 2})
+    out = torch.ops.moe_ep.dispatch_v2(*d_args)
+    torch.library.opcheck(
+        torch.ops.moe_ep.combine_v2.default,
+        (out[0], mine.ids, out[2], out[4], mine.w, gid, w, r, spec.e),
+        {"performance_info": perf},
+    )
+
+
+@case(only=2)
+def compile_fullgraph(ctx):
+    """torch.compile(fullgraph=True) of a layer calling the custom ops (group id), and of one
+    calling the wrappers (mpi4py communicator, already registered): the outputs equal eager's,
+    and the shapes seen while tracing (the fake implementations) equal the real ones."""
+    spec, mine, gid = _opcheck_args(ctx)
+    w, r, e, comm = ctx.world, ctx.rank, spec.e, ctx.comm
+
+    def finish(x, ids, weights, outs, combine):
+        y = outs[0] * 2.0  # every expert doubles its rows
+        out = combine(y, ids, outs[2], outs[4], weights)
+        # the shapes as seen while tracing, returned as constants
+        return (out, *outs), [tuple(t.shape) for t in (out, *outs)]
+
+    def layer_ops(x, ids, weights):
+        outs = torch.ops.moe_ep.dispatch_v2(x, ids, gid, w, r, e, expert_scales=weights)
+        return finish(x, ids, weights, outs,
+                      lambda *a: torch.ops.moe_ep.combine_v2(*a, gid, w, r, e))
+
+    def layer_wrappers(x, ids, weights):
+        outs = mt.dispatch_v2(x, ids, comm, moe_expert_num=e, expert_scales=weights)
+        return finish(x, ids, weights, outs,
+                      lambda *a: mt.combine_v2(*a, comm, moe_expert_num=e))
+
+    results = []
+    for layer in (layer_ops, layer_wrappers):
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+        results.append((layer.__name__, compiled(mine.x, mine.ids, mine.w),
+                        layer(mine.x, mine.ids, mine.w)))
+
+    def checks():
+        names = ("combine_v2", "expand_x", "dynamic_scales", "assist_info_for_combine",
+                 "expert_token_nums", "ep_recv_counts", "tp_recv_counts", "expand_scales")
+        for layer, (got, traced_shapes), (want, _) in results:
+            for name, g, ref, shape in zip(names, got, want, traced_shapes):
+                check(tuple(ref.shape) == shape,
+                      f"{layer}: fake {name} shape {shape} != real {tuple(ref.shape)}")
+                check_bitwise(f"{layer}: compiled {name}", g, ref)
+
+    agreed(ctx, checks)
+
+
+@case(only=4)
+def moe_layer_example(ctx):
+    """examples/python/moe_layer.py with its default sizes, run as __main__ in this launch (a
+    launch of its own would cost as much again in start-up): exit status 0 on every rank, PASS on
+    rank 0. Its output is passed on, one write per line."""
+    import contextlib
+    import io
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "python" / "moe_layer.py"
+    buf, argv = io.StringIO(), sys.argv
+    sys.argv = [str(path)]
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_path(str(path), run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    finally:
+        sys.argv = argv
+    for line in buf.getvalue().splitlines():
+        say(f"moe_layer.py rank={ctx.rank}: {line}")
+    lines = buf.getvalue().splitlines()
+    check(status == 0, f"moe_layer.py exited with {status!r}: {lines}")
+    check(ctx.rank != 0 or "PASS" in lines, f"no PASS line from moe_layer.py: {lines}")
+
+
+def say(line: str) -> None:
+    # one write per line: mpirun forwards each rank's writes as they come, and print() makes
+    # two (text, then newline) when stdout is unbuffered
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str]) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    ctx = Ctx(comm, comm.Get_size(), comm.Get_rank())
+    torch.set_num_threads(1)  # ranks share the cores
+    names = list(argv) or case_names(ctx.world)
+    failed = 0
+    for name in names:
+        fn, _ = CASES[name]
+        t0 = time.perf_counter()
+        try:
+            fn(ctx)
+            say(f"CASE {name} rank={ctx.rank} OK ({time.perf_counter() - t0:.2f} s)")
+        except Exception as err:  # report and go on: the other ranks made the same calls
+            failed += 1
+            why = f"{type(err).__name__}: {err}".replace("\n", " | ")
+            say(f"CASE {name} rank={ctx.rank} FAIL: {why}")
+            traceback.print_exc()
+    say(f"DONE rank={ctx.rank} failed={failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
