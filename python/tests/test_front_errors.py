@@ -1,0 +1,70 @@
+"""The checks the Python layer makes itself (docs/errors.md, "The Python front"): communicator
+handling, the fake implementation's num_out_tokens bound, and the exception classes."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moe_ep
+import moe_ep.torch as mt
+from moe_ep import _C
+
+
+def test_error_classes_derive_from_moe_ep_error_and_the_builtin():
+    assert issubclass(moe_ep.InvalidArgumentError, moe_ep.Error)
+    assert issubclass(moe_ep.InvalidArgumentError, ValueError)
+    assert issubclass(moe_ep.UnsupportedError, NotImplementedError)
+    assert issubclass(moe_ep.TimeoutError, TimeoutError)
+    assert issubclass(moe_ep.Error, RuntimeError)
+    with pytest.raises(moe_ep.InvalidArgumentError) as info:
+        mt.token_permute(torch.zeros(2, 3), torch.tensor([[0], [-1]], dtype=torch.int32))
+    assert info.value.kind == "InvalidArgument"
+    assert "indices[1,0] = -1" in str(info.value)
+
+
+def test_unknown_group_id_is_named():
+    x = torch.zeros(1, 4)
+    ids = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(moe_ep.InvalidArgumentError, match="group_ep = 12345 is not a registered"):
+        torch.ops.moe_ep.dispatch_v2(x, ids, 12345, 1, 0, 1)
+    with pytest.raises(moe_ep.InvalidArgumentError, match="group_id: 777 is not a registered"):
+        mt.group_id(777)
+
+
+def test_not_a_communicator_is_named():
+    with pytest.raises(moe_ep.InvalidArgumentError, match="is not an mpi4py communicator"):
+        mt.group_id("x")
+
+
+def test_num_out_tokens_bound_in_the_fake_implementation():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        tokens = torch.empty(4, 3)
+        ids = torch.empty(4, 2, dtype=torch.int32)
+        with pytest.raises(moe_ep.InvalidArgumentError, match="num_out_tokens = -9 drops more"):
+            torch.ops.moe_ep.token_permute(tokens, ids, -9)
+        p, s = torch.ops.moe_ep.token_permute(tokens, ids, -3)
+        assert p.shape == (5, 3) and s.shape == (8,)
+
+
+def test_communicator_needs_mpi_initialised():
+    # A fresh interpreter that never initialises MPI (no mpi4py import).
+    code = (
+        "import moe_ep\n"
+        "from moe_ep import _C\n"
+        "try:\n"
+        "    _C.Communicator.from_fortran(0)\n"
+        "except moe_ep.InvalidArgumentError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ERR Communicator: MPI is not initialised" in out.stdout
+
+
+def test_strategies_rejects_unknown_op():
+    with pytest.raises(moe_ep.InvalidArgumentError, match="strategies: op = 'nope'"):
+        _C.strategies("nope", False)
