@@ -1,6 +1,7 @@
 // moe-ep: the command-line tool. `moe-ep run` runs one MoE layer forward across the MPI ranks
-// (see run.h); errors print "moe-ep: error: <kind>: <message>" and abort the whole MPI job. A rank
-// whose error is Remote (another rank failed and prints the real error) prints nothing.
+// (see run.h); `moe-ep bench` times dispatch/combine against the baselines (see bench.h); errors
+// print "moe-ep: error: <kind>: <message>" and abort the whole MPI job. A rank whose error is
+// Remote (another rank failed and prints the real error) prints nothing.
 #include <mpi.h>
 
 #include <CLI/CLI.hpp>
@@ -14,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench.h"
 #include "checks.h"
 #include "moe_ep/error.h"
 #include "presets.h"
@@ -21,6 +23,7 @@
 
 namespace {
 
+using moe_ep_tool::BenchOptions;
 using moe_ep_tool::RunOptions;
 
 std::string preset_help() {
@@ -174,6 +177,79 @@ void add_run_options(CLI::App* run, RunOptions& o) {
       ->check(validator(moe_ep_tool::check_timeout, "> 0"));
 }
 
+void add_bench_options(CLI::App* bench, BenchOptions& o) {
+  using moe_ep_tool::kMaxDim;
+  using moe_ep_tool::kMaxExperts;
+  std::vector<std::string> names;
+  for (const auto& p : moe_ep_tool::presets()) names.push_back(p.name);
+  bench
+      ->add_option("--preset", o.preset,
+                   "model preset for E, K and the router (default olmoe: 64 experts, top-8); "
+                   "shared experts are not benchmarked")
+      ->check(CLI::IsMember(names));
+  bench
+      ->add_option("--tokens", o.tokens,
+                   "tokens per rank, a comma-separated list to sweep (default 512, the issue's "
+                   "target; e.g. 64,128,256,512,1024); each value is verified, then timed")
+      ->delimiter(',')
+      ->check(integer(1, kMaxDim));
+  bench
+      ->add_option("--hidden", o.hidden,
+                   "hidden size H (default 7168 with the default preset: the issue's target; "
+                   "with --preset, the preset's)")
+      ->check(integer(1, kMaxDim));
+  bench->add_option("--experts", o.experts, "override the preset's number of experts E")
+      ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
+  bench->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
+      ->check(integer(1, kMaxExperts));
+  bench->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  bench->add_option("--seed", o.seed, "unsigned seed (default 0) of the tokens and the routing")
+      ->check(validator(moe_ep_tool::check_unsigned, "[0, 2^64 - 1]"));
+  bench
+      ->add_option("--routing", o.routing,
+                   "routing: real (default; sampled from real per-expert top-k counts), gate, "
+                   "uniform")
+      ->check(CLI::IsMember({"real", "gate", "uniform"}));
+  bench
+      ->add_option("--routing-model", o.routing_model,
+                   "real routing data: olmoe, olmoe-sft, olmoe-dpo, mistral (default: the "
+                   "preset's)")
+      ->check(CLI::IsMember({"olmoe", "olmoe-sft", "olmoe-dpo", "mistral"}));
+  bench->add_option("--domain", o.domain, "real routing text domain (default c4)");
+  bench->add_option("--layer", o.layer, "real routing MoE layer: 0, 7 (default) or 15")
+      ->check(integer(0, kMaxDim));
+  bench->add_option("--routing-file", o.routing_file,
+                    "expert_counts.csv (default: <exe dir>/../share/moe-ep/real-routing/"
+                    "expert_counts.csv)");
+  bench->add_flag("--compare", o.compare,
+                  "also time, in the same run and on the same rows, the bare MPI_Alltoallv of the "
+                  "payload, the textbook pipeline (permute -> MPI_Alltoallv -> regroup; combine "
+                  "the reverse with the weighted sum) and memcpy; print the ratios and the "
+                  "issue's targets (PASS/FAIL; a missed target does not change the exit status)");
+  bench->add_option("--iters", o.iters, "timed iterations per op (default 20)")
+      ->check(integer(1, 1000000));
+  bench->add_option("--warmup", o.warmup, "untimed iterations first (default 3)")
+      ->check(integer(0, 1000000));
+  bench
+      ->add_option("--quant", o.quant,
+                   "none (default) or int8: also time dispatch_v2 with quant_mode 2 and report "
+                   "its bytes and time against bf16's")
+      ->check(CLI::IsMember({"none", "int8"}));
+  bench->add_option("--csv", o.csv, "write one row per (tokens, op, impl) as CSV");
+  bench->add_option("--json", o.json,
+                    "write the configuration, rules, results and targets as JSON");
+  bench->add_option("--plot", o.plot,
+                    "write a PNG of GB/s against tokens per rank with gnuplot (the .dat and .gp "
+                    "beside it); without gnuplot the plot is skipped with a message");
+  bench->add_flag("--debug-corrupt-baseline", o.debug_corrupt_baseline)->group("");
+  bench
+      ->add_option("--timeout", o.timeout_s,
+                   "deadline of every blocking wait, seconds > 0 (default: $MOE_EP_TIMEOUT_S, "
+                   "else 300)")
+      ->check(validator(moe_ep_tool::check_timeout, "> 0"));
+}
+
 // The checks one flag cannot make alone.
 void validate(CLI::App& run, const RunOptions& o) {
   const auto* p = moe_ep_tool::find_preset(o.preset);
@@ -285,12 +361,24 @@ int main(int argc, char** argv) {
       "combine_v2, checked against a single-process dense reference on rank 0. Run it under "
       "mpirun; prints the configuration, load balance, time per phase, bandwidth and PASS/FAIL.");
   add_run_options(run, options);
+  BenchOptions bench_options;
+  CLI::App* bench = app.add_subcommand(
+      "bench",
+      "Benchmark of dispatch_v2 / combine_v2 under mpirun: verifies against the SPEC first, then "
+      "times each op (p50/p99 of the max over ranks) and, with --compare, the bare "
+      "MPI_Alltoallv and the textbook pipeline on the same rows, printing the ratios. Defaults: "
+      "bf16, H 7168, top-8 of 64 experts (olmoe), real OLMoE routing, 512 tokens per rank.");
+  add_bench_options(bench, bench_options);
   try {
     app.parse(argc, argv);
-    options.dtype_given = run->count("--dtype") > 0;
-    options.tokens_given = run->count("--tokens") > 0;
-    options.seed_given = run->count("--seed") > 0;
-    validate(*run, options);
+    if (run->parsed()) {
+      options.dtype_given = run->count("--dtype") > 0;
+      options.tokens_given = run->count("--tokens") > 0;
+      options.seed_given = run->count("--seed") > 0;
+      validate(*run, options);
+    } else {
+      bench_options.preset_given = bench->count("--preset") > 0;
+    }
   } catch (const CLI::ParseError& e) {
     // Every rank parsed the same argv; rank 0 speaks for all.
     int code;
@@ -306,7 +394,8 @@ int main(int argc, char** argv) {
 
   int code = 0;
   try {
-    code = moe_ep_tool::run_command(options);
+    code = run->parsed() ? moe_ep_tool::run_command(options)
+                         : moe_ep_tool::bench_command(bench_options);
   } catch (const moe_ep::Error& e) {
     fail(moe_ep::error_kind_name(e.kind()), e.what(), e.kind() == moe_ep::ErrorKind::kRemote);
   } catch (const std::bad_alloc&) {
