@@ -467,3 +467,20 @@ moe_ep_add_mpi_test(NAME cli.run.tp2_shared_rank_special_mask
                             --mask entries --hidden 64 --tokens 4 --routing uniform
                             --expert-fn scale
                     NPROCS 6 TIMEOUT 120)
+
+# moe-ep bench (issue 6): --compare at small sizes runs, verifies, prints the table, ratios and
+# targets, and writes CSV, JSON and (with gnuplot) a PNG. Not a timing check.
+add_test(NAME cli.bench.compare
+         COMMAND ${CMAKE_COMMAND} -DMPIEXEC=${_mpi} -DEXE=${_exe} -DWORK=${_work}/bench
+                 -DPYTHON=${Python3_EXECUTABLE} -P ${_cli}/bench.cmake)
+set_tests_properties(cli.bench.compare PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 180
+                                                  PROCESSORS 2)
+# The verification can fail: a corrupted baseline row stops the run before timing, exit 1.
+cli_expect_error(bench_verification_fails
+                 "verification failed: 1 rows of the textbook pipeline's regrouped rows differ"
+                 "${_mpi} -n 2 --oversubscribe ${_exe} bench --compare --tokens 8 --hidden 64 --iters 1 --debug-corrupt-baseline")
+cli_expect_error_once(bench_experts_not_divisible
+                      "InvalidArgument: moe-ep bench: E = 64 experts cannot be split evenly over 3 ranks"
+                      "${_mpi} -n 3 --oversubscribe ${_exe} bench --tokens 4 --hidden 64")
+cli_expect_error(bench_bad_tokens "--tokens: must be an integer in \\[1, 2147483647\\], got 0"
+                 "${_mpi} -n 1 ${_exe} bench --tokens 64,0")
