@@ -250,9 +250,19 @@ Setup plan_bench(const BenchOptions& o, int64_t W, int64_t rank, int node_ranks)
     s.routing_desc = "uniform (K distinct experts, each equally likely)";
   }
   if (rank == 0) {
-    if (!o.csv.empty()) check_writable("--csv", o.csv);
-    if (!o.json.empty()) check_writable("--json", o.json);
-    if (!o.plot.empty()) check_writable("--plot", o.plot);
+    // check_writable speaks for `moe-ep run`; the message names the flag and the file.
+    auto writable = [](const char* flag, const std::string& path) {
+      try {
+        check_writable(flag, path);
+      } catch (const Error& e) {
+        std::string m = e.what();
+        if (m.rfind("moe-ep run: ", 0) == 0) m = "moe-ep bench: " + m.substr(12);
+        throw Error(e.kind(), m);
+      }
+    };
+    if (!o.csv.empty()) writable("--csv", o.csv);
+    if (!o.json.empty()) writable("--json", o.json);
+    if (!o.plot.empty()) writable("--plot", o.plot);
   }
   return s;
 }
@@ -1087,8 +1097,9 @@ int bench_command(const BenchOptions& o) {
       "scale); moe-ep's 16 B per-row metadata and count messages are not counted; combine: the "
       "rows it sends back; mean over ranks";
   const std::string time_rule =
-      "per iteration: MPI_Barrier, then each rank times the op; p50/p99 (nearest rank) over " +
-      std::to_string(o.iters) + " iterations (after " + std::to_string(o.warmup) +
+      std::string("per iteration: MPI_Barrier, then each rank times the op; p50/p99 (nearest ") +
+      "rank; below 100 iterations p99 is the slowest) over " + std::to_string(o.iters) +
+      " iterations (after " + std::to_string(o.warmup) +
       " warm-up) of the max over ranks; GB/s = bytes / p50; ratios = baseline p50 / moe-ep p50";
   std::string tokens_list;
   for (const int64_t t : o.tokens)
