@@ -801,7 +801,7 @@ PointResult time_point(const BenchOptions& o, const Point& p, moe_ep::Communicat
 
   std::vector<double> times(static_cast<size_t>(kOps * iters), kNaN);
   int64_t it = 0;
-  auto timed = [&](Op op, auto&& fn, bool guard) {
+  auto timed = [&](Op op, bool guard, auto&& fn) {
     guarded(dog, "a barrier between timed ops", [] { MPI_Barrier(MPI_COMM_WORLD); });
     if (guard) dog.arm("a baseline's MPI collective");
     const double t0 = now_s();
@@ -814,8 +814,7 @@ PointResult time_point(const BenchOptions& o, const Point& p, moe_ep::Communicat
   // rotating group.
   auto moe_group = [&] {
     moe_ep::DispatchOutputs d;
-    timed(
-        kMoeDispatch, [&] { d = moe_ep::dispatch_v2(din, cfg); }, false);
+    timed(kMoeDispatch, false, [&] { d = moe_ep::dispatch_v2(din, cfg); });
     moe_ep::CombineInputs cin;
     cin.expand_x = d.expand_x;  // identity experts: the rows go back as they came
     cin.expert_ids = din.expert_ids;
@@ -823,33 +822,24 @@ PointResult time_point(const BenchOptions& o, const Point& p, moe_ep::Communicat
     cin.ep_send_counts = d.ep_recv_counts;
     cin.expert_scales = *din.expert_scales;
     Tensor out;
-    timed(
-        kMoeCombine, [&] { out = moe_ep::combine_v2(cin, cfg); }, false);
+    timed(kMoeCombine, false, [&] { out = moe_ep::combine_v2(cin, cfg); });
     if (quant) {
       moe_ep::DispatchOutputs d8;
-      timed(
-          kMoeDispatchInt8, [&] { d8 = moe_ep::dispatch_v2(din8, cfg); }, false);
+      timed(kMoeDispatchInt8, false, [&] { d8 = moe_ep::dispatch_v2(din8, cfg); });
     }
   };
   auto a2a_group = [&] {
-    timed(
-        kA2aDispatch, [&] { a2a->dispatch(); }, true);
-    timed(
-        kA2aCombine, [&] { a2a->combine(); }, true);
-    if (quant)
-      timed(
-          kA2aDispatchInt8, [&] { a2a8->dispatch(); }, true);
+    timed(kA2aDispatch, true, [&] { a2a->dispatch(); });
+    timed(kA2aCombine, true, [&] { a2a->combine(); });
+    if (quant) timed(kA2aDispatchInt8, true, [&] { a2a8->dispatch(); });
   };
   auto tb_group = [&] {
-    timed(
-        kTbDispatch, [&] { tb->dispatch(din.x, din.expert_ids); }, true);
+    timed(kTbDispatch, true, [&] { tb->dispatch(din.x, din.expert_ids); });
     Tensor out;
-    timed(
-        kTbCombine, [&] { out = tb->combine(tb->expand(), *din.expert_scales); }, true);
+    timed(kTbCombine, true, [&] { out = tb->combine(tb->expand(), *din.expert_scales); });
   };
   auto copy_group = [&] {
-    timed(
-        kMemcpy, [&] { std::memcpy(copy_dst.data(), copy_src.data(), copy_src.size()); }, false);
+    timed(kMemcpy, false, [&] { std::memcpy(copy_dst.data(), copy_src.data(), copy_src.size()); });
   };
   const int groups = compare ? 4 : 1;
   for (it = 0; it < total; ++it) {
