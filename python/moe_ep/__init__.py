@@ -17,13 +17,13 @@ from moe_ep._C import (
 
 __version__ = "0.1.0"
 
+# moe_ep.TimeoutError and moe_ep.SystemError are left out of __all__: a star import would shadow
+# the builtins of the same name.
 __all__ = [
     "Error",
     "InternalError",
     "InvalidArgumentError",
     "RemoteError",
-    "SystemError",
-    "TimeoutError",
     "UnsupportedError",
     "__version__",
 ]

@@ -1,6 +1,7 @@
 // moe_ep._C: the DLPack binding of the C++ library (nanobind). Framework-agnostic: tensors come in
-// as any object with __dlpack__ (torch, numpy, ...) and go out as DLPack-capable arrays that
-// torch.from_dlpack / numpy.from_dlpack take without a copy. The GIL is released while an op runs.
+// as any object with __dlpack__ (torch, numpy, ...) and go out as array-API objects (with
+// __dlpack__) that torch.from_dlpack / numpy.from_dlpack take without a copy, as often as
+// wanted. The GIL is released while an op runs; calls on one Communicator must not overlap.
 // Not compiled against PyTorch; moe_ep/torch/ builds the torch ops on top of it.
 #include <mpi.h>
 #include <nanobind/nanobind.h>
@@ -12,6 +13,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -37,11 +39,15 @@ using moe_ep::TensorView;
 // Inputs are read-only views (numpy's read-only arrays are accepted too); outputs are writable.
 using InArray = nb::ndarray<nb::ro>;
 using OutArray = nb::ndarray<>;
+// Outputs: array_api objects (with __dlpack__ and __dlpack_device__), so torch.from_dlpack and
+// numpy.from_dlpack both take them, each without a copy.
+using ResultArray = nb::ndarray<nb::array_api>;
 using OptIn = std::optional<InArray>;
 
-TensorView view_of(const InArray& a, const char* what) {
+template <typename Array>
+TensorView view_of(const Array& a, const char* what) {
   DLTensor dl{};
-  dl.data = const_cast<void*>(a.data());
+  dl.data = const_cast<void*>(static_cast<const void*>(a.data()));
   dl.device = {static_cast<DLDeviceType>(a.device_type()), a.device_id()};
   dl.ndim = static_cast<int32_t>(a.ndim());
   const auto dt = a.dtype();
@@ -54,18 +60,6 @@ TensorView view_of(const InArray& a, const char* what) {
 std::optional<TensorView> view_of(const OptIn& a, const char* what) {
   if (!a) return std::nullopt;
   return view_of(*a, what);
-}
-
-TensorView view_of_writable(const OutArray& a, const char* what) {
-  DLTensor dl{};
-  dl.data = a.data();
-  dl.device = {static_cast<DLDeviceType>(a.device_type()), a.device_id()};
-  dl.ndim = static_cast<int32_t>(a.ndim());
-  const auto dt = a.dtype();
-  dl.dtype = {dt.code, dt.bits, dt.lanes};
-  dl.shape = const_cast<int64_t*>(a.shape_ptr());
-  dl.strides = const_cast<int64_t*>(a.stride_ptr());
-  return moe_ep::from_dlpack(dl, what);
 }
 
 nb::dlpack::dtype dl_dtype(DType d) {
@@ -96,8 +90,8 @@ nb::object to_python(Tensor t) {
   nb::capsule owner(holder, [](void* p) noexcept { delete static_cast<Tensor*>(p); });
   std::vector<size_t> shape(holder->ndim());
   for (int d = 0; d < holder->ndim(); ++d) shape[d] = static_cast<size_t>(holder->size(d));
-  OutArray array(holder->data(), shape.size(), shape.data(), owner, nullptr,
-                 dl_dtype(holder->dtype()), nb::device::cpu::value);
+  ResultArray array(holder->data(), shape.size(), shape.data(), owner, nullptr,
+                    dl_dtype(holder->dtype()), nb::device::cpu::value);
   return nb::cast(array, nb::rv_policy::reference);
 }
 
@@ -114,6 +108,33 @@ DType parse_dtype(const std::string& name, const char* op, const char* param) {
 // (mpi4py's comm.py2f()), so no MPI header of the caller's Python binding is needed.
 struct PyCommunicator {
   std::shared_ptr<moe_ep::Communicator> comm;
+  // Calls on one communicator must not overlap: with the GIL released, two threads running
+  // collectives on the same communicator would pair each other's messages across ranks.
+  std::shared_ptr<std::atomic<bool>> busy = std::make_shared<std::atomic<bool>>(false);
+};
+
+// Marks a communicator in use for the duration of one op; a second, overlapping call (another
+// thread) raises instead of silently mixing messages.
+class InUse {
+ public:
+  InUse(const PyCommunicator* c, const char* op, const char* param) {
+    if (c == nullptr) return;
+    if (c->busy->exchange(true)) {
+      throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                          std::string(op) + ": " + param +
+                              " is in use by another thread (calls on one communicator must not "
+                              "overlap: use one communicator per thread)");
+    }
+    flag_ = c->busy;
+  }
+  ~InUse() {
+    if (flag_) flag_->store(false);
+  }
+  InUse(const InUse&) = delete;
+  InUse& operator=(const InUse&) = delete;
+
+ private:
+  std::shared_ptr<std::atomic<bool>> flag_;
 };
 
 PyCommunicator make_communicator(int64_t fortran_handle, std::optional<double> timeout_s) {
@@ -183,7 +204,8 @@ nb::list strategies(const std::string& op, bool has_probs, bool has_permuted_tok
   return result;
 }
 
-PyObject* g_errors[6] = {};
+constexpr int kErrorKinds = static_cast<int>(moe_ep::ErrorKind::kInternal) + 1;
+PyObject* g_errors[kErrorKinds] = {};
 
 void register_errors(nb::module_& m) {
   // moe_ep.Error(RuntimeError) with one subclass per ErrorKind; the kinds that have a natural
@@ -204,11 +226,17 @@ void register_errors(nb::module_& m) {
       {moe_ep::ErrorKind::kSystem, "SystemError", nullptr},
       {moe_ep::ErrorKind::kInternal, "InternalError", nullptr},
   };
+  static_assert(sizeof(kinds) / sizeof(kinds[0]) == kErrorKinds, "one class per ErrorKind");
   for (const Kind& k : kinds) {
     PyObject* bases = k.also ? PyTuple_Pack(2, base, k.also) : PyTuple_Pack(1, base);
     const std::string qualified = std::string("moe_ep._C.") + k.name;
-    PyObject* type = PyErr_NewException(qualified.c_str(), bases, nullptr);
+    PyObject* dict = PyDict_New();
+    PyObject* kind_name = PyUnicode_FromString(moe_ep::error_kind_name(k.kind));
+    PyDict_SetItemString(dict, "kind", kind_name);  // also on errors raised from Python
+    Py_DECREF(kind_name);
+    PyObject* type = PyErr_NewException(qualified.c_str(), bases, dict);
     Py_DECREF(bases);
+    Py_DECREF(dict);
     g_errors[static_cast<int>(k.kind)] = type;
     m.attr(k.name) = nb::handle(type);
   }
@@ -217,14 +245,7 @@ void register_errors(nb::module_& m) {
       std::rethrow_exception(p);
     } catch (const moe_ep::Error& e) {
       PyObject* type = g_errors[static_cast<int>(e.kind())];
-      PyObject* value = PyObject_CallFunction(type, "s", e.what());
-      if (value) {
-        PyObject* kind = PyUnicode_FromString(moe_ep::error_kind_name(e.kind()));
-        PyObject_SetAttrString(value, "kind", kind);
-        Py_XDECREF(kind);
-        PyErr_SetObject(type, value);
-        Py_DECREF(value);
-      }
+      PyErr_SetString(type, e.what());
     }
   });
 }
@@ -405,9 +426,9 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
                       int64_t expert_token_nums_type, const std::string& comm_alg,
                       int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num) {
   const moe_ep::EpConfig cfg = ep_config(
-      group_ep, {ep_world_size, ep_rank_id, moe_expert_num, std::move(group_tp), tp_world_size,
-                 tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num,
-                 global_bs, comm_alg, zero_expert_num, copy_expert_num, const_expert_num});
+      group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
+                 expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
+                 zero_expert_num, copy_expert_num, const_expert_num});
   moe_ep::DispatchInputs in;
   in.x = view_of(x, "x");
   in.expert_ids = view_of(expert_ids, "expert_ids");
@@ -415,10 +436,11 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
   in.x_active_mask = view_of(x_active_mask, "x_active_mask");
   in.expert_scales = view_of(expert_scales, "expert_scales");
   in.elastic_info = view_of(elastic_info, "elastic_info");
-  if (performance_info)
-    in.performance_info = view_of_writable(*performance_info, "performance_info");
+  if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
   in.quant_mode = quant_mode;
   in.expert_token_nums_type = expert_token_nums_type;
+  InUse ep_guard(&group_ep, "dispatch_v2", "group_ep");
+  InUse tp_guard(group_tp ? &*group_tp : nullptr, "dispatch_v2", "group_tp");
   moe_ep::DispatchOutputs r;
   {
     nb::gil_scoped_release release;
@@ -446,9 +468,9 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
                       const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
                       int64_t const_expert_num) {
   const moe_ep::EpConfig cfg = ep_config(
-      group_ep, {ep_world_size, ep_rank_id, moe_expert_num, std::move(group_tp), tp_world_size,
-                 tp_rank_id, expert_shard_type, shared_expert_num, shared_expert_rank_num,
-                 global_bs, comm_alg, zero_expert_num, copy_expert_num, const_expert_num});
+      group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
+                 expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
+                 zero_expert_num, copy_expert_num, const_expert_num});
   moe_ep::CombineInputs in;
   in.expand_x = view_of(expand_x, "expand_x");
   in.expert_ids = view_of(expert_ids, "expert_ids");
@@ -464,9 +486,10 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
   in.const_expert_alpha_1 = view_of(const_expert_alpha_1, "const_expert_alpha_1");
   in.const_expert_alpha_2 = view_of(const_expert_alpha_2, "const_expert_alpha_2");
   in.const_expert_v = view_of(const_expert_v, "const_expert_v");
-  if (performance_info)
-    in.performance_info = view_of_writable(*performance_info, "performance_info");
+  if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
   in.comm_quant_mode = comm_quant_mode;
+  InUse ep_guard(&group_ep, "combine_v2", "group_ep");
+  InUse tp_guard(group_tp ? &*group_tp : nullptr, "combine_v2", "group_tp");
   Tensor r;
   {
     nb::gil_scoped_release release;

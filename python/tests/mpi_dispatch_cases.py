@@ -622,6 +622,75 @@ def bad_expert_id_on_one_rank(ctx):
     round_trip(ctx, Spec(51, bs_all(ctx, 4), k=2, e=2 * w))
 
 
+@case(min_world=2)
+def split_communicators_and_handle_reuse(ctx):
+    """Ops on sub-communicators (Split), and a freed communicator whose Fortran handle MPI gives
+    to a new communicator with other members: the new one must get its own duplicate (keyed by
+    object, not by handle), or rows would travel between the old group's members."""
+    w, rank = ctx.world, ctx.rank
+    color_a = rank % 2
+    a = ctx.comm.Split(color_a)
+    sub = Ctx(a, a.Get_size(), a.Get_rank())
+    round_trip(sub, Spec(70 + color_a, bs_all(sub, 3), k=2, e=2 * sub.world))
+    gid_a = mt.group_id(a)
+    handle_a = a.py2f()
+    a.Free()
+    # ranks {0, w-1} and the rest: other members than a's for w >= 3
+    color_b = 0 if rank in (0, w - 1) else 1
+    b = ctx.comm.Split(color_b)
+    sub = Ctx(b, b.Get_size(), b.Get_rank())
+    gid_b = mt.group_id(b)
+    check(gid_b != gid_a, f"new communicator (handle {b.py2f()}, freed one {handle_a}) reused "
+          f"the freed one's group id {gid_a}")
+    # different seeds per color: a row from the wrong group cannot look right
+    round_trip(sub, Spec(80 + color_b, bs_all(sub, 3), k=2, e=2 * sub.world))
+    mt.release_group(b)
+    b.Free()
+
+
+@case(min_world=2)
+def overlapping_calls_from_two_threads(ctx):
+    """A second call on a communicator while another thread's call is still in it raises
+    InvalidArgumentError at once (it would otherwise pair its messages with the other thread's
+    across ranks); the first call completes normally."""
+    import threading
+
+    spec = Spec(90, bs_all(ctx, 3), k=2, e=2 * ctx.world)
+    mine = make_inputs(spec, ctx.rank)
+    first = {}
+
+    def run_first():
+        try:
+            if ctx.rank == 0:
+                time.sleep(1.0)  # the others wait inside dispatch_v2 for rank 0 meanwhile
+            first["out"] = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e)
+        except Exception as err:  # reported below
+            first["err"] = err
+
+    mt.group_id(ctx.comm)  # registered (collective) before the threads start
+    t = threading.Thread(target=run_first)
+    t.start()
+    second = None
+    if ctx.rank != 0:
+        time.sleep(0.3)
+        try:
+            mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e)
+        except moe_ep.Error as err:
+            second = err
+    t.join(timeout=120)
+
+    def checks():
+        check(not t.is_alive(), "the first call did not finish")
+        check("err" not in first, f"the first call failed: {first.get('err')!r}")
+        if ctx.rank != 0:
+            check(isinstance(second, moe_ep.InvalidArgumentError)
+                  and "in use by another thread" in str(second),
+                  f"overlapping call raised {second!r}")
+
+    agreed(ctx, checks)
+    round_trip(ctx, Spec(91, bs_all(ctx, 3), k=2, e=2 * ctx.world))  # still usable
+
+
 def _opcheck_args(ctx):
     spec = Spec(60, bs_all(ctx, 5), k=2, e=2 * ctx.world)
     mine = make_inputs(spec, ctx.rank)

@@ -68,3 +68,30 @@ def test_communicator_needs_mpi_initialised():
 def test_strategies_rejects_unknown_op():
     with pytest.raises(moe_ep.InvalidArgumentError, match="strategies: op = 'nope'"):
         _C.strategies("nope", False)
+
+
+def test_errors_raised_from_python_carry_the_kind_too():
+    with pytest.raises(moe_ep.InvalidArgumentError) as info:
+        mt.group_id(777)
+    assert info.value.kind == "InvalidArgument"
+    assert moe_ep.UnsupportedError("x").kind == "Unsupported"
+
+
+def test_star_import_does_not_shadow_builtins():
+    names = {}
+    exec("from moe_ep import *", names)
+    assert "TimeoutError" not in names and "SystemError" not in names
+    assert names["InvalidArgumentError"] is moe_ep.InvalidArgumentError
+
+
+def test_outputs_are_dlpack_arrays_for_torch_and_numpy_without_copies():
+    import numpy as np
+
+    tokens = np.arange(12, dtype=np.float32).reshape(4, 3)
+    ids = np.array([[1], [0], [1], [0]], dtype=np.int32)
+    permuted, sorted_indices = _C.token_permute(tokens, ids)
+    a = np.from_dlpack(permuted)
+    b = torch.from_dlpack(permuted)  # the same output object, consumed twice
+    assert a.ctypes.data == b.data_ptr()  # one buffer: no copy on either side
+    np.testing.assert_array_equal(a, tokens[[1, 3, 0, 2]])
+    assert np.from_dlpack(sorted_indices).tolist() == [2, 0, 3, 1]

@@ -544,9 +544,13 @@ def test_gradcheck_permute():
 @pytest.mark.filterwarnings("ignore:Input #.* is not a double precision")
 @pytest.mark.parametrize("with_saved", [False, True], ids=["token_unpermute", "_token_unpermute"])
 def test_gradcheck_unpermute(with_saved):
-    # _token_unpermute's second output is the copy kept for the backward; a gradient flowing
-    # into it is not supported (ops.py), so only `out` is checked.
-    op = (lambda *a: mt._token_unpermute(*a)[0]) if with_saved else mt.token_unpermute
+    # _token_unpermute's second output is a copy of permuted_tokens: the sum of both outputs
+    # checks that a gradient flowing into the copy reaches permuted_tokens too.
+    op = (
+        (lambda *a: torch.cat([r.flatten() for r in mt._token_unpermute(*a)]))
+        if with_saved
+        else mt.token_unpermute
+    )
     n, topk, h = 5, 2, 3
     for layout in ("permutation", "dropped", "sparse"):
         s, p = make_sorted_indices(n * topk, layout)
@@ -556,6 +560,21 @@ def test_gradcheck_unpermute(with_saved):
         s1, p1 = make_sorted_indices(n, layout)
         x1 = torch.randn(p1, h, requires_grad=True)
         assert gradcheck(lambda a: op(a, s1, None), (x1,), **GRADCHECK)
+
+
+def test_gradient_into_the_saved_copy_reaches_permuted_tokens():
+    s, p = make_sorted_indices(8, "permutation")
+    x = torch.randn(p, 3, requires_grad=True)
+    probs = torch.rand(4, 2)
+    out, saved = mt._token_unpermute(x, s, probs)
+    (out.sum() + 2 * saved.sum()).backward()
+    x2 = x.detach().clone().requires_grad_()
+    mt.token_unpermute(x2, s, probs).sum().backward()
+    assert torch.equal(x.grad, x2.grad + 2)
+    x.grad = None
+    _, saved = mt._token_unpermute(x, s, probs)
+    saved.sum().backward()  # only the copy is used: grad_out is None
+    assert torch.equal(x.grad, torch.ones_like(x))
 
 
 def test_fp64_is_unsupported():

@@ -10,7 +10,13 @@ dispatch_v2 / combine_v2 take mpi4py communicators (default: MPI.COMM_WORLD); st
 with mpirun.
 """
 
-from moe_ep.torch.distributed import combine_v2, dispatch_v2, group_id, release_group
+from moe_ep.torch.distributed import (
+    DispatchOutputs,
+    combine_v2,
+    dispatch_v2,
+    group_id,
+    release_group,
+)
 from moe_ep.torch.ops import (
     _token_unpermute,
     token_permute,
@@ -21,11 +27,15 @@ from moe_ep.torch.ops import (
     token_unpermute_grad_v2,
 )
 
-from moe_ep.torch.sharding import register_rules as _register_rules
+import torch.distributed as _dist
 
-_register_rules()
+if _dist.is_available():  # DTensor needs torch.distributed (the CPU wheels have it)
+    from moe_ep.torch.sharding import register_rules as _register_rules
+
+    _register_rules()
 
 __all__ = [
+    "DispatchOutputs",
     "_token_unpermute",
     "combine_v2",
     "dispatch_v2",

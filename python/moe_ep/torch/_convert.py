@@ -25,8 +25,8 @@ _BINDING_DTYPES = (
 
 def dl(t: Optional[torch.Tensor], op: Optional[str] = None, param: Optional[str] = None):
     """A torch tensor as an input of moe_ep._C (None stays None), sharing its data. detach():
-    DLPack refuses tensors that require grad. The kernels take strided rows but need each row
-    contiguous; a tensor whose last dimension is strided (an expanded gradient, a transpose) is
+    DLPack refuses tensors that require grad. The kernels take strided rows (and strided 1-D
+    tensors) but need each row contiguous; a 2-D or larger tensor whose last dimension is strided (an expanded gradient, a transpose) is
     copied to a contiguous one first: the only copy this front makes. With op and param, a dtype
     the binding cannot take raises moe_ep.UnsupportedError naming them."""
     if t is None:
@@ -39,7 +39,7 @@ def dl(t: Optional[torch.Tensor], op: Optional[str] = None, param: Optional[str]
             "torch.float16, torch.float32 values and torch.int32, torch.int64 indices)"
         )
     t = t.detach()
-    if t.dim() >= 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
+    if t.dim() >= 2 and t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()
     return t
 

@@ -22,7 +22,8 @@ mpi4py, so make the first call on a communicator (or group_id(comm)) outside the
 from __future__ import annotations
 
 import atexit
-from typing import Dict, List, Optional, Tuple
+import itertools
+from typing import Dict, NamedTuple, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -33,13 +34,15 @@ from moe_ep.torch._convert import dl, tt
 # ---------------------------------------------------------------------------------------------
 # Communicators.
 
-_groups: Dict[int, "_C.Communicator"] = {}
-_by_handle: Dict[int, int] = {}  # mpi4py Fortran handle -> group id
-# What the wrappers look up, in plain Python containers so that torch.compile traces the lookup
-# (it cannot trace mpi4py's py2f nor the nanobind Communicator's properties):
-_by_object: Dict[int, Tuple[object, int]] = {}  # id(mpi4py communicator) -> (it, group id); the
-#                                                 reference keeps the id from being reused
+# Plain Python containers, so that torch.compile traces the lookup in _resolve (it cannot trace
+# mpi4py's py2f nor the nanobind Communicator's properties).
+_groups: Dict[int, "_C.Communicator"] = {}  # group id -> moe-ep's duplicate
 _size_rank: Dict[int, Tuple[int, int]] = {}  # group id -> (size, rank)
+# id(mpi4py communicator) -> (the communicator, its Fortran handle, group id). Keyed by the
+# object, not by the handle: MPI reuses handles after Free(), and a reused handle may name a
+# communicator with other members. The reference keeps the id from being reused.
+_by_object: Dict[int, Tuple[object, int, int]] = {}
+_next_id = itertools.count(1)
 
 
 @atexit.register
@@ -48,7 +51,6 @@ def _free_groups() -> None:
     # still up.
     _by_object.clear()
     _size_rank.clear()
-    _by_handle.clear()
     _groups.clear()
 
 
@@ -60,8 +62,13 @@ def _world():
 
 def group_id(comm=None, timeout_s: Optional[float] = None) -> int:
     """The group id of an mpi4py communicator (None: MPI.COMM_WORLD) for the torch custom ops.
-    The first call for a communicator is collective over it. timeout_s: the deadline of every
-    wait of the ops on it (default $MOE_EP_TIMEOUT_S, else 300); only the first call's counts."""
+
+    The first call for a communicator object duplicates it (MPI_Comm_dup: collective over it, so
+    every rank makes that call at the same point); later calls with the same object return the
+    same id. timeout_s: the deadline of every wait of the ops on it (default $MOE_EP_TIMEOUT_S,
+    else 300), fixed by the first call (a different value later raises InvalidArgumentError).
+    A group id (int) is returned as it is if registered. Calls on one communicator must not
+    overlap (threads): use one communicator per thread."""
     if comm is None:
         comm = _world()
     if isinstance(comm, int):
@@ -74,39 +81,41 @@ def group_id(comm=None, timeout_s: Optional[float] = None) -> int:
         raise InvalidArgumentError(
             f"group_id: comm = {comm!r} is not an mpi4py communicator (or a group id)"
         ) from None
-    gid = _by_handle.get(handle)
-    if gid is not None:
-        g = _groups[gid]
-        if g.size == comm.Get_size() and g.rank == comm.Get_rank():
-            _by_object[id(comm)] = (comm, gid)
+    hit = _by_object.get(id(comm))
+    if hit is not None and hit[0] is comm:
+        _, old_handle, gid = hit
+        if old_handle == handle:
+            have = _groups[gid].timeout_s
+            if timeout_s is not None and timeout_s != have:
+                raise InvalidArgumentError(
+                    f"group_id: timeout_s = {timeout_s} differs from the {have} s this "
+                    "communicator was registered with (release_group it first, on every rank)"
+                )
             return gid
-        release_group(comm)  # the handle was reused by another communicator
+        release_group(gid)  # the object was freed (Free()) and now holds another handle
     g = _C.Communicator.from_fortran(handle, timeout_s)
-    gid = len(_groups) + 1
-    while gid in _groups:
-        gid += 1
+    gid = next(_next_id)
     _groups[gid] = g
-    _by_handle[handle] = gid
-    _by_object[id(comm)] = (comm, gid)
     _size_rank[gid] = (g.size, g.rank)
+    _by_object[id(comm)] = (comm, handle, gid)
     return gid
 
 
 def release_group(comm) -> None:
-    """Frees moe-ep's duplicate of an mpi4py communicator (or group id); not collective."""
+    """Frees moe-ep's duplicate of an mpi4py communicator (or of a group id). Local, but the next
+    use of the communicator duplicates it again, which is collective: release on every rank at
+    the same point."""
     if isinstance(comm, int):
         gid = comm
-        handle = next((h for h, g in _by_handle.items() if g == gid), None)
     else:
-        handle = comm.py2f()
-        gid = _by_handle.get(handle)
-    if handle is not None:
-        _by_handle.pop(handle, None)
-    if gid is not None:
-        _groups.pop(gid, None)
-        _size_rank.pop(gid, None)
-        for key in [k for k, (_, g) in _by_object.items() if g == gid]:
-            del _by_object[key]
+        hit = _by_object.get(id(comm))
+        gid = hit[2] if hit is not None and hit[0] is comm else None
+    if gid is None:
+        return
+    _groups.pop(gid, None)
+    _size_rank.pop(gid, None)
+    for key in [k for k, (_, _, g) in _by_object.items() if g == gid]:
+        del _by_object[key]
 
 
 def _resolve(comm) -> Tuple[int, int, int]:
@@ -119,7 +128,7 @@ def _resolve(comm) -> Tuple[int, int, int]:
         if comm is None:
             comm = _world()
         hit = _by_object.get(id(comm))
-        gid = hit[1] if hit is not None and hit[0] is comm else group_id(comm)
+        gid = hit[2] if hit is not None and hit[0] is comm else group_id(comm)
     if gid not in _size_rank:
         group_id(gid)  # raises InvalidArgumentError naming the unknown id
     size, rank = _size_rank[gid]
@@ -198,8 +207,6 @@ def _dispatch_v2_op(
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    if performance_info is not None and not performance_info.is_contiguous():
-        raise InvalidArgumentError("dispatch_v2: performance_info must be contiguous")
     outs = _C.dispatch_v2(
         dl(x),
         dl(expert_ids),
@@ -329,8 +336,6 @@ def _combine_v2_op(
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
 ) -> Tensor:
-    if performance_info is not None and not performance_info.is_contiguous():
-        raise InvalidArgumentError("combine_v2: performance_info must be contiguous")
     out = _C.combine_v2(
         dl(expand_x),
         dl(expert_ids),
@@ -376,6 +381,18 @@ def _(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scal
 # The Python face: mpi4py communicators instead of group ids.
 
 
+class DispatchOutputs(NamedTuple):
+    """dispatch_v2's outputs (SPEC §1.4); unpacks like the SPEC's 7-tuple."""
+
+    expand_x: Tensor  # (max(1,T)*A, H): x's dtype, int8 with quant_mode 2
+    dynamic_scales: Tensor  # (max(1,T)*A,) fp32 with quant_mode 2, else (0,)
+    assist_info_for_combine: Tensor  # (max(BS*K, A*128),) int32: for combine_v2
+    expert_token_nums: Tensor  # (L,) int64: rows per local expert (or running sum, type 0)
+    ep_recv_counts: Tensor  # (W*L*max(1,T),) int32 inclusive running sum: combine's ep_send_counts
+    tp_recv_counts: Tensor  # (max(1,T),) int32
+    expand_scales: Tensor  # (max(1,T)*A,) fp32
+
+
 def dispatch_v2(
     x: Tensor,
     expert_ids: Tensor,
@@ -386,7 +403,7 @@ def dispatch_v2(
     *,
     group_tp=None,
     **kwargs,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> DispatchOutputs:
     """SPEC §1: moves each token to the ranks that host its experts.
 
     x (BS, H) bf16/fp16/fp32; expert_ids (BS, K) int32. group_ep: an mpi4py communicator (None:
@@ -397,11 +414,15 @@ def dispatch_v2(
     shared_expert_rank_num, quant_mode, global_bs, expert_token_nums_type, comm_alg,
     zero_expert_num, copy_expert_num, const_expert_num).
 
-    Returns (expand_x, dynamic_scales ((0,) unless quant_mode 2), assist_info_for_combine,
-    expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales): SPEC §1.4.
+    Returns DispatchOutputs (expand_x, dynamic_scales ((0,) unless quant_mode 2),
+    assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales):
+    SPEC §1.4. Only the first expert_token_nums.sum() rows of expand_x are valid. No autograd:
+    dispatch_v2 and combine_v2 are forward-only.
+    Errors: moe_ep.InvalidArgumentError / UnsupportedError on this rank's bad arguments,
+    RemoteError when another rank's were bad, TimeoutError past the deadline (docs/errors.md).
     """
     gid, size, rank = _resolve(group_ep)
-    return torch.ops.moe_ep.dispatch_v2(
+    outs = torch.ops.moe_ep.dispatch_v2(
         x,
         expert_ids,
         gid,
@@ -411,6 +432,7 @@ def dispatch_v2(
         group_tp=_resolve(group_tp)[0] if group_tp is not None else 0,
         **kwargs,
     )
+    return DispatchOutputs(*outs)
 
 
 def combine_v2(
@@ -453,4 +475,4 @@ def combine_v2(
     )
 
 
-__all__: List[str] = ["combine_v2", "dispatch_v2", "group_id", "release_group"]
+__all__: List[str] = ["DispatchOutputs", "combine_v2", "dispatch_v2", "group_id", "release_group"]

@@ -263,24 +263,34 @@ def _unpermute_setup(ctx, inputs, output):
 
 def _unpermute_with_saved_setup(ctx, inputs, output):
     _unpermute_setup_common(ctx, inputs, output[1])
+    # An unused output's gradient arrives as None, not as zeros: adding +0 would turn the -0
+    # entries of grad_permuted_tokens into +0.
+    ctx.set_materialize_grads(False)
 
 
-def _unpermute_backward_common(ctx, grad_out):
-    if ctx.has_probs:
-        sorted_indices, probs, permuted = ctx.saved_tensors
-    else:
-        (sorted_indices,) = ctx.saved_tensors
-        probs = permuted = None
-    grad_permuted, grad_probs = token_unpermute_grad_v2(
-        grad_out,
-        sorted_indices,
-        ctx.permuted_rows,
-        ctx.permuted_dtype,
-        probs,
-        ctx.padded_mode,
-        ctx.restore_shape,
-        permuted,
-    )
+def _unpermute_backward(ctx, grad_out, grad_saved=None):
+    """token_unpermute's backward (SPEC §4.3) is token_unpermute_grad_v2. For _token_unpermute,
+    whose second output is a copy of permuted_tokens, a gradient flowing into that copy is added
+    to grad_permuted_tokens."""
+    grad_permuted = grad_probs = None
+    if grad_out is not None:
+        if ctx.has_probs:
+            sorted_indices, probs, permuted = ctx.saved_tensors
+        else:
+            (sorted_indices,) = ctx.saved_tensors
+            probs = permuted = None
+        grad_permuted, grad_probs = token_unpermute_grad_v2(
+            grad_out,
+            sorted_indices,
+            ctx.permuted_rows,
+            ctx.permuted_dtype,
+            probs,
+            ctx.padded_mode,
+            ctx.restore_shape,
+            permuted,
+        )
+    if grad_saved is not None:
+        grad_permuted = grad_saved if grad_permuted is None else grad_permuted + grad_saved
     want_permuted = ctx.needs_input_grad[0]
     want_probs = ctx.has_probs and ctx.needs_input_grad[2]
     return (
@@ -292,19 +302,8 @@ def _unpermute_backward_common(ctx, grad_out):
     )
 
 
-def _unpermute_backward(ctx, grad_out):
-    return _unpermute_backward_common(ctx, grad_out)
-
-
-def _unpermute_with_saved_backward(ctx, grad_out, grad_saved):
-    # The saved copy exists for the backward only; a gradient flowing into it is not supported.
-    return _unpermute_backward_common(ctx, grad_out)
-
-
 token_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
-_token_unpermute.register_autograd(
-    _unpermute_with_saved_backward, setup_context=_unpermute_with_saved_setup
-)
+_token_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_with_saved_setup)
 
 
 @torch.library.custom_op("moe_ep::token_unpermute_grad", mutates_args=())
