@@ -1,79 +1,377 @@
+// Row kernels of convert.h with Highway: compiled once per x86 target (SSSE3, SSE4, AVX2,
+// AVX-512, AVX-512 with the DL extensions, and the portable fallback) and dispatched at run time
+// to the best one the CPU supports.
+//
+// Every kernel vectorises across the element dimension only, so each element sees exactly the
+// operations the scalar definition gives it, in the same order: an fp32 product is rounded
+// before it is added (Mul then Add, never MulAdd; -ffp-contract=off keeps the compiler from
+// fusing them), sums run in the row (k) order, and one rounding to nearest even ends them. The
+// bits are therefore those of the scalar code and of ref/, on every target. dot_rows is the
+// exception that proves the rule: its sum runs along the elements, so only its products are
+// vectorised and the sums stay sequential (several rows at once, see DotGroup).
+//
+// bf16 rounding uses integer operations, not Highway's DemoteTo (which truncates) nor AVX-512
+// BF16's vcvtneps2bf16 (which flushes subnormals): round to nearest even, NaN made quiet by
+// setting bit 6 of the bf16, exactly as f32_to_bf16. fp16 uses F16C (vcvtps2ph with round to
+// nearest even, vcvtph2ps) on AVX2 and newer, where it agrees bitwise with the scalar
+// _Float16 conversions (tests/unit/test_simd.cc checks every fp16 and a dense sample of fp32);
+// older targets convert fp16 element by element with the scalar functions.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/convert.cc"
 #include "kernels/cpu/convert.h"
 
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace moe_ep::detail {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+#if HWY_TARGET <= HWY_AVX2
+constexpr bool kNativeF16 = true;
+#else
+constexpr bool kNativeF16 = false;
+#endif
+
+// Lanes(d) elements of a row of dtype kT starting at element i, as fp32.
+template <DType kT>
+HWY_INLINE VF LoadF32(DF df, const void* row, int64_t i) {
+  if constexpr (kT == DType::kF32) {
+    return hn::LoadU(df, static_cast<const float*>(row) + i);
+  } else if constexpr (kT == DType::kBF16) {
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::Rebind<uint16_t, DF> du16;
+    const auto h = hn::PromoteTo(du32, hn::LoadU(du16, static_cast<const uint16_t*>(row) + i));
+    return hn::BitCast(df, hn::ShiftLeft<16>(h));
+  } else if constexpr (kNativeF16) {
+    const hn::Rebind<hwy::float16_t, DF> df16;
+    return hn::PromoteTo(df, hn::LoadU(df16, static_cast<const hwy::float16_t*>(row) + i));
+  } else {
+    HWY_ALIGN float tmp[hn::MaxLanes(df)];
+    const auto* s = static_cast<const uint16_t*>(row) + i;
+    for (size_t l = 0; l < hn::Lanes(df); ++l) tmp[l] = f16_to_f32(s[l]);
+    return hn::Load(df, tmp);
+  }
+}
+
+// Stores Lanes(d) elements rounded to dtype kT at element i of row.
+template <DType kT>
+HWY_INLINE void StoreF32(DF df, VF v, void* row, int64_t i) {
+  if constexpr (kT == DType::kF32) {
+    hn::StoreU(v, df, static_cast<float*>(row) + i);
+  } else if constexpr (kT == DType::kBF16) {
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::RebindToSigned<DF> di32;
+    const hn::Rebind<uint16_t, DF> du16;
+    const auto u = hn::BitCast(du32, v);
+    const auto hi = hn::ShiftRight<16>(u);
+    // |u| <= 0x7fffffff, so the signed compare is exact.
+    const auto is_nan = hn::Gt(hn::BitCast(di32, hn::And(u, hn::Set(du32, 0x7fffffffu))),
+                               hn::Set(di32, 0x7f800000));
+    const auto rounded = hn::ShiftRight<16>(
+        hn::Add(u, hn::Add(hn::Set(du32, 0x7fffu), hn::And(hi, hn::Set(du32, 1)))));
+    const auto quiet = hn::Or(hi, hn::Set(du32, 0x40u));
+    const auto bits = hn::IfThenElse(hn::RebindMask(du32, is_nan), quiet, rounded);
+    // Every lane is below 2^16: the saturating demotion is exact.
+    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, static_cast<uint16_t*>(row) + i);
+  } else if constexpr (kNativeF16) {
+    const hn::Rebind<hwy::float16_t, DF> df16;
+    hn::StoreU(hn::DemoteTo(df16, v), df16, static_cast<hwy::float16_t*>(row) + i);
+  } else {
+    HWY_ALIGN float tmp[hn::MaxLanes(df)];
+    hn::Store(v, df, tmp);
+    auto* d = static_cast<uint16_t*>(row) + i;
+    for (size_t l = 0; l < hn::Lanes(df); ++l) d[l] = f32_to_f16(tmp[l]);
+  }
+}
+
+// A partial last vector goes through a vector-sized stack buffer, so no access passes the row's
+// end. Tail<kT> holds `count` < Lanes elements of dtype kT padded with zeros.
+template <DType kT>
+struct Tail {
+  HWY_ALIGN float buf[hn::MaxLanes(DF())];  // large enough for any dtype's Lanes elements
+  size_t bytes;
+  Tail(const void* row, int64_t i, size_t count) : bytes(count * dtype_size(kT)) {
+    std::memset(buf, 0, sizeof(buf));
+    std::memcpy(buf, static_cast<const char*>(row) + i * static_cast<int64_t>(dtype_size(kT)),
+                bytes);
+  }
+  VF load(DF df) const { return LoadF32<kT>(df, buf, 0); }
+};
+
+template <DType kT>
+HWY_INLINE void StoreTail(DF df, VF v, void* row, int64_t i, size_t count) {
+  HWY_ALIGN float buf[hn::MaxLanes(df)];
+  StoreF32<kT>(df, v, buf, 0);
+  std::memcpy(static_cast<char*>(row) + i * static_cast<int64_t>(dtype_size(kT)), buf,
+              count * dtype_size(kT));
+}
+
+// dst[i] = f(fp32(src[i]), old) elementwise, from a row of dtype kIn to a row of dtype kOut; old
+// is the current fp32 value of dst[i] when kReadDst (read-modify-write rows), else unused.
+template <DType kIn, DType kOut, bool kReadDst = false, class F>
+HWY_INLINE void Map(const void* src, void* dst, int64_t n, F f) {
+  const DF df;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const VF old = kReadDst ? LoadF32<kOut>(df, dst, i) : hn::Zero(df);
+    StoreF32<kOut>(df, f(LoadF32<kIn>(df, src, i), old), dst, i);
+  }
+  if (i < n) {
+    const size_t rest = static_cast<size_t>(n - i);
+    const VF old = kReadDst ? Tail<kOut>(dst, i, rest).load(df) : hn::Zero(df);
+    StoreTail<kOut>(df, f(Tail<kIn>(src, i, rest).load(df), old), dst, i, rest);
+  }
+}
+
+template <DType kT>
+void LoadRowT(float* dst, const void* src, int64_t n) {
+  Map<kT, DType::kF32>(src, dst, n, [](VF v, VF) { return v; });
+}
+template <DType kT>
+void StoreRowT(void* dst, const float* src, int64_t n) {
+  Map<DType::kF32, kT>(src, dst, n, [](VF v, VF) { return v; });
+}
+template <DType kT>
+void ScaleRowT(void* dst, const float* src, float w, int64_t n) {
+  const VF vw = hn::Set(DF(), w);
+  Map<DType::kF32, kT>(src, dst, n, [vw](VF v, VF) { return hn::Mul(v, vw); });
+}
+template <DType kT>
+void AxpyRowT(float* acc, float w, const void* src, int64_t n) {
+  const VF vw = hn::Set(DF(), w);
+  Map<kT, DType::kF32, true>(src, acc, n, [vw](VF x, VF a) {
+    const VF p = hn::Mul(vw, x);  // rounded to fp32 before the add
+    return hn::Add(a, p);
+  });
+}
+template <DType kT>
+void AddRowT(float* acc, const void* src, int64_t n) {
+  Map<kT, DType::kF32, true>(src, acc, n, [](VF x, VF a) { return hn::Add(a, x); });
+}
+
+// dst = round(sum over r (in r order) of w[r] * fp32(rows[r])), the first term starting the sum.
+// Columns are processed kBlock vectors at a time with the accumulators in registers, so each
+// source row is read once and nothing but the output is written.
+template <DType kIn, DType kOut, bool kWeighted>
+void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n) {
+  const DF df;
+  constexpr int64_t kBlock = 4;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  auto term = [&](const VF& x, int64_t r) {
+    if constexpr (kWeighted) return hn::Mul(hn::Set(df, w[r]), x);
+    return x;
+  };
+  int64_t i = 0;
+  for (; i + kBlock * lanes <= n; i += kBlock * lanes) {
+    VF a0 = term(LoadF32<kIn>(df, rows[0], i), 0);
+    VF a1 = term(LoadF32<kIn>(df, rows[0], i + lanes), 0);
+    VF a2 = term(LoadF32<kIn>(df, rows[0], i + 2 * lanes), 0);
+    VF a3 = term(LoadF32<kIn>(df, rows[0], i + 3 * lanes), 0);
+    for (int64_t r = 1; r < count; ++r) {
+      a0 = hn::Add(a0, term(LoadF32<kIn>(df, rows[r], i), r));
+      a1 = hn::Add(a1, term(LoadF32<kIn>(df, rows[r], i + lanes), r));
+      a2 = hn::Add(a2, term(LoadF32<kIn>(df, rows[r], i + 2 * lanes), r));
+      a3 = hn::Add(a3, term(LoadF32<kIn>(df, rows[r], i + 3 * lanes), r));
+    }
+    StoreF32<kOut>(df, a0, dst, i);
+    StoreF32<kOut>(df, a1, dst, i + lanes);
+    StoreF32<kOut>(df, a2, dst, i + 2 * lanes);
+    StoreF32<kOut>(df, a3, dst, i + 3 * lanes);
+  }
+  for (; i + lanes <= n; i += lanes) {
+    VF a = term(LoadF32<kIn>(df, rows[0], i), 0);
+    for (int64_t r = 1; r < count; ++r) a = hn::Add(a, term(LoadF32<kIn>(df, rows[r], i), r));
+    StoreF32<kOut>(df, a, dst, i);
+  }
+  if (i < n) {
+    const size_t rest = static_cast<size_t>(n - i);
+    VF a = term(Tail<kIn>(rows[0], i, rest).load(df), 0);
+    for (int64_t r = 1; r < count; ++r)
+      a = hn::Add(a, term(Tail<kIn>(rows[r], i, rest).load(df), r));
+    StoreTail<kOut>(df, a, dst, i, rest);
+  }
+}
+
+// out[r] = g[0]*x_r[0] + g[1]*x_r[1] + ... in element order, for kRows rows at once: the products
+// of a block of columns are computed a vector at a time into a small buffer, then kRows
+// independent sequential sums (kept in registers) walk the block.
+template <DType kT, int kRows>
+void DotGroup(float* out, const float* g, const void* const* rows, int64_t n) {
+  const DF df;
+  constexpr int64_t kCols = 512;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  HWY_ALIGN float prod[kRows][kCols];
+  float acc[kRows] = {};
+  for (int64_t c0 = 0; c0 < n; c0 += kCols) {
+    const int64_t len = n - c0 < kCols ? n - c0 : kCols;
+    for (int r = 0; r < kRows; ++r) {
+      int64_t c = 0;
+      for (; c + lanes <= len; c += lanes)
+        hn::Store(hn::Mul(hn::LoadU(df, g + c0 + c), LoadF32<kT>(df, rows[r], c0 + c)), df,
+                  prod[r] + c);
+      if (c < len) {
+        const size_t rest = static_cast<size_t>(len - c);
+        const VF x = Tail<kT>(rows[r], c0 + c, rest).load(df);
+        HWY_ALIGN float gt[hn::MaxLanes(df)] = {};
+        std::memcpy(gt, g + c0 + c, rest * sizeof(float));
+        hn::Store(hn::Mul(hn::Load(df, gt), x), df, prod[r] + c);
+      }
+    }
+    int64_t c = 0;
+    if (c0 == 0) {  // the first product starts each sum (an empty sum would be +0, not -0)
+      for (int r = 0; r < kRows; ++r) acc[r] = prod[r][0];
+      c = 1;
+    }
+    for (; c < len; ++c)
+      for (int r = 0; r < kRows; ++r) acc[r] += prod[r][c];
+  }
+  for (int r = 0; r < kRows; ++r) out[r] = n > 0 ? acc[r] : 0.0f;
+}
+
+template <DType kT>
+void DotRowsT(float* out, const float* g, const void* const* rows, int64_t count, int64_t n) {
+  int64_t r = 0;
+  for (; r + 8 <= count; r += 8) DotGroup<kT, 8>(out + r, g, rows + r, n);
+  if (r + 4 <= count) DotGroup<kT, 4>(out + r, g, rows + r, n), r += 4;
+  if (r + 2 <= count) DotGroup<kT, 2>(out + r, g, rows + r, n), r += 2;
+  if (r < count) DotGroup<kT, 1>(out + r, g, rows + r, n);
+}
+
+// Run-time dtype -> compile-time dtype.
+template <template <DType> class F, typename... Args>
+HWY_INLINE void ByDType(DType dtype, Args... args) {
+  switch (dtype) {
+    case DType::kBF16:
+      return F<DType::kBF16>::run(args...);
+    case DType::kF16:
+      return F<DType::kF16>::run(args...);
+    default:
+      return F<DType::kF32>::run(args...);
+  }
+}
+
+template <DType kT>
+struct LoadRowF {
+  static void run(float* dst, const void* src, int64_t n) { LoadRowT<kT>(dst, src, n); }
+};
+template <DType kT>
+struct StoreRowF {
+  static void run(void* dst, const float* src, int64_t n) { StoreRowT<kT>(dst, src, n); }
+};
+template <DType kT>
+struct ScaleRowF {
+  static void run(void* dst, const float* src, float w, int64_t n) {
+    ScaleRowT<kT>(dst, src, w, n);
+  }
+};
+template <DType kT>
+struct AxpyRowF {
+  static void run(float* acc, float w, const void* src, int64_t n) { AxpyRowT<kT>(acc, w, src, n); }
+};
+template <DType kT>
+struct AddRowF {
+  static void run(float* acc, const void* src, int64_t n) { AddRowT<kT>(acc, src, n); }
+};
+template <DType kT>
+struct DotRowsF {
+  static void run(float* out, const float* g, const void* const* rows, int64_t count, int64_t n) {
+    DotRowsT<kT>(out, g, rows, count, n);
+  }
+};
+template <DType kIn>
+struct SumRowsF {
+  template <DType kOut>
+  struct To {
+    static void run(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n) {
+      if (w != nullptr) {
+        SumRowsT<kIn, kOut, true>(dst, rows, w, count, n);
+      } else {
+        SumRowsT<kIn, kOut, false>(dst, rows, w, count, n);
+      }
+    }
+  };
+};
+
+void LoadRow(float* dst, const void* src, DType dtype, int64_t n) {
+  ByDType<LoadRowF>(dtype, dst, src, n);
+}
+void StoreRow(void* dst, DType dtype, const float* src, int64_t n) {
+  ByDType<StoreRowF>(dtype, dst, src, n);
+}
+void ScaleRow(void* dst, DType dtype, const float* src, float w, int64_t n) {
+  ByDType<ScaleRowF>(dtype, dst, src, w, n);
+}
+void AxpyRow(float* acc, float w, const void* src, DType dtype, int64_t n) {
+  ByDType<AxpyRowF>(dtype, acc, w, src, n);
+}
+void AddRow(float* acc, const void* src, DType dtype, int64_t n) {
+  ByDType<AddRowF>(dtype, acc, src, n);
+}
+void DotRows(float* out, const float* g, const void* const* rows, int64_t count, DType dtype,
+             int64_t n) {
+  ByDType<DotRowsF>(dtype, out, g, rows, count, n);
+}
+void SumRows(void* dst, DType dst_dtype, const void* const* rows, const float* w, int64_t count,
+             DType src_dtype, int64_t n) {
+  switch (src_dtype) {
+    case DType::kBF16:
+      return ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n);
+    case DType::kF16:
+      return ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n);
+    default:
+      return ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n);
+  }
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace moe_ep::detail
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
 namespace moe_ep::detail {
 
-namespace {
-template <typename Load>
-void axpy_impl(float* __restrict acc, float w, int64_t n, Load load) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float p = w * load(i);  // rounded to fp32 here: -ffp-contract=off keeps it separate
-    acc[i] += p;
-  }
-}
-}  // namespace
-
-void axpy_row_f32(float* acc, float w, const void* src, DType dtype, int64_t n) {
-  switch (dtype) {
-    case DType::kBF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      axpy_impl(acc, w, n, [s](int64_t i) { return bf16_to_f32(s[i]); });
-      break;
-    }
-    case DType::kF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      axpy_impl(acc, w, n, [s](int64_t i) { return f16_to_f32(s[i]); });
-      break;
-    }
-    default: {
-      const auto* s = static_cast<const float*>(src);
-      axpy_impl(acc, w, n, [s](int64_t i) { return s[i]; });
-      break;
-    }
-  }
-}
-
-void add_row_f32(float* acc, const void* src, DType dtype, int64_t n) {
-  switch (dtype) {
-    case DType::kBF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) acc[i] += bf16_to_f32(s[i]);
-      break;
-    }
-    case DType::kF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) acc[i] += f16_to_f32(s[i]);
-      break;
-    }
-    default: {
-      const auto* s = static_cast<const float*>(src);
-      for (int64_t i = 0; i < n; ++i) acc[i] += s[i];
-      break;
-    }
-  }
-}
-
-void store_row_f32(void* dst, DType dtype, const float* src, int64_t n) {
-  switch (dtype) {
-    case DType::kBF16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
-      break;
-    }
-    case DType::kF16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
-      break;
-    }
-    default: {
-      auto* d = static_cast<float*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = src[i];
-      break;
-    }
-  }
-}
+HWY_EXPORT(LoadRow);
+HWY_EXPORT(StoreRow);
+HWY_EXPORT(ScaleRow);
+HWY_EXPORT(AxpyRow);
+HWY_EXPORT(AddRow);
+HWY_EXPORT(DotRows);
+HWY_EXPORT(SumRows);
 
 void load_row_f32(float* dst, const void* src, DType dtype, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = load_f32(src, dtype, i);
+  HWY_DYNAMIC_DISPATCH(LoadRow)(dst, src, dtype, n);
+}
+void store_row_f32(void* dst, DType dtype, const float* src, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(StoreRow)(dst, dtype, src, n);
+}
+void scale_row_f32(void* dst, DType dtype, const float* src, float w, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(ScaleRow)(dst, dtype, src, w, n);
+}
+void axpy_row_f32(float* acc, float w, const void* src, DType dtype, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AxpyRow)(acc, w, src, dtype, n);
+}
+void add_row_f32(float* acc, const void* src, DType dtype, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AddRow)(acc, src, dtype, n);
+}
+void dot_rows_f32(float* out, const float* g, const void* const* rows, int64_t count, DType dtype,
+                  int64_t n) {
+  HWY_DYNAMIC_DISPATCH(DotRows)(out, g, rows, count, dtype, n);
+}
+void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
+              int64_t count, DType src_dtype, int64_t n) {
+  if (count == 0) {
+    std::memset(dst, 0, static_cast<std::size_t>(n) * dtype_size(dst_dtype));
+    return;
+  }
+  HWY_DYNAMIC_DISPATCH(SumRows)(dst, dst_dtype, rows, weights, count, src_dtype, n);
 }
 
 }  // namespace moe_ep::detail
+#endif  // HWY_ONCE
