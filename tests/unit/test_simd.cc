@@ -254,20 +254,27 @@ TEST(Simd, DotRowsKeepElementOrder) {
     for (DType dtype : kFloatDTypes)
       for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{31}, int64_t{513},
                         int64_t{1030}, int64_t{7171}})
-        for (int64_t count : {0, 1, 2, 3, 5, 8, 15}) {
+        for (int64_t count : {0, 1, 2, 3, 5, 8, 15, 16, 17, 33}) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
                        " count=" + std::to_string(count));
-          std::vector<float> g = f32_row(rng, n, true);
+          // Three grad rows shared round-robin, as a token's rows share its grad_out row.
+          std::vector<std::vector<float>> g;
+          for (int k = 0; k < 3; ++k) g.push_back(f32_row(rng, n, true));
           std::vector<std::vector<uint16_t>> rows;
           std::vector<const void*> ptrs;
-          for (int64_t r = 0; r < count; ++r) rows.push_back(make_row(rng, dtype, n, false));
+          std::vector<const float*> gs;
+          for (int64_t r = 0; r < count; ++r) {
+            rows.push_back(make_row(rng, dtype, n, false));
+            gs.push_back(g[static_cast<std::size_t>(r % 3)].data());
+          }
           for (auto& r : rows) ptrs.push_back(r.data());
           std::vector<float> got(static_cast<std::size_t>(count) + 1, 2.0f);
-          detail::dot_rows_f32(got.data(), g.data(), ptrs.data(), count, dtype, n);
+          detail::dot_rows_f32(got.data(), gs.data(), ptrs.data(), count, dtype, n);
           for (int64_t r = 0; r < count; ++r) {
+            const float* gr = gs[static_cast<std::size_t>(r)];
             float dot = 0.0f;
             for (int64_t i = 0; i < n; ++i) {
-              const float t = g[i] * detail::load_f32(ptrs[static_cast<std::size_t>(r)], dtype, i);
+              const float t = gr[i] * detail::load_f32(ptrs[static_cast<std::size_t>(r)], dtype, i);
               dot = i == 0 ? t : dot + t;
             }
             SCOPED_TRACE("row " + std::to_string(r));
@@ -288,7 +295,8 @@ TEST(Simd, DotRowsIsSequential) {
   const void* row = x.data();
   for_each_target([&] {
     float out = -1.0f;
-    detail::dot_rows_f32(&out, g.data(), &row, 1, DType::kF32, 64);
+    const float* gp = g.data();
+    detail::dot_rows_f32(&out, &gp, &row, 1, DType::kF32, 64);
     EXPECT_EQ(out, 0.0f);
   });
 }

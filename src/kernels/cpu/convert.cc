@@ -8,7 +8,7 @@
 // fusing them), sums run in the row (k) order, and one rounding to nearest even ends them. The
 // bits are therefore those of the scalar code and of ref/, on every target. dot_rows is the
 // exception that proves the rule: its sum runs along the elements, so only its products are
-// vectorised and the sums stay sequential (several rows at once, see DotGroup).
+// vectorised and the sums stay sequential (up to 16 rows at once, one lane each: DotQuads).
 //
 // bf16 rounding uses integer operations, not Highway's DemoteTo (which truncates) nor AVX-512
 // BF16's vcvtneps2bf16 (which flushes subnormals): round to nearest even, NaN made quiet by
@@ -198,49 +198,104 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
   }
 }
 
-// out[r] = g[0]*x_r[0] + g[1]*x_r[1] + ... in element order, for kRows rows at once: the products
-// of a block of columns are computed a vector at a time into a small buffer, then kRows
-// independent sequential sums (kept in registers) walk the block.
-template <DType kT, int kRows>
-void DotGroup(float* out, const float* g, const void* const* rows, int64_t n) {
+// out[r] = g_r[0]*x_r[0] + g_r[1]*x_r[1] + ... in element order, for up to 4*kQuads rows at once.
+// The sums are sequential, so the only parallelism is across rows: the products of a block of
+// columns are computed a vector at a time and stored interleaved by groups of four rows
+// (buf[q][c][j] = product of row 4q+j at column c), and then kQuads four-lane vectors, one lane
+// per row, accumulate column after column: kQuads independent chains of one add per column.
+template <DType kT, int kQuads>
+void DotQuads(float* out, const float* const* g, const void* const* rows, int64_t count,
+              int64_t n) {
+  constexpr int kRows = 4 * kQuads;
+  constexpr int64_t kCols = 256;
   const DF df;
-  constexpr int64_t kCols = 512;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
-  HWY_ALIGN float prod[kRows][kCols];
-  float acc[kRows] = {};
+  const float* gp[kRows];
+  const void* xp[kRows];
+  for (int r = 0; r < kRows; ++r) {  // padding rows repeat row 0; their results are dropped
+    gp[r] = g[r < count ? r : 0];
+    xp[r] = rows[r < count ? r : 0];
+  }
+  HWY_ALIGN float buf[kQuads][kCols * 4];
+#if HWY_TARGET == HWY_SCALAR
+  float acc[kQuads][4] = {};
+#else
+  const hn::FixedTag<float, 4> d4;
+  hn::Vec<decltype(d4)> acc[kQuads];
+  for (int q = 0; q < kQuads; ++q) acc[q] = hn::Zero(d4);
+#endif
   for (int64_t c0 = 0; c0 < n; c0 += kCols) {
     const int64_t len = n - c0 < kCols ? n - c0 : kCols;
-    for (int r = 0; r < kRows; ++r) {
+    for (int q = 0; q < kQuads; ++q) {
+      const float* const* gq = gp + 4 * q;
+      const void* const* xq = xp + 4 * q;
       int64_t c = 0;
-      for (; c + lanes <= len; c += lanes)
-        hn::Store(hn::Mul(hn::LoadU(df, g + c0 + c), LoadF32<kT>(df, rows[r], c0 + c)), df,
-                  prod[r] + c);
+      for (; c + lanes <= len; c += lanes) {
+        const int64_t at = c0 + c;
+        hn::StoreInterleaved4(hn::Mul(hn::LoadU(df, gq[0] + at), LoadF32<kT>(df, xq[0], at)),
+                              hn::Mul(hn::LoadU(df, gq[1] + at), LoadF32<kT>(df, xq[1], at)),
+                              hn::Mul(hn::LoadU(df, gq[2] + at), LoadF32<kT>(df, xq[2], at)),
+                              hn::Mul(hn::LoadU(df, gq[3] + at), LoadF32<kT>(df, xq[3], at)), df,
+                              buf[q] + 4 * c);
+      }
       if (c < len) {
         const size_t rest = static_cast<size_t>(len - c);
-        const VF x = Tail<kT>(rows[r], c0 + c, rest).load(df);
-        HWY_ALIGN float gt[hn::MaxLanes(df)] = {};
-        std::memcpy(gt, g + c0 + c, rest * sizeof(float));
-        hn::Store(hn::Mul(hn::Load(df, gt), x), df, prod[r] + c);
+        VF p[4];
+        for (int j = 0; j < 4; ++j) {
+          const VF gt = Tail<DType::kF32>(gq[j], c0 + c, rest).load(df);
+          p[j] = hn::Mul(gt, Tail<kT>(xq[j], c0 + c, rest).load(df));
+        }
+        HWY_ALIGN float tmp[4 * hn::MaxLanes(df)];
+        hn::StoreInterleaved4(p[0], p[1], p[2], p[3], df, tmp);
+        std::memcpy(buf[q] + 4 * c, tmp, 4 * rest * sizeof(float));
       }
     }
     int64_t c = 0;
+#if HWY_TARGET == HWY_SCALAR
     if (c0 == 0) {  // the first product starts each sum (an empty sum would be +0, not -0)
-      for (int r = 0; r < kRows; ++r) acc[r] = prod[r][0];
+      for (int q = 0; q < kQuads; ++q)
+        for (int j = 0; j < 4; ++j) acc[q][j] = buf[q][j];
       c = 1;
     }
     for (; c < len; ++c)
-      for (int r = 0; r < kRows; ++r) acc[r] += prod[r][c];
+      for (int q = 0; q < kQuads; ++q)
+        for (int j = 0; j < 4; ++j) acc[q][j] += buf[q][4 * c + j];
   }
-  for (int r = 0; r < kRows; ++r) out[r] = n > 0 ? acc[r] : 0.0f;
+  for (int r = 0; r < count; ++r) out[r] = n > 0 ? acc[r / 4][r % 4] : 0.0f;
+#else
+    if (c0 == 0) {  // the first product starts each sum (an empty sum would be +0, not -0)
+      for (int q = 0; q < kQuads; ++q) acc[q] = hn::Load(d4, buf[q]);
+      c = 1;
+    }
+    for (; c < len; ++c)
+      for (int q = 0; q < kQuads; ++q) acc[q] = hn::Add(acc[q], hn::Load(d4, buf[q] + 4 * c));
+  }
+  HWY_ALIGN float res[kRows];
+  for (int q = 0; q < kQuads; ++q) hn::Store(acc[q], d4, res + 4 * q);
+  for (int r = 0; r < count; ++r) out[r] = n > 0 ? res[r] : 0.0f;
+#endif
 }
 
 template <DType kT>
-void DotRowsT(float* out, const float* g, const void* const* rows, int64_t count, int64_t n) {
-  int64_t r = 0;
-  for (; r + 8 <= count; r += 8) DotGroup<kT, 8>(out + r, g, rows + r, n);
-  if (r + 4 <= count) DotGroup<kT, 4>(out + r, g, rows + r, n), r += 4;
-  if (r + 2 <= count) DotGroup<kT, 2>(out + r, g, rows + r, n), r += 2;
-  if (r < count) DotGroup<kT, 1>(out + r, g, rows + r, n);
+void DotRowsT(float* out, const float* const* g, const void* const* rows, int64_t count,
+              int64_t n) {
+  for (int64_t r = 0; r < count; r += 16) {
+    const int64_t c = count - r < 16 ? count - r : 16;
+    switch ((c + 3) / 4) {
+      case 1:
+        DotQuads<kT, 1>(out + r, g + r, rows + r, c, n);
+        break;
+      case 2:
+        DotQuads<kT, 2>(out + r, g + r, rows + r, c, n);
+        break;
+      case 3:
+        DotQuads<kT, 3>(out + r, g + r, rows + r, c, n);
+        break;
+      default:
+        DotQuads<kT, 4>(out + r, g + r, rows + r, c, n);
+        break;
+    }
+  }
 }
 
 // Run-time dtype -> compile-time dtype.
@@ -280,7 +335,8 @@ struct AddRowF {
 };
 template <DType kT>
 struct DotRowsF {
-  static void run(float* out, const float* g, const void* const* rows, int64_t count, int64_t n) {
+  static void run(float* out, const float* const* g, const void* const* rows, int64_t count,
+                  int64_t n) {
     DotRowsT<kT>(out, g, rows, count, n);
   }
 };
@@ -313,7 +369,7 @@ void AxpyRow(float* acc, float w, const void* src, DType dtype, int64_t n) {
 void AddRow(float* acc, const void* src, DType dtype, int64_t n) {
   ByDType<AddRowF>(dtype, acc, src, n);
 }
-void DotRows(float* out, const float* g, const void* const* rows, int64_t count, DType dtype,
+void DotRows(float* out, const float* const* g, const void* const* rows, int64_t count, DType dtype,
              int64_t n) {
   ByDType<DotRowsF>(dtype, out, g, rows, count, n);
 }
@@ -360,8 +416,8 @@ void axpy_row_f32(float* acc, float w, const void* src, DType dtype, int64_t n) 
 void add_row_f32(float* acc, const void* src, DType dtype, int64_t n) {
   HWY_DYNAMIC_DISPATCH(AddRow)(acc, src, dtype, n);
 }
-void dot_rows_f32(float* out, const float* g, const void* const* rows, int64_t count, DType dtype,
-                  int64_t n) {
+void dot_rows_f32(float* out, const float* const* g, const void* const* rows, int64_t count,
+                  DType dtype, int64_t n) {
   HWY_DYNAMIC_DISPATCH(DotRows)(out, g, rows, count, dtype, n);
 }
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,

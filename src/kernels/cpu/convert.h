@@ -84,10 +84,11 @@ void scale_row_f32(void* dst, DType dtype, const float* src, float w, int64_t n)
 // row is read once (the accumulators stay in registers), so this is one pass over the inputs.
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
               int64_t count, DType src_dtype, int64_t n);
-// out[r] = g[0]*x[0] + g[1]*x[1] + ... + g[n-1]*x[n-1] for x = fp32(rows[r]), r < count: products
-// rounded to fp32, summed sequentially in element order starting from the first product (0 when
-// n == 0). Only the products are vectorised; the sums keep their order.
-void dot_rows_f32(float* out, const float* g, const void* const* rows, int64_t count, DType dtype,
-                  int64_t n);
+// out[r] = g[r][0]*x[0] + g[r][1]*x[1] + ... + g[r][n-1]*x[n-1] for x = fp32(rows[r]), r < count
+// (g[r]: n fp32 values; rows may share them): products rounded to fp32, summed sequentially in
+// element order starting from the first product (0 when n == 0). The sums keep their order:
+// rows, not elements, share the vectors, so pass many rows at once (16 fill an AVX-512 pass).
+void dot_rows_f32(float* out, const float* const* g, const void* const* rows, int64_t count,
+                  DType dtype, int64_t n);
 
 }  // namespace moe_ep::detail
