@@ -285,6 +285,39 @@ TEST(Simd, DotRowsKeepElementOrder) {
   });
 }
 
+// Non-temporal stores (stream = true) write the same bytes as ordinary ones, aligned or not (an
+// unaligned destination falls back to ordinary stores), and nothing past the end.
+TEST(Simd, StreamingStoresWriteTheSameBytes) {
+  for_each_target([] {
+    std::mt19937_64 rng(17);
+    for (int64_t n : kLengths)
+      for (std::size_t offset : {std::size_t{0}, std::size_t{2}}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " offset=" + std::to_string(offset));
+        const std::size_t bytes = static_cast<std::size_t>(n) * 2;
+        const std::vector<uint16_t> src = make_row(rng, DType::kBF16, n, true);
+        const std::vector<float> f = f32_row(rng, n, true);
+        // 64-byte aligned storage; offset 2 misaligns the destination.
+        std::vector<float> a(static_cast<std::size_t>(n) + 64, 0.0f), b(a.size(), 0.0f);
+        auto* pa = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(a.data()) + 63) / 64 * 64) +
+                   offset;
+        auto* pb = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(b.data()) + 63) / 64 * 64) +
+                   offset;
+        detail::copy_row(pa, src.data(), bytes, true);
+        std::memcpy(pb, src.data(), bytes);
+        expect_same_bytes(pa, pb, bytes + 8);
+        detail::scale_row_f32(pa, DType::kBF16, f.data(), 0.75f, n, true);
+        detail::scale_row_f32(pb, DType::kBF16, f.data(), 0.75f, n, false);
+        expect_same_bytes(pa, pb, bytes + 8);
+        const void* rows[2] = {src.data(), src.data()};
+        const float w[2] = {0.5f, -3.0f};
+        detail::sum_rows(pa, DType::kBF16, rows, w, 2, DType::kBF16, n, true);
+        detail::sum_rows(pb, DType::kBF16, rows, w, 2, DType::kBF16, n, false);
+        expect_same_or_nan(DType::kBF16, pa, pb, n);
+        expect_same_bytes(pa + bytes, pb + bytes, 8);
+      }
+  });
+}
+
 // A dot product whose value depends on the order: in h order the 1 is absorbed by 2^24 and the
 // result is 0; a tree reduction would give 1 or 2.
 TEST(Simd, DotRowsIsSequential) {

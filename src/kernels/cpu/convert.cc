@@ -21,6 +21,7 @@
 #include "kernels/cpu/convert.h"
 
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 HWY_BEFORE_NAMESPACE();
@@ -58,11 +59,23 @@ HWY_INLINE VF LoadF32(DF df, const void* row, int64_t i) {
   }
 }
 
-// Stores Lanes(d) elements rounded to dtype kT at element i of row.
+// v at p; stream: a non-temporal store, p must be aligned to the vector's size. Only vectors of
+// 16 bytes or more are streamed: Highway 1.0.3 streams a partial 128-bit vector (e.g. four bf16
+// on SSE4) as a whole 16 bytes.
+template <class D, class T>
+HWY_INLINE void Put(hn::Vec<D> v, D d, T* p, bool stream) {
+  if (stream && hn::Lanes(d) * sizeof(T) >= 16) {
+    hn::Stream(v, d, p);
+  } else {
+    hn::StoreU(v, d, p);
+  }
+}
+
+// Stores Lanes(d) elements rounded to dtype kT at element i of row (non-temporal when stream).
 template <DType kT>
-HWY_INLINE void StoreF32(DF df, VF v, void* row, int64_t i) {
+HWY_INLINE void StoreF32(DF df, VF v, void* row, int64_t i, bool stream = false) {
   if constexpr (kT == DType::kF32) {
-    hn::StoreU(v, df, static_cast<float*>(row) + i);
+    Put(v, df, static_cast<float*>(row) + i, stream);
   } else if constexpr (kT == DType::kBF16) {
     const hn::RebindToUnsigned<DF> du32;
     const hn::RebindToSigned<DF> di32;
@@ -77,10 +90,10 @@ HWY_INLINE void StoreF32(DF df, VF v, void* row, int64_t i) {
     const auto quiet = hn::Or(hi, hn::Set(du32, 0x40u));
     const auto bits = hn::IfThenElse(hn::RebindMask(du32, is_nan), quiet, rounded);
     // Every lane is below 2^16: the saturating demotion is exact.
-    hn::StoreU(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, static_cast<uint16_t*>(row) + i);
+    Put(hn::DemoteTo(du16, hn::BitCast(di32, bits)), du16, static_cast<uint16_t*>(row) + i, stream);
   } else if constexpr (kNativeF16) {
     const hn::Rebind<hwy::float16_t, DF> df16;
-    hn::StoreU(hn::DemoteTo(df16, v), df16, static_cast<hwy::float16_t*>(row) + i);
+    Put(hn::DemoteTo(df16, v), df16, static_cast<hwy::float16_t*>(row) + i, stream);
   } else {
     HWY_ALIGN float tmp[hn::MaxLanes(df)];
     hn::Store(v, df, tmp);
@@ -114,13 +127,13 @@ HWY_INLINE void StoreTail(DF df, VF v, void* row, int64_t i, size_t count) {
 // dst[i] = f(fp32(src[i]), old) elementwise, from a row of dtype kIn to a row of dtype kOut; old
 // is the current fp32 value of dst[i] when kReadDst (read-modify-write rows), else unused.
 template <DType kIn, DType kOut, bool kReadDst = false, class F>
-HWY_INLINE void Map(const void* src, void* dst, int64_t n, F f) {
+HWY_INLINE void Map(const void* src, void* dst, int64_t n, F f, bool stream = false) {
   const DF df;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
   int64_t i = 0;
   for (; i + lanes <= n; i += lanes) {
     const VF old = kReadDst ? LoadF32<kOut>(df, dst, i) : hn::Zero(df);
-    StoreF32<kOut>(df, f(LoadF32<kIn>(df, src, i), old), dst, i);
+    StoreF32<kOut>(df, f(LoadF32<kIn>(df, src, i), old), dst, i, stream);
   }
   if (i < n) {
     const size_t rest = static_cast<size_t>(n - i);
@@ -138,9 +151,10 @@ void StoreRowT(void* dst, const float* src, int64_t n) {
   Map<DType::kF32, kT>(src, dst, n, [](VF v, VF) { return v; });
 }
 template <DType kT>
-void ScaleRowT(void* dst, const float* src, float w, int64_t n) {
+void ScaleRowT(void* dst, const float* src, float w, int64_t n, bool stream) {
   const VF vw = hn::Set(DF(), w);
-  Map<DType::kF32, kT>(src, dst, n, [vw](VF v, VF) { return hn::Mul(v, vw); });
+  Map<DType::kF32, kT>(
+      src, dst, n, [vw](VF v, VF) { return hn::Mul(v, vw); }, stream);
 }
 template <DType kT>
 void AxpyRowT(float* acc, float w, const void* src, int64_t n) {
@@ -159,7 +173,8 @@ void AddRowT(float* acc, const void* src, int64_t n) {
 // Columns are processed kBlock vectors at a time with the accumulators in registers, so each
 // source row is read once and nothing but the output is written.
 template <DType kIn, DType kOut, bool kWeighted>
-void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n) {
+void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n,
+              bool stream) {
   const DF df;
   constexpr int64_t kBlock = 4;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
@@ -179,15 +194,15 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
       a2 = hn::Add(a2, term(LoadF32<kIn>(df, rows[r], i + 2 * lanes), r));
       a3 = hn::Add(a3, term(LoadF32<kIn>(df, rows[r], i + 3 * lanes), r));
     }
-    StoreF32<kOut>(df, a0, dst, i);
-    StoreF32<kOut>(df, a1, dst, i + lanes);
-    StoreF32<kOut>(df, a2, dst, i + 2 * lanes);
-    StoreF32<kOut>(df, a3, dst, i + 3 * lanes);
+    StoreF32<kOut>(df, a0, dst, i, stream);
+    StoreF32<kOut>(df, a1, dst, i + lanes, stream);
+    StoreF32<kOut>(df, a2, dst, i + 2 * lanes, stream);
+    StoreF32<kOut>(df, a3, dst, i + 3 * lanes, stream);
   }
   for (; i + lanes <= n; i += lanes) {
     VF a = term(LoadF32<kIn>(df, rows[0], i), 0);
     for (int64_t r = 1; r < count; ++r) a = hn::Add(a, term(LoadF32<kIn>(df, rows[r], i), r));
-    StoreF32<kOut>(df, a, dst, i);
+    StoreF32<kOut>(df, a, dst, i, stream);
   }
   if (i < n) {
     const size_t rest = static_cast<size_t>(n - i);
@@ -321,8 +336,8 @@ struct StoreRowF {
 };
 template <DType kT>
 struct ScaleRowF {
-  static void run(void* dst, const float* src, float w, int64_t n) {
-    ScaleRowT<kT>(dst, src, w, n);
+  static void run(void* dst, const float* src, float w, int64_t n, bool stream) {
+    ScaleRowT<kT>(dst, src, w, n, stream);
   }
 };
 template <DType kT>
@@ -344,11 +359,12 @@ template <DType kIn>
 struct SumRowsF {
   template <DType kOut>
   struct To {
-    static void run(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n) {
+    static void run(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n,
+                    bool stream) {
       if (w != nullptr) {
-        SumRowsT<kIn, kOut, true>(dst, rows, w, count, n);
+        SumRowsT<kIn, kOut, true>(dst, rows, w, count, n, stream);
       } else {
-        SumRowsT<kIn, kOut, false>(dst, rows, w, count, n);
+        SumRowsT<kIn, kOut, false>(dst, rows, w, count, n, stream);
       }
     }
   };
@@ -360,8 +376,27 @@ void LoadRow(float* dst, const void* src, DType dtype, int64_t n) {
 void StoreRow(void* dst, DType dtype, const float* src, int64_t n) {
   ByDType<StoreRowF>(dtype, dst, src, n);
 }
-void ScaleRow(void* dst, DType dtype, const float* src, float w, int64_t n) {
-  ByDType<ScaleRowF>(dtype, dst, src, w, n);
+void ScaleRow(void* dst, DType dtype, const float* src, float w, int64_t n, bool stream) {
+  ByDType<ScaleRowF>(dtype, dst, src, w, n, stream);
+  if (stream) hwy::FlushStream();
+}
+void CopyRow(void* dst, const void* src, size_t bytes, bool stream) {
+  const hn::ScalableTag<uint8_t> d8;
+  const size_t lanes = hn::Lanes(d8);
+  auto* out = static_cast<uint8_t*>(dst);
+  const auto* in = static_cast<const uint8_t*>(src);
+  size_t i = 0;
+  for (; i + 4 * lanes <= bytes; i += 4 * lanes) {
+    const auto v0 = hn::LoadU(d8, in + i), v1 = hn::LoadU(d8, in + i + lanes);
+    const auto v2 = hn::LoadU(d8, in + i + 2 * lanes), v3 = hn::LoadU(d8, in + i + 3 * lanes);
+    Put(v0, d8, out + i, stream);
+    Put(v1, d8, out + i + lanes, stream);
+    Put(v2, d8, out + i + 2 * lanes, stream);
+    Put(v3, d8, out + i + 3 * lanes, stream);
+  }
+  for (; i + lanes <= bytes; i += lanes) Put(hn::LoadU(d8, in + i), d8, out + i, stream);
+  if (i < bytes) std::memcpy(out + i, in + i, bytes - i);
+  if (stream) hwy::FlushStream();
 }
 void AxpyRow(float* acc, float w, const void* src, DType dtype, int64_t n) {
   ByDType<AxpyRowF>(dtype, acc, w, src, n);
@@ -374,15 +409,19 @@ void DotRows(float* out, const float* const* g, const void* const* rows, int64_t
   ByDType<DotRowsF>(dtype, out, g, rows, count, n);
 }
 void SumRows(void* dst, DType dst_dtype, const void* const* rows, const float* w, int64_t count,
-             DType src_dtype, int64_t n) {
+             DType src_dtype, int64_t n, bool stream) {
   switch (src_dtype) {
     case DType::kBF16:
-      return ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n);
+      ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n, stream);
+      break;
     case DType::kF16:
-      return ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n);
+      ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n, stream);
+      break;
     default:
-      return ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n);
+      ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n, stream);
+      break;
   }
+  if (stream) hwy::FlushStream();
 }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)
@@ -400,6 +439,15 @@ HWY_EXPORT(AxpyRow);
 HWY_EXPORT(AddRow);
 HWY_EXPORT(DotRows);
 HWY_EXPORT(SumRows);
+HWY_EXPORT(CopyRow);
+
+namespace {
+// Non-temporal stores need addresses aligned to the vector; a row that starts on a 64-byte
+// boundary gives every full vector of it such an address.
+bool can_stream(const void* dst, bool stream) {
+  return stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0;
+}
+}  // namespace
 
 void load_row_f32(float* dst, const void* src, DType dtype, int64_t n) {
   HWY_DYNAMIC_DISPATCH(LoadRow)(dst, src, dtype, n);
@@ -407,8 +455,11 @@ void load_row_f32(float* dst, const void* src, DType dtype, int64_t n) {
 void store_row_f32(void* dst, DType dtype, const float* src, int64_t n) {
   HWY_DYNAMIC_DISPATCH(StoreRow)(dst, dtype, src, n);
 }
-void scale_row_f32(void* dst, DType dtype, const float* src, float w, int64_t n) {
-  HWY_DYNAMIC_DISPATCH(ScaleRow)(dst, dtype, src, w, n);
+void scale_row_f32(void* dst, DType dtype, const float* src, float w, int64_t n, bool stream) {
+  HWY_DYNAMIC_DISPATCH(ScaleRow)(dst, dtype, src, w, n, can_stream(dst, stream));
+}
+void copy_row(void* dst, const void* src, std::size_t bytes, bool stream) {
+  HWY_DYNAMIC_DISPATCH(CopyRow)(dst, src, bytes, can_stream(dst, stream));
 }
 void axpy_row_f32(float* acc, float w, const void* src, DType dtype, int64_t n) {
   HWY_DYNAMIC_DISPATCH(AxpyRow)(acc, w, src, dtype, n);
@@ -421,12 +472,13 @@ void dot_rows_f32(float* out, const float* const* g, const void* const* rows, in
   HWY_DYNAMIC_DISPATCH(DotRows)(out, g, rows, count, dtype, n);
 }
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
-              int64_t count, DType src_dtype, int64_t n) {
+              int64_t count, DType src_dtype, int64_t n, bool stream) {
   if (count == 0) {
     std::memset(dst, 0, static_cast<std::size_t>(n) * dtype_size(dst_dtype));
     return;
   }
-  HWY_DYNAMIC_DISPATCH(SumRows)(dst, dst_dtype, rows, weights, count, src_dtype, n);
+  HWY_DYNAMIC_DISPATCH(SumRows)
+  (dst, dst_dtype, rows, weights, count, src_dtype, n, can_stream(dst, stream));
 }
 
 }  // namespace moe_ep::detail

@@ -50,6 +50,11 @@ constexpr int64_t kParallelMinWork = int64_t{1} << 16;
 // steady stream of calls allocates nothing but its outputs; a larger one-off is released.
 constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
 
+// Outputs of at least this many bytes are written with non-temporal stores (detail::copy_row,
+// sum_rows and scale_row_f32 with stream = true): far larger than the caches, they would only
+// evict the inputs, and an ordinary store first reads each destination line.
+constexpr int64_t kStreamMinBytes = int64_t{32} << 20;
+
 template <typename T>
 void release_if_large(std::vector<T>& v) {
   if (v.capacity() * sizeof(T) > kKeepScratchBytes) std::vector<T>().swap(v);
@@ -254,6 +259,7 @@ void reduce_rows(char* out, DType out_dtype, const TensorView& src, const Tensor
   constexpr bool kWeighted = !std::is_same_v<Weight, NoWeight>;
   const int64_t rows = src.shape[0], h = src.shape[1];
   const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
+  const bool stream = n * static_cast<int64_t>(out_row_bytes) >= kStreamMinBytes;
 #pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
   {
     std::vector<const void*> terms(static_cast<std::size_t>(topk));
@@ -268,7 +274,7 @@ void reduce_rows(char* out, DType out_dtype, const TensorView& src, const Tensor
         terms[static_cast<std::size_t>(count++)] = row_ptr(src, s);
       }
       detail::sum_rows(out + i * static_cast<int64_t>(out_row_bytes), out_dtype, terms.data(),
-                       kWeighted ? w.data() : nullptr, count, src.dtype, h);
+                       kWeighted ? w.data() : nullptr, count, src.dtype, h, stream);
     }
   }
 }
@@ -324,6 +330,7 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   UnpermuteGradResult res;
   res.grad_permuted_tokens = Tensor::empty(q.dtype, {p, h});
   const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(q.dtype));
+  const bool stream = p * row_bytes >= kStreamMinBytes;
   char* const gp = static_cast<char*>(res.grad_permuted_tokens.data());
   if (q.probs) res.grad_probs = Tensor::empty(q.probs->dtype, {n, topk});
 
@@ -340,7 +347,8 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
     for (int64_t j = 0; j < n; ++j) {
       const int64_t s = sorted_at(si, j);
       if (s < p)
-        std::memcpy(gp + s * row_bytes, row_ptr(g, j), static_cast<std::size_t>(row_bytes));
+        detail::copy_row(gp + s * row_bytes, row_ptr(g, j), static_cast<std::size_t>(row_bytes),
+                         stream);
     }
     return res;
   }
@@ -373,7 +381,8 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
             continue;
           }
           if (h > 0)
-            detail::scale_row_f32(gp + s * row_bytes, q.dtype, gi, float_at(probs, i, k), h);
+            detail::scale_row_f32(gp + s * row_bytes, q.dtype, gi, float_at(probs, i, k), h,
+                                  stream);
           gs[count] = gi;
           rows[count] = row_ptr(x, s);
           entry[count++] = j;
@@ -419,7 +428,8 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
     if (h > 0) {
 #pragma omp parallel for schedule(static) if (p > 1 && p * row_bytes >= kParallelMinWork)
       for (int64_t s = 0; s < p; ++s)
-        std::memcpy(saved + s * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes));
+        detail::copy_row(saved + s * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes),
+                         p * row_bytes >= kStreamMinBytes);
     }
   }
   if (h == 0) return res;
@@ -429,7 +439,8 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = sorted_at(si, i);
       if (s < p) {
-        std::memcpy(out + i * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes));
+        detail::copy_row(out + i * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes),
+                         n * row_bytes >= kStreamMinBytes);
       } else {
         std::memset(out + i * row_bytes, 0, static_cast<std::size_t>(row_bytes));
       }
@@ -512,10 +523,11 @@ PermuteResult permute(const PermuteArgs& args) {
   if (h > 0) {
     const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(tokens.dtype));
     char* const out = static_cast<char*>(res.permuted_tokens.data());
+    const bool stream = rows * row_bytes >= kStreamMinBytes;
 #pragma omp parallel for schedule(static) if (rows > 1 && rows * row_bytes >= kParallelMinWork)
     for (int64_t pos = 0; pos < rows; ++pos)
-      std::memcpy(out + pos * row_bytes, row_ptr(tokens, order[pos] / topk),
-                  static_cast<std::size_t>(row_bytes));
+      detail::copy_row(out + pos * row_bytes, row_ptr(tokens, order[pos] / topk),
+                       static_cast<std::size_t>(row_bytes), stream);
   }
   release_if_large(keys);
   release_if_large(order);
