@@ -4,7 +4,8 @@ set -euo pipefail
 
 MOE_EP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MOE_EP_PACKAGES=(cmake g++ make libopenmpi-dev openmpi-bin libdlpack-dev nlohmann-json3-dev
-                 libcli11-dev libgtest-dev libbenchmark-dev libopenblas-dev gnuplot-nox)
+                 libcli11-dev libgtest-dev libbenchmark-dev libopenblas-dev libhwy-dev
+                 gnuplot-nox)
 
 moe_ep_install_deps() {
   local missing=() p

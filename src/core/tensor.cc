@@ -6,6 +6,7 @@
 #include <new>
 #include <sstream>
 
+#include "core/block_cache.h"
 #include "core/check.h"
 
 namespace moe_ep {
@@ -178,11 +179,12 @@ Tensor Tensor::empty(DType dtype, const std::vector<int64_t>& shape) {
     detail::invalid("Tensor::empty: ", elems, " elements of ", dtype_name(dtype),
                     " exceed 2^63 bytes");
   const std::size_t bytes = static_cast<std::size_t>(bytes64);
-  const std::size_t rounded = (bytes + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded == 0 ? 64 : rounded);
+  // Large blocks are reused between calls (core/block_cache.h): fresh pages cost a page fault
+  // and the kernel's zeroing each.
+  void* p = detail::allocate_block(bytes);
   if (p == nullptr)
     detail::fail(ErrorKind::kSystem, "Tensor::empty: cannot allocate ", bytes, " bytes");
-  t.storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  t.storage_ = std::shared_ptr<void>(p, [bytes](void* q) { detail::release_block(q, bytes); });
   t.view_.data = p;
   return t;
 }

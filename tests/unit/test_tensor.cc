@@ -47,6 +47,32 @@ TEST(Tensor, EmptyZerosAligned) {
   EXPECT_EQ(e.size(1), 7);
 }
 
+// Blocks of 4 MiB and more are kept when freed and handed to the next allocation of the same
+// rounded size (src/core/block_cache.h): outputs of repeated calls land on mapped pages.
+TEST(Tensor, LargeBlocksAreReused) {
+  constexpr int64_t kBytes = int64_t{8} << 20;
+  const void* first = nullptr;
+  {
+    Tensor a = Tensor::empty(DType::kI8, {kBytes});
+    first = a.data();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % 64, 0u);
+    std::memset(a.data(), 1, static_cast<std::size_t>(kBytes));
+  }
+  Tensor b = Tensor::empty(DType::kI8, {kBytes - 100});  // the same 2 MiB-rounded size
+  EXPECT_EQ(b.data(), first);
+  const void* second = nullptr;
+  {
+    Tensor c = Tensor::empty(DType::kI8, {kBytes});  // b holds the kept block: a new one
+    EXPECT_NE(c.data(), first);
+    second = c.data();
+    std::memset(c.data(), 1, static_cast<std::size_t>(kBytes));
+  }
+  Tensor z = Tensor::zeros(DType::kI8, {kBytes});  // c's block, zeroed by zeros()
+  EXPECT_EQ(z.data(), second);
+  const auto* p = z.ptr<unsigned char>();
+  EXPECT_EQ(p[0] | p[kBytes / 2] | p[kBytes - 1], 0);
+}
+
 TEST(DLPack, RoundTripKeepsEverything) {
   int64_t buf[12];
   TensorView v = TensorView::contiguous(buf, DType::kI64, {3, 2});

@@ -63,6 +63,10 @@ inline void store_f32(void* row, DType dtype, int64_t i, float v) {
   }
 }
 
+// The row kernels below are SIMD (Highway, dispatched at run time to the best target of the CPU;
+// see convert.cc) and give, on every target, the bits of the scalar functions above applied
+// element by element in the stated order. Rows are contiguous; n >= 0.
+
 // acc[0..n) += w * fp32(src[0..n)), one fp32 multiply and one fp32 add per element (no FMA
 // contraction: the product is rounded to fp32 before the add, matching the references).
 void axpy_row_f32(float* acc, float w, const void* src, DType dtype, int64_t n);
@@ -72,5 +76,26 @@ void add_row_f32(float* acc, const void* src, DType dtype, int64_t n);
 void store_row_f32(void* dst, DType dtype, const float* src, int64_t n);
 // dst[0..n) = fp32(src[0..n)).
 void load_row_f32(float* dst, const void* src, DType dtype, int64_t n);
+// stream (below): write dst with non-temporal stores when it starts on a 64-byte boundary, for
+// large outputs that will not be read again soon (they then skip the cache and the read of the
+// destination line that an ordinary store costs). The values written are the same either way.
+
+// dst[0..n) = round(src[0..n) * w) in dtype: one fp32 product, one rounding.
+void scale_row_f32(void* dst, DType dtype, const float* src, float w, int64_t n,
+                   bool stream = false);
+// memcpy(dst, src, bytes) for rows that do not overlap.
+void copy_row(void* dst, const void* src, std::size_t bytes, bool stream = false);
+// dst = round(sum over r = 0..count-1, in r order, of weights[r] * fp32(rows[r])) in dst_dtype;
+// each product is rounded to fp32 before it is added and the first term starts the sum (no +0
+// added first). weights == null: the plain sum of the rows. count == 0 writes zeros. Each source
+// row is read once (the accumulators stay in registers), so this is one pass over the inputs.
+void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
+              int64_t count, DType src_dtype, int64_t n, bool stream = false);
+// out[r] = g[r][0]*x[0] + g[r][1]*x[1] + ... + g[r][n-1]*x[n-1] for x = fp32(rows[r]), r < count
+// (g[r]: n fp32 values; rows may share them): products rounded to fp32, summed sequentially in
+// element order starting from the first product (0 when n == 0). The sums keep their order:
+// rows, not elements, share the vectors, so pass many rows at once (16 fill an AVX-512 pass).
+void dot_rows_f32(float* out, const float* const* g, const void* const* rows, int64_t count,
+                  DType dtype, int64_t n);
 
 }  // namespace moe_ep::detail

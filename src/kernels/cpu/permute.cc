@@ -42,6 +42,23 @@ constexpr int64_t kIndexLimit = int64_t{1} << 31;
 constexpr int64_t kCountingSortMaxKeys = int64_t{1} << 16;
 // Below this many entries the counting sort runs on one thread (no per-thread histograms).
 constexpr int64_t kParallelSortMinEntries = int64_t{1} << 14;
+// Loops over fewer elements (or bytes, for copies) than this run on the calling thread: an
+// OpenMP parallel region costs microseconds even with libgomp's thread pool, more than such a
+// loop takes alone.
+constexpr int64_t kParallelMinWork = int64_t{1} << 16;
+// Per-thread scratch (permute's sort keys and order) is kept between calls up to this size, so a
+// steady stream of calls allocates nothing but its outputs; a larger one-off is released.
+constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
+
+// Outputs of at least this many bytes are written with non-temporal stores (detail::copy_row,
+// sum_rows and scale_row_f32 with stream = true): far larger than the caches, they would only
+// evict the inputs, and an ordinary store first reads each destination line.
+constexpr int64_t kStreamMinBytes = int64_t{32} << 20;
+
+template <typename T>
+void release_if_large(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > kKeepScratchBytes) std::vector<T>().swap(v);
+}
 
 void check_padded(const char* op, bool padded_mode) {
   if (padded_mode)
@@ -125,7 +142,7 @@ void check_sorted_range(const char* op, const TensorView& si, int64_t bound,
                         const char* bound_what) {
   const int64_t m = si.shape[0];
   bool bad = false;
-#pragma omp parallel for schedule(static) reduction(|| : bad)
+#pragma omp parallel for schedule(static) reduction(|| : bad) if (m >= kParallelMinWork)
   for (int64_t j = 0; j < m; ++j) {
     const int64_t s = sorted_at(si, j);
     bad = bad || s < 0 || s >= bound;
@@ -186,17 +203,18 @@ void check_restore_shape(const char* op, const std::optional<std::vector<int64_t
   invalid(op, ": restore_shape = ", got, " must equal [", n, ", ", h, "] (the output shape)");
 }
 
-// Stable argsort of keys[0..m) (values in [0, max_key]) into order[0..m).
-void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key,
-                    std::vector<int64_t>& order) {
+// Stable argsort of keys[0..m) (values in [0, max_key]) into order[0..m) (m <= 2^31, so the
+// positions fit int32). hist is scratch.
+void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key, std::vector<int32_t>& order,
+                    std::vector<int64_t>& hist) {
   const int64_t m = static_cast<int64_t>(keys.size());
   order.resize(static_cast<std::size_t>(m));
   if (m == 0) return;
   const int64_t num_keys = max_key + 1;
   if (num_keys > kCountingSortMaxKeys) {
-    std::iota(order.begin(), order.end(), int64_t{0});
+    std::iota(order.begin(), order.end(), int32_t{0});
     std::stable_sort(order.begin(), order.end(),
-                     [&keys](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+                     [&keys](int32_t a, int32_t b) { return keys[a] < keys[b]; });
     return;
   }
   // Counting sort over `chunks` contiguous slices of the input: chunk c's entries with key e go
@@ -204,7 +222,7 @@ void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key,
   // exactly the stable order whatever the chunk count.
   const int64_t chunks =
       m < kParallelSortMinEntries ? 1 : std::min<int64_t>(omp_get_max_threads(), m / 4096);
-  std::vector<int64_t> hist(static_cast<std::size_t>(chunks * num_keys), 0);
+  hist.assign(static_cast<std::size_t>(chunks * num_keys), 0);
 #pragma omp parallel for schedule(static) if (chunks > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t* h = hist.data() + c * num_keys;
@@ -221,7 +239,8 @@ void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key,
 #pragma omp parallel for schedule(static) if (chunks > 1)
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t* h = hist.data() + c * num_keys;
-    for (int64_t j = c * m / chunks; j < (c + 1) * m / chunks; ++j) order[h[keys[j]]++] = j;
+    for (int64_t j = c * m / chunks; j < (c + 1) * m / chunks; ++j)
+      order[h[keys[j]]++] = static_cast<int32_t>(j);
   }
 }
 
@@ -230,45 +249,32 @@ struct NoWeight {};
 
 // out[i] = sum over k (in k order) of weight(i, k) * src[S[i*topk+k]] for the entries with
 // S < src.shape[0], for i in [0, n): the reduction of unpermute (weighted by probs) and
-// permute_grad (Weight = NoWeight). The first present term starts the fp32 accumulator, each
-// product is rounded to fp32 before it is added, the sum is rounded once to out_dtype, and a row
-// without terms is 0. `out` is contiguous (n, h = src.shape[1]) and h > 0.
+// permute_grad (Weight = NoWeight). detail::sum_rows reads the present rows once, with the fp32
+// accumulators in registers: the first present term starts the sum, each product is rounded to
+// fp32 before it is added, the sum is rounded once to out_dtype, and a row without terms is 0.
+// `out` is contiguous (n, h = src.shape[1]) and h > 0.
 template <typename Weight>
 void reduce_rows(char* out, DType out_dtype, const TensorView& src, const TensorView& si, int64_t n,
                  int64_t topk, [[maybe_unused]] Weight weight) {
   constexpr bool kWeighted = !std::is_same_v<Weight, NoWeight>;
   const int64_t rows = src.shape[0], h = src.shape[1];
   const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
-#pragma omp parallel
+  const bool stream = n * static_cast<int64_t>(out_row_bytes) >= kStreamMinBytes;
+#pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
   {
-    std::vector<float> acc(static_cast<std::size_t>(h));
+    std::vector<const void*> terms(static_cast<std::size_t>(topk));
+    std::vector<float> w(kWeighted ? static_cast<std::size_t>(topk) : 0);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      bool any = false;
+      int64_t count = 0;
       for (int64_t k = 0; k < topk; ++k) {
         const int64_t s = sorted_at(si, i * topk + k);
         if (s >= rows) continue;
-        if constexpr (kWeighted) {
-          const float w = weight(i, k);
-          if (any) {
-            detail::axpy_row_f32(acc.data(), w, row_ptr(src, s), src.dtype, h);
-          } else {
-            detail::load_row_f32(acc.data(), row_ptr(src, s), src.dtype, h);
-            for (int64_t c = 0; c < h; ++c) acc[c] = w * acc[c];
-          }
-        } else if (any) {
-          detail::add_row_f32(acc.data(), row_ptr(src, s), src.dtype, h);
-        } else {
-          detail::load_row_f32(acc.data(), row_ptr(src, s), src.dtype, h);
-        }
-        any = true;
+        if constexpr (kWeighted) w[static_cast<std::size_t>(count)] = weight(i, k);
+        terms[static_cast<std::size_t>(count++)] = row_ptr(src, s);
       }
-      char* dst = out + i * static_cast<int64_t>(out_row_bytes);
-      if (any) {
-        detail::store_row_f32(dst, out_dtype, acc.data(), h);
-      } else {
-        std::memset(dst, 0, out_row_bytes);
-      }
+      detail::sum_rows(out + i * static_cast<int64_t>(out_row_bytes), out_dtype, terms.data(),
+                       kWeighted ? w.data() : nullptr, count, src.dtype, h, stream);
     }
   }
 }
@@ -324,23 +330,25 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   UnpermuteGradResult res;
   res.grad_permuted_tokens = Tensor::empty(q.dtype, {p, h});
   const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(q.dtype));
+  const bool stream = p * row_bytes >= kStreamMinBytes;
   char* const gp = static_cast<char*>(res.grad_permuted_tokens.data());
   if (q.probs) res.grad_probs = Tensor::empty(q.probs->dtype, {n, topk});
 
     // Rows nothing refers to are 0 (SPEC §4.3 Decision); the others are written once below. Without
     // a bitmap every row is zeroed first.
-#pragma omp parallel for schedule(static) if (row_bytes > 0)
+#pragma omp parallel for schedule(static) if (p > 1 && p * row_bytes >= kParallelMinWork)
   for (int64_t s = 0; s < (row_bytes > 0 ? p : 0); ++s)
     if (q.seen.empty() || !bit_set(q.seen, s))
       std::memset(gp + s * row_bytes, 0, static_cast<std::size_t>(row_bytes));
 
   if (!q.probs) {
     if (h == 0) return res;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 1 && n * row_bytes >= kParallelMinWork)
     for (int64_t j = 0; j < n; ++j) {
       const int64_t s = sorted_at(si, j);
       if (s < p)
-        std::memcpy(gp + s * row_bytes, row_ptr(g, j), static_cast<std::size_t>(row_bytes));
+        detail::copy_row(gp + s * row_bytes, row_ptr(g, j), static_cast<std::size_t>(row_bytes),
+                         stream);
     }
     return res;
   }
@@ -348,34 +356,42 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   const TensorView& probs = *q.probs;
   const TensorView& x = *q.permuted_tokens;
   void* const gprobs = res.grad_probs.data();
-#pragma omp parallel
+  // Two tokens at a time: grad_out's rows in fp32 once, then for each present entry its scaled
+  // copy (grad_permuted) and, for all entries of both tokens together, the dot products with
+  // their permuted rows: detail::dot_rows_f32 keeps each sum in h order and runs the 2*topK sums
+  // side by side.
+#pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
   {
-    std::vector<float> gi(static_cast<std::size_t>(h)), xs(static_cast<std::size_t>(h)),
-        prod(static_cast<std::size_t>(h));
+    std::vector<float> gbuf(2 * static_cast<std::size_t>(h));
+    std::vector<float> dots(2 * static_cast<std::size_t>(topk));
+    std::vector<const float*> gs(2 * static_cast<std::size_t>(topk));
+    std::vector<const void*> rows(2 * static_cast<std::size_t>(topk));
+    std::vector<int64_t> entry(2 * static_cast<std::size_t>(topk));
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      if (h > 0) detail::load_row_f32(gi.data(), row_ptr(g, i), g.dtype, h);
-      for (int64_t k = 0; k < topk; ++k) {
-        const int64_t j = i * topk + k;
-        const int64_t s = sorted_at(si, j);
-        if (s >= p) {
-          detail::store_f32(gprobs, probs.dtype, j, 0.0f);
-          continue;
-        }
-        float dot = 0.0f;
-        if (h > 0) {
-          const float w = float_at(probs, i, k);
-          for (int64_t c = 0; c < h; ++c) prod[c] = gi[c] * w;
-          detail::store_row_f32(gp + s * row_bytes, q.dtype, prod.data(), h);
-          detail::load_row_f32(xs.data(), row_ptr(x, s), x.dtype, h);
-          dot = gi[0] * xs[0];
-          for (int64_t c = 1; c < h; ++c) {
-            const float term = gi[c] * xs[c];
-            dot += term;
+    for (int64_t pair = 0; pair < (n + 1) / 2; ++pair) {
+      std::size_t count = 0;
+      for (int64_t i = 2 * pair; i < std::min(n, 2 * pair + 2); ++i) {
+        float* gi = gbuf.data() + (i - 2 * pair) * h;
+        if (h > 0) detail::load_row_f32(gi, row_ptr(g, i), g.dtype, h);
+        for (int64_t k = 0; k < topk; ++k) {
+          const int64_t j = i * topk + k;
+          const int64_t s = sorted_at(si, j);
+          if (s >= p) {
+            detail::store_f32(gprobs, probs.dtype, j, 0.0f);
+            continue;
           }
+          if (h > 0)
+            detail::scale_row_f32(gp + s * row_bytes, q.dtype, gi, float_at(probs, i, k), h,
+                                  stream);
+          gs[count] = gi;
+          rows[count] = row_ptr(x, s);
+          entry[count++] = j;
         }
-        detail::store_f32(gprobs, probs.dtype, j, dot);
       }
+      detail::dot_rows_f32(dots.data(), gs.data(), rows.data(), static_cast<int64_t>(count),
+                           x.dtype, h);
+      for (std::size_t c = 0; c < count; ++c)
+        detail::store_f32(gprobs, probs.dtype, entry[c], dots[c]);
     }
   }
   return res;
@@ -410,19 +426,21 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
     res.permuted_tokens_for_backward = Tensor::empty(x.dtype, {p, h});
     char* const saved = static_cast<char*>(res.permuted_tokens_for_backward.data());
     if (h > 0) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (p > 1 && p * row_bytes >= kParallelMinWork)
       for (int64_t s = 0; s < p; ++s)
-        std::memcpy(saved + s * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes));
+        detail::copy_row(saved + s * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes),
+                         p * row_bytes >= kStreamMinBytes);
     }
   }
   if (h == 0) return res;
 
   if (!args.probs) {  // a pure gather: bit copies, zeros for dropped entries
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 1 && n * row_bytes >= kParallelMinWork)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = sorted_at(si, i);
       if (s < p) {
-        std::memcpy(out + i * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes));
+        detail::copy_row(out + i * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes),
+                         n * row_bytes >= kStreamMinBytes);
       } else {
         std::memset(out + i * row_bytes, 0, static_cast<std::size_t>(row_bytes));
       }
@@ -458,11 +476,22 @@ PermuteResult permute(const PermuteArgs& args) {
     rows = want > 0 ? std::min(want, m) : m + want;
   }
 
-  // Flatten the expert ids (entry j = token*topK + k) and check them in one parallel pass.
-  std::vector<int32_t> keys(static_cast<std::size_t>(m));
+  // Flatten the expert ids (entry j = token*topK + k) and check them in one parallel pass. The
+  // scratch vectors are per thread and kept between calls (see kKeepScratchBytes).
+  // (References, not the thread_local objects, are used inside the parallel regions: there each
+  // thread would name its own.)
+  thread_local std::vector<int32_t> tl_keys, tl_order;
+  thread_local std::vector<int64_t> tl_hist;
+  std::vector<int32_t>& keys = tl_keys;
+  std::vector<int32_t>& order = tl_order;
+  std::vector<int64_t>& hist = tl_hist;
+  keys.resize(static_cast<std::size_t>(m));
   bool bad = false;
   int64_t max_key = 0;
-#pragma omp parallel for schedule(static) reduction(|| : bad) reduction(max : max_key)
+#pragma omp parallel for schedule(static) reduction(||     \
+                                                    : bad) \
+    reduction(max                                          \
+              : max_key) if (m >= kParallelMinWork)
   for (int64_t j = 0; j < m; ++j) {
     const int64_t e = index_at(indices, j / topk, j % topk);
     const bool ok = e >= 0 && e < kIndexLimit;
@@ -481,25 +510,28 @@ PermuteResult permute(const PermuteArgs& args) {
     }
   }
 
-  std::vector<int64_t> order;
-  stable_argsort(keys, max_key, order);
+  stable_argsort(keys, max_key, order, hist);
 
   check_output_size(op, "permuted_tokens shape (rows, H)", rows, h, tokens.dtype);
   PermuteResult res;
   res.sorted_indices = Tensor::empty(DType::kI32, {m});
   int32_t* const si = res.sorted_indices.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (m >= kParallelMinWork)
   for (int64_t pos = 0; pos < m; ++pos) si[order[pos]] = static_cast<int32_t>(pos);
 
   res.permuted_tokens = Tensor::empty(tokens.dtype, {rows, h});
   if (h > 0) {
     const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(tokens.dtype));
     char* const out = static_cast<char*>(res.permuted_tokens.data());
-#pragma omp parallel for schedule(static)
+    const bool stream = rows * row_bytes >= kStreamMinBytes;
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * row_bytes >= kParallelMinWork)
     for (int64_t pos = 0; pos < rows; ++pos)
-      std::memcpy(out + pos * row_bytes, row_ptr(tokens, order[pos] / topk),
-                  static_cast<std::size_t>(row_bytes));
+      detail::copy_row(out + pos * row_bytes, row_ptr(tokens, order[pos] / topk),
+                       static_cast<std::size_t>(row_bytes), stream);
   }
+  release_if_large(keys);
+  release_if_large(order);
+  release_if_large(hist);
   return res;
 }
 

@@ -1,15 +1,25 @@
-#include "kernels/cpu/quant.h"
+// int8 quantisation kernels (quant.h) with Highway, compiled per x86 target and dispatched at
+// run time like convert.cc. Each element sees the scalar definition's operations in its order;
+// the only reduction, the row's max |xf|, is an integer max over bit patterns and so exact in any
+// order.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/quant.cc"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+// (after foreach_target.h, which re-includes this file once per target)
+#include <hwy/highway.h>
 
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/rows-inl.h"
+
+#ifndef MOE_EP_KERNELS_CPU_QUANT_CONSTANTS_
+#define MOE_EP_KERNELS_CPU_QUANT_CONSTANTS_
 #include <cstring>
 #include <limits>
 
 #include "core/check.h"
 #include "kernels/cpu/convert.h"
 
-namespace moe_ep::detail {
-
-namespace {
-
+namespace moe_ep::detail::quant_constants {
 constexpr float kQMax = 127.0f;
 // Adding and subtracting 1.5 * 2^23 rounds an fp32 of magnitude below 2^22 to the nearest integer,
 // ties to even (the default rounding mode), using only vectorisable adds.
@@ -19,114 +29,180 @@ constexpr float kTinyUp = 0x1p64f;
 constexpr float kTinyDown = 0x1p-64f;
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kInfBits = 0x7f800000u;
+}  // namespace moe_ep::detail::quant_constants
+#endif
 
-inline uint32_t abs_bits(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return u & kAbsMask;
-}
+HWY_BEFORE_NAMESPACE();
+namespace moe_ep::detail {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using namespace quant_constants;  // NOLINT(google-build-using-namespace)
 
-inline float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+// xf = fp32(x) (times the smoothing factors when kSmooth), Lanes elements at i; a partial last
+// vector (rest > 0) is padded with zeros, which change neither the max nor the stored values.
+template <DType kT, bool kSmooth>
+HWY_INLINE VF LoadXf(DF df, const void* x, const float* smooth, int64_t i, size_t rest) {
+  VF v = rest ? Tail<kT>(x, i, rest).load(df) : LoadF32<kT>(df, x, i);
+  if constexpr (kSmooth) {
+    const VF sm = rest ? Tail<DType::kF32>(smooth, i, rest).load(df) : hn::LoadU(df, smooth + i);
+    v = hn::Mul(v, sm);
+  }
+  return v;
 }
 
 // The bit pattern of max_i |xf[i]|. For non-negative floats the integer order of the bit patterns
 // is the numeric order, and NaNs (> 0x7f800000) sort above Inf (== 0x7f800000) above every finite
 // value, so one integer max both finds amax and flags non-finite rows, whatever the lane order.
-template <bool kSmooth, typename Load>
-uint32_t amax_bits(const float* __restrict smooth, int64_t n, Load load) {
-  uint32_t m = 0;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) {
-    float xf = load(i);
-    if constexpr (kSmooth) xf = xf * smooth[i];
-    const uint32_t b = abs_bits(xf);
-    m = b > m ? b : m;
+template <DType kT, bool kSmooth>
+uint32_t AmaxBits(const void* x, const float* smooth, int64_t n) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const auto mask = hn::Set(du, kAbsMask);
+  auto m = hn::Zero(du);
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes)
+    m = hn::Max(m, hn::And(hn::BitCast(du, LoadXf<kT, kSmooth>(df, x, smooth, i, 0)), mask));
+  if (i < n) {
+    const VF v = LoadXf<kT, kSmooth>(df, x, smooth, i, static_cast<size_t>(n - i));
+    m = hn::Max(m, hn::And(hn::BitCast(du, v), mask));
   }
-  return m;
+  return hn::GetLane(hn::MaxOfLanes(du, m));
 }
 
 // q[i] = clamp(rne((xf[i] * pre) * s)); pre is 1 (exact) or 2^64 (exact on tiny rows).
-template <bool kSmooth, typename Load>
-void quantize_pass(const float* __restrict smooth, int64_t n, float pre, float s,
-                   int8_t* __restrict q, Load load) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    float xf = load(i);
-    if constexpr (kSmooth) xf = xf * smooth[i];
-    const float p = (xf * pre) * s;
-    float r = (p + kRoundMagic) - kRoundMagic;  // |p| < 127.5, far below 2^22
-    r = r < -kQMax ? -kQMax : r;
-    r = r > kQMax ? kQMax : r;
-    q[i] = static_cast<int8_t>(static_cast<int32_t>(r));
+template <DType kT, bool kSmooth>
+void QuantizePass(const void* x, const float* smooth, int64_t n, float pre, float s, int8_t* q) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<int8_t, DF> d8;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const VF vpre = hn::Set(df, pre), vs = hn::Set(df, s), magic = hn::Set(df, kRoundMagic);
+  const VF lo = hn::Set(df, -kQMax), hi = hn::Set(df, kQMax);
+  auto quantize = [&](VF xf) {
+    const VF p = hn::Mul(hn::Mul(xf, vpre), vs);
+    VF r = hn::Sub(hn::Add(p, magic), magic);  // |p| < 127.5, far below 2^22
+    r = hn::Min(hn::Max(r, lo), hi);
+    return hn::DemoteTo(d8, hn::ConvertTo(di, r));  // r is an integer in [-127, 127]: exact
+  };
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes)
+    hn::StoreU(quantize(LoadXf<kT, kSmooth>(df, x, smooth, i, 0)), d8, q + i);
+  if (i < n) {
+    const size_t rest = static_cast<size_t>(n - i);
+    HWY_ALIGN int8_t tmp[hn::MaxLanes(df)];
+    hn::Store(quantize(LoadXf<kT, kSmooth>(df, x, smooth, i, rest)), d8, tmp);
+    std::memcpy(q + i, tmp, rest);
   }
 }
 
-template <bool kSmooth, typename Load>
-float quantize_impl(const float* smooth, int64_t n, int8_t* q, Load load) {
-  const uint32_t mb = amax_bits<kSmooth>(smooth, n, load);
+template <DType kT, bool kSmooth>
+float QuantizeT(const void* x, const float* smooth, int64_t n, int8_t* q) {
+  const uint32_t mb = AmaxBits<kT, kSmooth>(x, smooth, n);
   if (mb == 0 || mb >= kInfBits) {
     if (n > 0) std::memset(q, 0, static_cast<std::size_t>(n));
     return mb == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
   }
-  const float amax = from_bits(mb);
+  float amax;
+  std::memcpy(&amax, &mb, 4);
   float s = kQMax / amax;
   float pre = 1.0f;
   if (s > std::numeric_limits<float>::max()) {  // 127 / amax overflowed: amax < ~3.7e-37
     pre = kTinyUp;
     s = kQMax / (amax * kTinyUp);
   }
-  quantize_pass<kSmooth>(smooth, n, pre, s, q, load);
+  QuantizePass<kT, kSmooth>(x, smooth, n, pre, s, q);
   const float inv = 1.0f / s;
   return pre == 1.0f ? inv : inv * kTinyDown;
 }
 
-template <typename Load>
-float quantize_dispatch_smooth(const float* smooth, int64_t n, int8_t* q, Load load) {
-  return smooth != nullptr ? quantize_impl<true>(smooth, n, q, load)
-                           : quantize_impl<false>(smooth, n, q, load);
+template <DType kT>
+float QuantizeSmooth(const void* x, const float* smooth, int64_t n, int8_t* q) {
+  return smooth != nullptr ? QuantizeT<kT, true>(x, smooth, n, q)
+                           : QuantizeT<kT, false>(x, smooth, n, q);
 }
 
-}  // namespace
+float QuantizeRow(const void* x, DType dtype, const float* smooth, int64_t n, int8_t* q) {
+  switch (dtype) {
+    case DType::kBF16:
+      return QuantizeSmooth<DType::kBF16>(x, smooth, n, q);
+    case DType::kF16:
+      return QuantizeSmooth<DType::kF16>(x, smooth, n, q);
+    default:
+      return QuantizeSmooth<DType::kF32>(x, smooth, n, q);
+  }
+}
+
+// fl(fp32(q[i]) * scale), Lanes values at i (rest > 0: a partial last vector, zero-padded).
+HWY_INLINE VF Dequant(DF df, const int8_t* q, VF scale, int64_t i, size_t rest) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<int8_t, DF> d8;
+  hn::Vec<decltype(d8)> v;
+  if (rest) {
+    HWY_ALIGN int8_t tmp[hn::MaxLanes(df)] = {};
+    std::memcpy(tmp, q + i, rest);
+    v = hn::Load(d8, tmp);
+  } else {
+    v = hn::LoadU(d8, q + i);
+  }
+  return hn::Mul(hn::ConvertTo(df, hn::PromoteTo(di, v)), scale);
+}
+
+void AxpyRowInt8(float* acc, float w, const int8_t* q, float scale, int64_t n) {
+  const DF df;
+  const VF vw = hn::Set(df, w), vs = hn::Set(df, scale);
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const VF p = hn::Mul(vw, Dequant(df, q, vs, i, 0));  // both products rounded to fp32
+    hn::StoreU(hn::Add(hn::LoadU(df, acc + i), p), df, acc + i);
+  }
+  if (i < n) {
+    const size_t rest = static_cast<size_t>(n - i);
+    const VF p = hn::Mul(vw, Dequant(df, q, vs, i, rest));
+    StoreTail<DType::kF32>(df, hn::Add(Tail<DType::kF32>(acc, i, rest).load(df), p), acc, i, rest);
+  }
+}
+
+void DequantizeRowInt8(const int8_t* q, float scale, int64_t n, float* out) {
+  const DF df;
+  const VF vs = hn::Set(df, scale);
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) hn::StoreU(Dequant(df, q, vs, i, 0), df, out + i);
+  if (i < n) {
+    const size_t rest = static_cast<size_t>(n - i);
+    StoreTail<DType::kF32>(df, Dequant(df, q, vs, i, rest), out, i, rest);
+  }
+}
+
+// NOLINTNEXTLINE(google-readability-namespace-comments)
+}  // namespace HWY_NAMESPACE
+}  // namespace moe_ep::detail
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace moe_ep::detail {
+
+HWY_EXPORT(QuantizeRow);
+HWY_EXPORT(AxpyRowInt8);
+HWY_EXPORT(DequantizeRowInt8);
 
 float quantize_row_int8(const void* src, DType dtype, const float* smooth, int64_t n, int8_t* q) {
   MOE_EP_CHECK(n >= 0);
   MOE_EP_CHECK(n == 0 || (src != nullptr && q != nullptr));
-  switch (dtype) {
-    case DType::kBF16: {
-      const auto* x = static_cast<const uint16_t*>(src);
-      return quantize_dispatch_smooth(smooth, n, q, [x](int64_t i) { return bf16_to_f32(x[i]); });
-    }
-    case DType::kF16: {
-      const auto* x = static_cast<const uint16_t*>(src);
-      return quantize_dispatch_smooth(smooth, n, q, [x](int64_t i) { return f16_to_f32(x[i]); });
-    }
-    case DType::kF32: {
-      const auto* x = static_cast<const float*>(src);
-      return quantize_dispatch_smooth(smooth, n, q, [x](int64_t i) { return x[i]; });
-    }
-    default:
-      fail(ErrorKind::kInternal, "quantize_row_int8: dtype ", dtype_name(dtype),
-           " is not bf16, fp16 or fp32 (please report this bug)");
-  }
+  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32)
+    fail(ErrorKind::kInternal, "quantize_row_int8: dtype ", dtype_name(dtype),
+         " is not bf16, fp16 or fp32 (please report this bug)");
+  return HWY_DYNAMIC_DISPATCH(QuantizeRow)(src, dtype, smooth, n, q);
 }
 
-void axpy_row_int8(float* __restrict acc, float w, const int8_t* __restrict q, float scale,
-                   int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float y = static_cast<float>(q[i]) * scale;  // the dequantised value, rounded to fp32
-    const float p = w * y;                             // rounded again: -ffp-contract=off
-    acc[i] += p;
-  }
+void axpy_row_int8(float* acc, float w, const int8_t* q, float scale, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(AxpyRowInt8)(acc, w, q, scale, n);
 }
 
-void dequantize_row_int8(const int8_t* __restrict q, float scale, int64_t n,
-                         float* __restrict out) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(q[i]) * scale;
+void dequantize_row_int8(const int8_t* q, float scale, int64_t n, float* out) {
+  HWY_DYNAMIC_DISPATCH(DequantizeRowInt8)(q, scale, n, out);
 }
 
 void quantize_rows_int8(const QuantizeRowsInt8Args& a) {
@@ -164,3 +240,4 @@ void quantize_rows_int8(const QuantizeRowsInt8Args& a) {
 }
 
 }  // namespace moe_ep::detail
+#endif  // HWY_ONCE

@@ -48,9 +48,8 @@
 // usual rounding error, at most gamma_K * sum_k |w_k y_k[i]| (gamma_K = K u / (1 - K u)), the same
 // as without quantisation. axpy_row_int8 computes exactly axpy_row_f32 over the dequantised row.
 //
-// The inner loops are `#pragma omp simd` loops over plain arrays (no calls except the fp16 load,
-// which is a library call without F16C), so g++ vectorises them at -O2 without -ffast-math; a
-// Highway version can replace quantize_row_int8's two passes and the two consumers one for one.
+// The kernels are Highway code (quant.cc), compiled per x86 target and dispatched at run time;
+// every target gives the bits of ref/quant_ref.cc (tests/unit/test_simd.cc forces each in turn).
 #pragma once
 
 #include <cstdint>

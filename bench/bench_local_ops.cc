@@ -1,0 +1,361 @@
+// The local ops of SPEC §4 (permute, unpermute and their gradients) at the shape of a DeepSeek-V3
+// MoE layer (bf16, H 7168, 4096 tokens, top-8 of 256 experts, random routing), each against a
+// memcpy of the same byte count run right after it, as a ratio of bandwidths.
+//
+// Bytes counted (e = 2 bytes per bf16 element, int32 indices, fp32 probs; N tokens, K = top-k,
+// M = N*K entries, no entry dropped so every permuted row is referenced once):
+//   permute          read M*H*e (the source row of each output row: a gather of M rows)
+//                    + N*K*4 (indices); write M*H*e + M*4 (sorted_indices)
+//   permute_grad(_v2) read M*H*e + M*4; write N*H*e
+//   unpermute        read M*H*e + M*4 + N*K*4 (probs); write N*H*e
+//   unpermute_grad(_v2) read N*H*e (grad_out) + M*H*e (permuted_tokens) + M*4 + N*K*4;
+//                    write M*H*e (grad_permuted) + N*K*4 (grad_probs)
+// memcpy/<op> copies half of <op>'s byte count, so that it too reads and writes that many bytes,
+// split over the same OpenMP threads into a destination written before (no page faults). The
+// ops allocate their outputs on every call (the API returns owned tensors), so their page
+// faults would be part of their time, but the library keeps freed large blocks for reuse
+// (src/core/block_cache.h), so from the second call on the outputs land on pages already
+// mapped, as in a training or serving loop. alloc/<op> shows what fresh pages would cost.
+//
+// Every op is compared bitwise with its ref/ oracle once, before it is timed; a mismatch aborts.
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moe_ep/permute.h"
+#include "ref/permute_ref.h"
+
+namespace {
+
+using moe_ep::DType;
+using moe_ep::Tensor;
+
+constexpr int64_t kTokens = 4096, kHidden = 7168, kTopK = 8, kExperts = 256;
+constexpr int64_t kEntries = kTokens * kTopK;
+constexpr int64_t kElem = 2;  // bf16
+
+uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Random bf16 values in about [-4, 4) (random mantissas, so sums round).
+Tensor random_bf16(int64_t rows, int64_t h, uint64_t seed) {
+  Tensor t = Tensor::empty(DType::kBF16, {rows, h});
+  auto* p = t.ptr<uint16_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    uint64_t s = seed * 0x100000001b3ull + static_cast<uint64_t>(r);
+    for (int64_t c = 0; c < h; c += 4) {
+      const uint64_t z = splitmix(s);
+      for (int64_t q = 0; q < 4 && c + q < h; ++q) {
+        const uint16_t v = static_cast<uint16_t>(z >> (16 * q));
+        // sign, exponent 2^-8 .. 2^1, random mantissa
+        const uint16_t exp = static_cast<uint16_t>(119 + (v >> 7) % 10);
+        p[r * h + c + q] = static_cast<uint16_t>((v & 0x8000u) | (exp << 7) | (v & 0x7fu));
+      }
+    }
+  }
+  return t;
+}
+
+struct Data {
+  Tensor tokens, indices, probs, permuted, sorted_indices, grad_permuted, grad_out;
+};
+
+moe_ep::PermuteArgs permute_args(const Data& d) {
+  moe_ep::PermuteArgs a;
+  a.tokens = d.tokens;
+  a.indices = d.indices;
+  return a;
+}
+
+const Data& data() {
+  static const Data d = [] {
+    Data x;
+    x.tokens = random_bf16(kTokens, kHidden, 1);
+    x.grad_out = random_bf16(kTokens, kHidden, 2);
+    x.grad_permuted = random_bf16(kEntries, kHidden, 3);
+    x.indices = Tensor::empty(DType::kI32, {kTokens, kTopK});
+    x.probs = Tensor::empty(DType::kF32, {kTokens, kTopK});
+    uint64_t s = 42;
+    for (int64_t i = 0; i < kTokens; ++i) {  // K distinct experts per token, uniform
+      std::vector<bool> used(kExperts, false);
+      for (int64_t k = 0; k < kTopK; ++k) {
+        int64_t e;
+        do e = static_cast<int64_t>(splitmix(s) % kExperts);
+        while (used[static_cast<std::size_t>(e)]);
+        used[static_cast<std::size_t>(e)] = true;
+        x.indices.ptr<int32_t>()[i * kTopK + k] = static_cast<int32_t>(e);
+        x.probs.ptr<float>()[i * kTopK + k] =
+            static_cast<float>(splitmix(s) >> 40) * 0x1p-24f / kTopK;
+      }
+    }
+    moe_ep::PermuteResult p = moe_ep::permute(permute_args(x));
+    x.permuted = std::move(p.permuted_tokens);
+    x.sorted_indices = std::move(p.sorted_indices);
+    return x;
+  }();
+  return d;
+}
+
+void expect_same(const char* op, const char* what, const Tensor& got, const Tensor& want) {
+  if (got.nbytes() == want.nbytes() && std::memcmp(got.data(), want.data(), got.nbytes()) == 0)
+    return;
+  std::fprintf(stderr, "moe-ep-bench-local: %s: %s differs from the ref/ oracle\n", op, what);
+  std::exit(1);
+}
+
+// Bytes each op reads and writes (see the top of this file).
+constexpr int64_t kRowBytes = kHidden * kElem;
+constexpr int64_t kPermuteBytes = 2 * kEntries * kRowBytes + kTokens * kTopK * 4 + kEntries * 4;
+constexpr int64_t kPermuteGradBytes = (kEntries + kTokens) * kRowBytes + kEntries * 4;
+constexpr int64_t kUnpermuteBytes = (kEntries + kTokens) * kRowBytes + kEntries * 4 + kEntries * 4;
+constexpr int64_t kUnpermuteGradBytes =
+    (kTokens + 2 * kEntries) * kRowBytes + kEntries * 4 + 2 * kEntries * 4;
+
+template <typename F>
+void run_op(benchmark::State& state, int64_t bytes, F op) {
+  for (auto _ : state) {
+    auto out = op();
+    benchmark::DoNotOptimize(out);
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+  state.counters["threads"] = omp_get_max_threads();
+}
+
+void BM_permute(benchmark::State& state) {
+  const Data& d = data();
+  auto op = [&d] { return moe_ep::permute(permute_args(d)); };
+  static bool verified = false;  // once, not once per repetition
+  if (!std::exchange(verified, true)) {
+    auto got = op();
+    auto want = moe_ep::ref::permute(d.tokens, d.indices, std::nullopt);
+    expect_same("permute", "permuted_tokens", got.permuted_tokens, want.permuted_tokens);
+    expect_same("permute", "sorted_indices", got.sorted_indices, want.sorted_indices);
+  }
+  run_op(state, kPermuteBytes, op);
+}
+
+template <bool kV2>
+void BM_permute_grad(benchmark::State& state) {
+  const Data& d = data();
+  auto op = [&d] {
+    if constexpr (kV2)
+      return moe_ep::permute_grad_v2({.grad_permuted_tokens = d.grad_permuted,
+                                      .sorted_indices = d.sorted_indices,
+                                      .tokens_rows = kTokens,
+                                      .tokens_dtype = DType::kBF16,
+                                      .num_topk = kTopK});
+    else
+      return moe_ep::permute_grad({.tokens = d.tokens,
+                                   .grad_permuted_tokens = d.grad_permuted,
+                                   .indices = d.indices,
+                                   .sorted_indices = d.sorted_indices});
+  };
+  static bool verified = false;
+  if (!std::exchange(verified, true))
+    expect_same(
+        "permute_grad", "grad_tokens", op(),
+        moe_ep::ref::permute_grad(d.grad_permuted, d.sorted_indices, kTokens, kTopK, DType::kBF16));
+  run_op(state, kPermuteGradBytes, op);
+}
+
+void BM_unpermute(benchmark::State& state) {
+  const Data& d = data();
+  auto op = [&d] {
+    moe_ep::UnpermuteArgs a;
+    a.permuted_tokens = d.permuted;
+    a.sorted_indices = d.sorted_indices;
+    a.probs = d.probs.view();
+    return moe_ep::unpermute(a);
+  };
+  static bool verified = false;
+  if (!std::exchange(verified, true))
+    expect_same("unpermute", "out", op(),
+                moe_ep::ref::unpermute(d.permuted, d.sorted_indices, d.probs.view()));
+  run_op(state, kUnpermuteBytes, op);
+}
+
+template <bool kV2>
+void BM_unpermute_grad(benchmark::State& state) {
+  const Data& d = data();
+  auto op = [&d] {
+    if constexpr (kV2) {
+      moe_ep::UnpermuteGradV2Args a;
+      a.grad_out = d.grad_out;
+      a.sorted_indices = d.sorted_indices;
+      a.permuted_rows = kEntries;
+      a.permuted_dtype = DType::kBF16;
+      a.probs = d.probs.view();
+      a.permuted_tokens = d.permuted.view();
+      return moe_ep::unpermute_grad_v2(a);
+    } else {
+      moe_ep::UnpermuteGradArgs a;
+      a.permuted_tokens = d.permuted;
+      a.grad_out = d.grad_out;
+      a.sorted_indices = d.sorted_indices;
+      a.probs = d.probs.view();
+      return moe_ep::unpermute_grad(a);
+    }
+  };
+  static bool verified = false;
+  if (!std::exchange(verified, true)) {
+    auto got = op();
+    auto want = moe_ep::ref::unpermute_grad(d.grad_out, d.sorted_indices, kEntries, DType::kBF16,
+                                            d.probs.view(), d.permuted.view());
+    expect_same("unpermute_grad", "grad_permuted_tokens", got.grad_permuted_tokens,
+                want.grad_permuted_tokens);
+    expect_same("unpermute_grad", "grad_probs", got.grad_probs, want.grad_probs);
+  }
+  run_op(state, kUnpermuteGradBytes, op);
+}
+
+// memcpy of bytes/2 (reads and writes `bytes` in all), in one contiguous chunk per thread.
+void BM_memcpy(benchmark::State& state, int64_t bytes) {
+  const std::size_t half = static_cast<std::size_t>(bytes / 2);
+  static std::vector<char> src, dst;
+  if (src.size() < half) {
+    src.assign(half, 1);
+    dst.assign(half, 0);
+  }
+  for (auto _ : state) {
+#pragma omp parallel
+    {
+      const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
+      const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
+      const std::size_t lo = half * t / nt, hi = half * (t + 1) / nt;
+      std::memcpy(dst.data() + lo, src.data() + lo, hi - lo);
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * bytes);
+  state.counters["threads"] = omp_get_max_threads();
+}
+
+// Allocates fresh blocks of the given byte sizes (aligned_alloc, bypassing the library's block
+// cache) and touches each page: what an op's outputs would cost on fresh pages.
+void BM_alloc(benchmark::State& state, std::vector<int64_t> sizes) {
+  for (auto _ : state) {
+    std::vector<char*> outs;
+    for (int64_t b : sizes) {
+      char* p =
+          static_cast<char*>(std::aligned_alloc(64, static_cast<std::size_t>(b + 63) / 64 * 64));
+      if (p == nullptr) std::abort();
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < b; i += 4096) p[i] = 1;
+      outs.push_back(p);
+    }
+    benchmark::DoNotOptimize(outs.data());
+    for (char* p : outs) std::free(p);
+  }
+  state.counters["threads"] = omp_get_max_threads();
+}
+
+// Prints each run as the console reporter does, then a summary: each op's bandwidth (median
+// over repetitions when there are several) next to its memcpy's, and the ratio.
+class SummaryReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const Run& r : runs) {
+      const std::string& name = r.run_name.function_name;
+      const double seconds = r.GetAdjustedRealTime() / 1e3;  // reported in ms
+      const bool single = r.run_type == Run::RT_Iteration && r.repetitions <= 1;
+      const bool median = r.run_type == Run::RT_Aggregate && r.aggregate_name == "median";
+      if (r.run_type == Run::RT_Aggregate && r.aggregate_name == "min") best_[name] = seconds;
+      if (!single && !median) continue;
+      const auto it = r.counters.find("bytes_per_second");
+      if (it != r.counters.end()) rate_[name] = it->second.value;
+      seconds_[name] = seconds;
+      if (single) best_[name] = seconds;
+    }
+  }
+  void Finalize() override {
+    ConsoleReporter::Finalize();
+    std::printf(
+        "\nGB/s = 1e9 bytes/s at the median time over repetitions; ratio = op / memcpy; best "
+        "ratio: the same from each one's fastest repetition. fresh-pages ms: what the op's "
+        "outputs would add on pages never touched before (alloc/<op>).\n"
+        "%-18s %8s %8s %8s %7s %10s %15s\n",
+        "op", "ms", "GB/s", "memcpy", "ratio", "best ratio", "fresh-pages ms");
+    for (const auto& [name, rate] : rate_) {
+      if (name.find('/') != std::string::npos) continue;
+      const std::string mc = "memcpy/" + name;
+      const auto m = rate_.find(mc);
+      const auto a = seconds_.find("alloc/" + name);
+      if (m == rate_.end() || a == seconds_.end()) continue;
+      // Same byte counts: the ratio of bandwidths is the inverse ratio of times.
+      std::printf("%-18s %8.1f %8.2f %8.2f %7.2f %10.2f %15.1f\n", name.c_str(),
+                  seconds_[name] * 1e3, rate / 1e9, m->second / 1e9, rate / m->second,
+                  best_[mc] / best_[name], a->second * 1e3);
+    }
+    std::printf("(OpenMP threads: %d)\n", omp_get_max_threads());
+  }
+
+ private:
+  std::map<std::string, double> rate_, seconds_, best_;
+};
+
+double max_of(const std::vector<double>& v) {
+  double m = v.empty() ? 0.0 : v[0];
+  for (double x : v) m = x > m ? x : m;
+  return m;
+}
+double min_of(const std::vector<double>& v) {
+  double m = v.empty() ? 0.0 : v[0];
+  for (double x : v) m = x < m ? x : m;
+  return m;
+}
+
+void add(const char* name, void (*fn)(benchmark::State&), int64_t bytes,
+         std::vector<int64_t> out_bytes) {
+  benchmark::RegisterBenchmark(name, fn)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond)
+      ->ComputeStatistics("max", max_of)
+      ->ComputeStatistics("min", min_of);
+  benchmark::RegisterBenchmark((std::string("memcpy/") + name).c_str(), BM_memcpy, bytes)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond)
+      ->ComputeStatistics("max", max_of)
+      ->ComputeStatistics("min", min_of);
+  benchmark::RegisterBenchmark((std::string("alloc/") + name).c_str(), BM_alloc, out_bytes)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond)
+      ->ComputeStatistics("max", max_of)
+      ->ComputeStatistics("min", min_of);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  add("permute", BM_permute, kPermuteBytes, {kEntries * kRowBytes, kEntries * 4});
+  add("permute_grad", BM_permute_grad<false>, kPermuteGradBytes, {kTokens * kRowBytes});
+  add("permute_grad_v2", BM_permute_grad<true>, kPermuteGradBytes, {kTokens * kRowBytes});
+  add("unpermute", BM_unpermute, kUnpermuteBytes, {kTokens * kRowBytes});
+  add("unpermute_grad", BM_unpermute_grad<false>, kUnpermuteGradBytes,
+      {kEntries * kRowBytes, kEntries * 4});
+  add("unpermute_grad_v2", BM_unpermute_grad<true>, kUnpermuteGradBytes,
+      {kEntries * kRowBytes, kEntries * 4});
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  std::printf("moe-ep local ops: bf16, H %" PRId64 ", %" PRId64 " tokens, top-%" PRId64 ", %" PRId64
+              " experts, random routing; outputs verified against ref/ first\n",
+              kHidden, kTokens, kTopK, kExperts);
+  SummaryReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  return 0;
+}

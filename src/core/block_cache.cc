@@ -1,0 +1,64 @@
+#include "core/block_cache.h"
+
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <utility>
+
+namespace moe_ep::detail {
+
+namespace {
+
+std::size_t rounded_size(std::size_t bytes) {
+  if (bytes < kMinBlockBytes) return (bytes + 63) / 64 * 64;
+  return (bytes + kBlockRounding - 1) / kBlockRounding * kBlockRounding;
+}
+
+struct BlockCache {
+  std::mutex mu;
+  std::deque<std::pair<std::size_t, void*>> blocks;  // (rounded size, block), oldest first
+  std::size_t total = 0;
+};
+
+// Never destroyed: tensors may be released during static destruction.
+BlockCache& cache() {
+  static BlockCache* c = new BlockCache;
+  return *c;
+}
+
+}  // namespace
+
+void* allocate_block(std::size_t bytes) {
+  const std::size_t size = rounded_size(bytes == 0 ? 1 : bytes);
+  if (size >= kMinBlockBytes) {
+    BlockCache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    for (auto it = c.blocks.rbegin(); it != c.blocks.rend(); ++it)
+      if (it->first == size) {
+        void* p = it->second;
+        c.total -= size;
+        c.blocks.erase(std::next(it).base());
+        return p;
+      }
+  }
+  return std::aligned_alloc(64, size);
+}
+
+void release_block(void* p, std::size_t bytes) noexcept {
+  const std::size_t size = rounded_size(bytes == 0 ? 1 : bytes);
+  if (p == nullptr || size < kMinBlockBytes || size > kCacheBytes) {
+    std::free(p);
+    return;
+  }
+  BlockCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  c.blocks.emplace_back(size, p);
+  c.total += size;
+  while (c.total > kCacheBytes) {
+    std::free(c.blocks.front().second);
+    c.total -= c.blocks.front().first;
+    c.blocks.pop_front();
+  }
+}
+
+}  // namespace moe_ep::detail

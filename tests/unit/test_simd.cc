@@ -1,0 +1,380 @@
+// The Highway row kernels (src/kernels/cpu/convert.cc) against their scalar definitions (the
+// element functions of convert.h, applied in the documented order), BITWISE, on every SIMD target
+// this CPU supports (each forced in turn): odd lengths, NaN, Inf, subnormals, values that round
+// to ties, every fp16 value and a dense sample of fp32 values.
+//
+// NaN payloads: single operations (conversions, scale, axpy, add) are compared bit for bit,
+// NaNs included. In the chains of sum_rows and dot_rows two different NaNs can meet (an input
+// NaN and the default NaN of Inf * 0 or Inf - Inf); x86 then returns the payload of the first
+// operand, and C++ leaves the operand order of a commutative add or multiply to the compiler, so
+// the payload has no defined value even in scalar code. There a NaN must match a NaN (any
+// payload) and every other value bit for bit.
+#include <gtest/gtest.h>
+#include <hwy/highway.h>
+#include <hwy/targets.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/convert.h"
+#include "kernels/cpu/quant.h"
+#include "ref/quant_ref.h"
+
+namespace moe_ep {
+namespace {
+
+using detail::bf16_to_f32;
+using detail::f16_to_f32;
+using detail::f32_to_bf16;
+using detail::f32_to_f16;
+
+constexpr DType kFloatDTypes[] = {DType::kBF16, DType::kF16, DType::kF32};
+constexpr int64_t kLengths[] = {0, 1, 7, 16, 31, 33, 517, 7168 + 3};
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Runs body once per SIMD target the CPU supports (and this build compiled), each forced.
+template <typename F>
+void for_each_target(F body) {
+  const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  ASSERT_FALSE(targets.empty());
+  for (int64_t t : targets) {
+    SCOPED_TRACE(hwy::TargetName(t));
+    hwy::SetSupportedTargetsForTest(t);
+    hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+    body();
+  }
+  hwy::SetSupportedTargetsForTest(0);
+  hwy::GetChosenTarget().Update(hwy::SupportedTargets());
+}
+
+float awkward_any(std::mt19937_64& rng, bool allow_nan);
+
+// Awkward fp32 values: specials, subnormals of fp32, bf16 and fp16, exact ties of bf16 and fp16
+// rounding (odd and even), overflow to Inf in fp16, and random values of wide range.
+float awkward(std::mt19937_64& rng, bool allow_nan) {
+  const float v = awkward_any(rng, allow_nan);
+  return allow_nan || !std::isnan(v) ? v : 1.5f;  // the tie patterns can hit exponent 255
+}
+
+float awkward_any(std::mt19937_64& rng, bool allow_nan) {
+  const uint32_t r = static_cast<uint32_t>(rng());
+  switch (rng() % 12) {
+    case 0:
+      return allow_nan ? from_bits((r & 0x80000000u) | 0x7f800000u | (r & 0x7fffffu) | 1u)
+                       : INFINITY;  // NaN, quiet or signalling, any payload
+    case 1:
+      return (r & 1) ? INFINITY : -INFINITY;
+    case 2:
+      return from_bits(r & 0x807fffffu);  // fp32 subnormal or zero
+    case 3:
+      return from_bits((r & 0x80000000u) | ((r % 30 + 100) << 23) | (r & 0x7f0000u));  // small
+    case 4:
+      return from_bits((r & 0xffff0000u) | 0x8000u);  // bf16 tie
+    case 5:
+      return from_bits((r & 0xc7ffe000u) | 0x38000000u | 0x1000u);  // fp16 tie, in range
+    case 6:
+      return from_bits((r & 0x80000000u) | ((r % 20 + 100) << 23) | (r & 0x7fffffu));  // fp16 sub
+    case 7:
+      return from_bits((r & 0x80000000u) | ((r % 8 + 142) << 23) | (r & 0x7fffffu));  // > 65504
+    default:
+      return std::ldexp(static_cast<float>(static_cast<int32_t>(r)) / 2147483648.0f,
+                        static_cast<int>(rng() % 20) - 10);
+  }
+}
+
+// A row of n elements of dtype (values rounded by the scalar conversion).
+std::vector<uint16_t> make_row(std::mt19937_64& rng, DType dtype, int64_t n, bool allow_nan) {
+  std::vector<uint16_t> row(static_cast<std::size_t>(n) * dtype_size(dtype) / 2 + 1);
+  for (int64_t i = 0; i < n; ++i) detail::store_f32(row.data(), dtype, i, awkward(rng, allow_nan));
+  return row;
+}
+
+std::vector<float> f32_row(std::mt19937_64& rng, int64_t n, bool allow_nan) {
+  std::vector<float> v(static_cast<std::size_t>(n) + 1);
+  for (int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = awkward(rng, allow_nan);
+  return v;
+}
+
+// Elements of dtype equal bit for bit, or both NaN.
+void expect_same_or_nan(DType dtype, const void* a, const void* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = detail::load_f32(a, dtype, i), y = detail::load_f32(b, dtype, i);
+    if (bits(x) == bits(y) || (std::isnan(x) && std::isnan(y))) continue;
+    ADD_FAILURE() << "element " << i << " of " << n << ": 0x" << std::hex << bits(x) << " vs 0x"
+                  << bits(y);
+    return;
+  }
+}
+
+void expect_same_bytes(const void* a, const void* b, std::size_t bytes) {
+  const auto* x = static_cast<const unsigned char*>(a);
+  const auto* y = static_cast<const unsigned char*>(b);
+  for (std::size_t i = 0; i < bytes; ++i)
+    if (x[i] != y[i]) {
+      uint32_t u = 0, v = 0;
+      std::memcpy(&u, x + i / 4 * 4, 4);
+      std::memcpy(&v, y + i / 4 * 4, 4);
+      ADD_FAILURE() << "byte " << i << " of " << bytes << " differs: word 0x" << std::hex << u
+                    << " vs 0x" << v;
+      return;
+    }
+}
+
+TEST(Simd, EveryF16AndManyF32ConvertAsScalar) {
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
+  // f32 sample: a stride prime to 2^32 walks every exponent and low-bit pattern, plus ties.
+  std::vector<float> f32;
+  for (uint64_t u = 0; u < (uint64_t{1} << 32); u += 65521)
+    f32.push_back(from_bits(static_cast<uint32_t>(u)));
+  for (uint32_t e = 0; e < 256; ++e)
+    for (uint32_t low : {0x8000u, 0x18000u, 0x1000u, 0x3000u, 0x7fffu, 0x8001u}) {
+      f32.push_back(from_bits((e << 23) | low));
+      f32.push_back(from_bits(0x80000000u | (e << 23) | low));
+    }
+  const int64_t n = static_cast<int64_t>(f32.size());
+  for_each_target([&] {
+    for (DType dtype : {DType::kBF16, DType::kF16}) {
+      SCOPED_TRACE(dtype_name(dtype));
+      std::vector<float> got(65536);
+      detail::load_row_f32(got.data(), all.data(), dtype, 65536);
+      for (uint32_t i = 0; i < 65536; ++i) {
+        const float want = dtype == DType::kBF16 ? bf16_to_f32(all[i]) : f16_to_f32(all[i]);
+        ASSERT_EQ(bits(got[i]), bits(want)) << "bits 0x" << std::hex << i;
+      }
+      std::vector<uint16_t> out(f32.size());
+      detail::store_row_f32(out.data(), dtype, f32.data(), n);
+      for (std::size_t i = 0; i < f32.size(); ++i) {
+        const uint16_t want = dtype == DType::kBF16 ? f32_to_bf16(f32[i]) : f32_to_f16(f32[i]);
+        ASSERT_EQ(out[i], want) << "fp32 bits 0x" << std::hex << bits(f32[i]);
+      }
+    }
+  });
+}
+
+TEST(Simd, RowKernelsMatchScalar) {
+  for_each_target([] {
+    std::mt19937_64 rng(7);
+    for (DType dtype : kFloatDTypes)
+      for (int64_t n : kLengths) {
+        SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n));
+        const std::size_t un = static_cast<std::size_t>(n);
+        const std::size_t bytes = un * dtype_size(dtype);
+        const std::vector<uint16_t> src = make_row(rng, dtype, n, true);
+        const std::vector<float> f = f32_row(rng, n, true);
+        const std::vector<float> acc0 = f32_row(rng, n, false);
+        const float w = awkward(rng, false);
+
+        std::vector<float> got(un + 1, 1.0f), want(un + 1, 1.0f);
+        detail::load_row_f32(got.data(), src.data(), dtype, n);
+        for (int64_t i = 0; i < n; ++i) want[i] = detail::load_f32(src.data(), dtype, i);
+        expect_same_bytes(got.data(), want.data(), (un + 1) * 4);  // and nothing past the end
+
+        std::vector<uint16_t> st(src.size(), 0x5555), st_want(src.size(), 0x5555);
+        detail::store_row_f32(st.data(), dtype, f.data(), n);
+        for (int64_t i = 0; i < n; ++i) detail::store_f32(st_want.data(), dtype, i, f[i]);
+        expect_same_bytes(st.data(), st_want.data(), st.size() * 2);
+
+        detail::scale_row_f32(st.data(), dtype, f.data(), w, n);
+        for (int64_t i = 0; i < n; ++i) detail::store_f32(st_want.data(), dtype, i, f[i] * w);
+        expect_same_bytes(st.data(), st_want.data(), bytes);
+
+        got = acc0;
+        want = acc0;
+        detail::axpy_row_f32(got.data(), w, src.data(), dtype, n);
+        for (int64_t i = 0; i < n; ++i) {
+          const float p = w * detail::load_f32(src.data(), dtype, i);
+          want[i] += p;
+        }
+        expect_same_bytes(got.data(), want.data(), (un + 1) * 4);
+
+        got = acc0;
+        want = acc0;
+        detail::add_row_f32(got.data(), src.data(), dtype, n);
+        for (int64_t i = 0; i < n; ++i) want[i] += detail::load_f32(src.data(), dtype, i);
+        expect_same_bytes(got.data(), want.data(), (un + 1) * 4);
+      }
+  });
+}
+
+TEST(Simd, SumRowsMatchesScalarInRowOrder) {
+  for_each_target([] {
+    std::mt19937_64 rng(11);
+    for (DType in : kFloatDTypes)
+      for (DType out : kFloatDTypes)
+        for (int64_t n : kLengths)
+          for (int64_t count : {0, 1, 2, 3, 8, 9}) {
+            SCOPED_TRACE(std::string(dtype_name(in)) + "->" + dtype_name(out) +
+                         " n=" + std::to_string(n) + " count=" + std::to_string(count));
+            std::vector<std::vector<uint16_t>> rows;
+            std::vector<const void*> ptrs;
+            std::vector<float> w;
+            for (int64_t r = 0; r < count; ++r) {
+              rows.push_back(make_row(rng, in, n, r == 0));
+              w.push_back(awkward(rng, false));
+            }
+            for (auto& r : rows) ptrs.push_back(r.data());
+            for (bool weighted : {false, true}) {
+              const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
+              std::vector<unsigned char> got(ob + 8, 0xaa), want(ob + 8, 0xaa);
+              detail::sum_rows(got.data(), out, ptrs.data(), weighted ? w.data() : nullptr, count,
+                               in, n);
+              for (int64_t i = 0; i < n; ++i) {
+                float acc = 0.0f;
+                for (int64_t r = 0; r < count; ++r) {
+                  float t = detail::load_f32(ptrs[static_cast<std::size_t>(r)], in, i);
+                  if (weighted) t = w[static_cast<std::size_t>(r)] * t;
+                  acc = r == 0 ? t : acc + t;
+                }
+                detail::store_f32(want.data(), out, i, acc);
+              }
+              expect_same_or_nan(out, got.data(), want.data(), n);
+              expect_same_bytes(got.data() + ob, want.data() + ob, 8);  // nothing past the end
+            }
+          }
+  });
+}
+
+TEST(Simd, DotRowsKeepElementOrder) {
+  for_each_target([] {
+    std::mt19937_64 rng(13);
+    for (DType dtype : kFloatDTypes)
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{31}, int64_t{513},
+                        int64_t{1030}, int64_t{7171}})
+        for (int64_t count : {0, 1, 2, 3, 5, 8, 15, 16, 17, 33}) {
+          SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
+                       " count=" + std::to_string(count));
+          // Three grad rows shared round-robin, as a token's rows share its grad_out row.
+          std::vector<std::vector<float>> g;
+          for (int k = 0; k < 3; ++k) g.push_back(f32_row(rng, n, true));
+          std::vector<std::vector<uint16_t>> rows;
+          std::vector<const void*> ptrs;
+          std::vector<const float*> gs;
+          for (int64_t r = 0; r < count; ++r) {
+            rows.push_back(make_row(rng, dtype, n, false));
+            gs.push_back(g[static_cast<std::size_t>(r % 3)].data());
+          }
+          for (auto& r : rows) ptrs.push_back(r.data());
+          std::vector<float> got(static_cast<std::size_t>(count) + 1, 2.0f);
+          detail::dot_rows_f32(got.data(), gs.data(), ptrs.data(), count, dtype, n);
+          for (int64_t r = 0; r < count; ++r) {
+            const float* gr = gs[static_cast<std::size_t>(r)];
+            float dot = 0.0f;
+            for (int64_t i = 0; i < n; ++i) {
+              const float t = gr[i] * detail::load_f32(ptrs[static_cast<std::size_t>(r)], dtype, i);
+              dot = i == 0 ? t : dot + t;
+            }
+            SCOPED_TRACE("row " + std::to_string(r));
+            expect_same_or_nan(DType::kF32, &got[static_cast<std::size_t>(r)], &dot, 1);
+          }
+          EXPECT_EQ(got[static_cast<std::size_t>(count)], 2.0f);  // nothing past `count`
+        }
+  });
+}
+
+// Non-temporal stores (stream = true) write the same bytes as ordinary ones, aligned or not (an
+// unaligned destination falls back to ordinary stores), and nothing past the end.
+TEST(Simd, StreamingStoresWriteTheSameBytes) {
+  for_each_target([] {
+    std::mt19937_64 rng(17);
+    for (int64_t n : kLengths)
+      for (std::size_t offset : {std::size_t{0}, std::size_t{2}}) {
+        SCOPED_TRACE("n=" + std::to_string(n) + " offset=" + std::to_string(offset));
+        const std::size_t bytes = static_cast<std::size_t>(n) * 2;
+        const std::vector<uint16_t> src = make_row(rng, DType::kBF16, n, true);
+        const std::vector<float> f = f32_row(rng, n, true);
+        // 64-byte aligned storage; offset 2 misaligns the destination.
+        std::vector<float> a(static_cast<std::size_t>(n) + 64, 0.0f), b(a.size(), 0.0f);
+        auto* pa = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(a.data()) + 63) / 64 * 64) +
+                   offset;
+        auto* pb = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(b.data()) + 63) / 64 * 64) +
+                   offset;
+        detail::copy_row(pa, src.data(), bytes, true);
+        std::memcpy(pb, src.data(), bytes);
+        expect_same_bytes(pa, pb, bytes + 8);
+        detail::scale_row_f32(pa, DType::kBF16, f.data(), 0.75f, n, true);
+        detail::scale_row_f32(pb, DType::kBF16, f.data(), 0.75f, n, false);
+        expect_same_bytes(pa, pb, bytes + 8);
+        const void* rows[2] = {src.data(), src.data()};
+        const float w[2] = {0.5f, -3.0f};
+        detail::sum_rows(pa, DType::kBF16, rows, w, 2, DType::kBF16, n, true);
+        detail::sum_rows(pb, DType::kBF16, rows, w, 2, DType::kBF16, n, false);
+        expect_same_or_nan(DType::kBF16, pa, pb, n);
+        expect_same_bytes(pa + bytes, pb + bytes, 8);
+      }
+  });
+}
+
+// int8 quantisation (quant.cc) against ref/quant_ref.cc on every target: odd lengths, smoothing,
+// zero, non-finite and tiny rows.
+TEST(Simd, QuantMatchesReferenceOnEveryTarget) {
+  for_each_target([] {
+    std::mt19937_64 rng(19);
+    for (DType dtype : kFloatDTypes)
+      for (int64_t n : kLengths)
+        for (int kind = 0; kind < 4; ++kind) {
+          SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
+                       " kind=" + std::to_string(kind));
+          const std::size_t un = static_cast<std::size_t>(n);
+          std::vector<float> v(un + 1);
+          for (auto& x : v) {
+            x = awkward(rng, false);
+            if (kind != 2 && std::isinf(x)) x = 3.0f;  // kind 2: rows that may hold Inf
+            if (kind == 3) x = std::ldexp(x, -130);    // tiny rows
+          }
+          std::vector<uint16_t> x(un * dtype_size(dtype) / 2 + 2);
+          for (int64_t i = 0; i < n; ++i) detail::store_f32(x.data(), dtype, i, v[i]);
+          std::vector<float> smooth(un + 1);
+          for (auto& f : smooth) f = 0.5f + static_cast<float>(rng() % 1000) / 500.0f;
+          for (const float* sm :
+               {static_cast<const float*>(nullptr), static_cast<const float*>(smooth.data())}) {
+            std::vector<int8_t> qk(un + 1, 99), qr(un + 1, 99);
+            const float sk = detail::quantize_row_int8(x.data(), dtype, sm, n, qk.data());
+            const float sr = ref::quantize_row_int8(dtype, x.data(), sm, n, qr.data());
+            EXPECT_TRUE(bits(sk) == bits(sr) || (std::isnan(sk) && std::isnan(sr)));
+            expect_same_bytes(qk.data(), qr.data(), un + 1);
+            if (std::isnan(sk)) continue;
+            std::vector<float> dk(un + 1, 7.0f), dr(un + 1, 7.0f);
+            detail::dequantize_row_int8(qk.data(), sk, n, dk.data());
+            ref::dequantize_row_int8(qk.data(), sk, n, dr.data());
+            expect_same_bytes(dk.data(), dr.data(), (un + 1) * 4);
+            std::vector<float> ak = f32_row(rng, n, false), ar = ak;
+            detail::axpy_row_int8(ak.data(), 0.3f, qk.data(), sk, n);
+            ref::axpy_row_int8(ar.data(), 0.3f, qk.data(), sk, n);
+            expect_same_or_nan(DType::kF32, ak.data(), ar.data(), n + 1);
+          }
+        }
+  });
+}
+
+// A dot product whose value depends on the order: in h order the 1 is absorbed by 2^24 and the
+// result is 0; a tree reduction would give 1 or 2.
+TEST(Simd, DotRowsIsSequential) {
+  std::vector<float> g(64, 1.0f), x(64, 0.0f);
+  x[0] = 0x1p24f;
+  for (int i = 1; i < 17; ++i) x[i] = 1.0f;
+  x[17] = -0x1p24f;
+  const void* row = x.data();
+  for_each_target([&] {
+    float out = -1.0f;
+    const float* gp = g.data();
+    detail::dot_rows_f32(&out, &gp, &row, 1, DType::kF32, 64);
+    EXPECT_EQ(out, 0.0f);
+  });
+}
+
+}  // namespace
+}  // namespace moe_ep
