@@ -2,10 +2,15 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "moe_ep/comm.h"
+#include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
 
 namespace moe_ep {
@@ -82,6 +87,27 @@ TEST(Communicator, RejectsBadTimeouts) {
           << e.what();
     }
   }
+}
+
+// A huge timeout means "no deadline"; it used to overflow the clock's nanoseconds into a deadline
+// in the past, so the first wait for a late peer timed out at once.
+TEST(Communicator, HugeTimeoutWaitsForALatePeer) {
+  auto comm = Communicator::from_mpi(MPI_COMM_WORLD, {.timeout_s = 1e18});
+  const int W = comm->size(), r = comm->rank();
+  std::vector<float> x(4, 1.0f);
+  std::vector<int32_t> ids = {r % W};
+  EpConfig cfg;
+  cfg.group_ep = comm.get();
+  cfg.ep_world_size = W;
+  cfg.ep_rank_id = r;
+  cfg.moe_expert_num = W;
+  DispatchInputs in;
+  in.x = TensorView::contiguous(x.data(), DType::kF32, {1, 4});
+  in.expert_ids = TensorView::contiguous(ids.data(), DType::kI32, {1, 1});
+  if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  DispatchOutputs out;
+  EXPECT_NO_THROW(out = dispatch_v2(in, cfg));
+  EXPECT_EQ(out.expand_x.size(1), 4);
 }
 
 TEST(Communicator, RejectsNullCommunicator) {

@@ -12,7 +12,9 @@ the same communicator reuse the duplicate. ``release_group(comm)`` frees it.
 
 Both ops are collective over group_ep: every rank calls them in the same order. A bad argument on
 one rank raises moe_ep.InvalidArgumentError there and moe_ep.RemoteError on the others; every wait
-has a deadline (moe_ep.TimeoutError; $MOE_EP_TIMEOUT_S, default 300 s). Neither op has autograd.
+has a deadline (moe_ep.TimeoutError; $MOE_EP_TIMEOUT_S, default 300 s). After a TimeoutError the
+communicator is unusable (messages of the abandoned call may still arrive): release_group(comm)
+on every rank, or use another communicator. Neither op has autograd.
 The fake implementations give the SPEC §1.4 output shapes, so torch.compile can trace a layer that
 calls them (not with elastic_info, whose output shapes depend on the table's values). The wrappers
 trace too (fullgraph) once their communicators are registered: torch.compile cannot trace into
@@ -302,8 +304,7 @@ def _(
 # combine_v2
 
 
-@torch.library.custom_op("moe_ep::combine_v2", mutates_args=("performance_info",))
-def _combine_v2_op(
+def _combine_v2_impl(
     expand_x: Tensor,
     expert_ids: Tensor,
     assist_info_for_combine: Tensor,
@@ -372,9 +373,24 @@ def _combine_v2_op(
     return tt(out)
 
 
-@_combine_v2_op.register_fake
-def _(expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, *args, **kw):
+def _combine_v2_fake(
+    expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, *args, **kw
+):
     return expand_x.new_empty((expert_ids.shape[0], expand_x.shape[1]))
+
+
+_combine_v2_op = torch.library.custom_op(
+    "moe_ep::combine_v2", _combine_v2_impl, mutates_args=("performance_info",)
+)
+_combine_v2_op.register_fake(_combine_v2_fake)
+# The same op without the in-place performance_info (which must be None): what the wrapper calls
+# when no performance_info is given. PyTorch 2.13's inductor fails on an op that returns a single
+# tensor and declares a mutated argument ("getitem is not an OpOverload"), even when that
+# argument is None; a functional op compiles with every backend.
+_combine_v2_functional = torch.library.custom_op(
+    "moe_ep::_combine_v2_functional", _combine_v2_impl, mutates_args=()
+)
+_combine_v2_functional.register_fake(_combine_v2_fake)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -460,7 +476,9 @@ def combine_v2(
     comm_alg, zero/copy/const_expert_num). Returns x (BS, H) in expand_x's dtype.
     """
     gid, size, rank = _resolve(group_ep)
-    return torch.ops.moe_ep.combine_v2(
+    with_perf = kwargs.get("performance_info") is not None
+    op = torch.ops.moe_ep.combine_v2 if with_perf else torch.ops.moe_ep._combine_v2_functional
+    return op(
         expand_x,
         expert_ids,
         assist_info_for_combine,

@@ -122,8 +122,11 @@ void Exchange::irecv(void* buf, int count, MPI_Datatype type, int peer, int tag)
 std::vector<MPI_Status> Exchange::wait() {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
-  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(comm_.timeout_s()));
+  // Capped at 10^9 s (~31 years): larger values mean "no deadline" to the caller, and would
+  // overflow the clock's 64-bit nanoseconds (a deadline in the past: an immediate timeout).
+  const double timeout_s = std::min(comm_.timeout_s(), 1e9);
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   const int n = static_cast<int>(reqs_.size());
   done_us_.assign(n, 0);
   std::vector<MPI_Status> all(n), got(n);
