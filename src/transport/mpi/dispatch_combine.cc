@@ -304,13 +304,34 @@ detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
                                const std::vector<OpHeader>& h, const std::vector<int>& peers,
                                int64_t own_need) {
   std::shared_ptr<detail::ShmContext>& ctx = detail::CommInternals::shm(comm);
+  // A rank that timed out in the header phase sent its header all the same, so the others'
+  // agreement does not prove it is still here. Before a blocking collective (which has no
+  // deadline), every rank taking part confirms it passed the agreement (phase "shm ready", with
+  // the deadline): a missing rank then shows up as kTimeout instead of a hang.
+  auto confirm = [&](const std::vector<int>& with) {
+    Exchange ex(comm, op, "shm ready");
+    auto flags = std::make_shared<std::vector<int32_t>>(with.size() + 1, 1);
+    ex.keep_alive(flags);
+    for (std::size_t i = 0; i < with.size(); ++i) {
+      if (with[i] == comm.rank()) continue;
+      ex.irecv(flags->data() + i, 1, MPI_INT32_T, with[i], detail::kTagShmReady);
+      ex.isend(flags->data() + with.size(), 1, MPI_INT32_T, with[i], detail::kTagShmReady);
+    }
+    ex.wait();
+  };
   bool grow = false;
   if (!ctx) {
+    confirm(peers);  // MPI_Comm_split_type is collective over group_ep
     ctx = detail::ShmContext::create(comm, op);
     grow = true;
   } else {
-    for (std::size_t p = 0; p < h.size(); ++p)
-      if (h[p].shm_grow && ctx->node_of(peers[p]) >= 0) grow = true;
+    std::vector<int> node;
+    for (std::size_t p = 0; p < h.size(); ++p) {
+      if (ctx->node_of(peers[p]) < 0) continue;
+      node.push_back(peers[p]);
+      if (h[p].shm_grow) grow = true;
+    }
+    if (grow) confirm(node);  // MPI_Win_allocate_shared is collective over the machine
   }
   if (grow) ctx->grow(std::max({ctx->capacity(), 2 * own_need, kMinShmBytes}), op);
   return *ctx;

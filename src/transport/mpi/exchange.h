@@ -31,6 +31,7 @@ enum Tag : int {
   kTagShmOffsets = 0x4d07,  // shared-memory transport: where a sender's rows go (dispatch_v2)
   kTagShmWhere = 0x4d08,    // where a reader finds its rows (combine_v2)
   kTagShmDone = 0x4d09,     // a reader is done with an owner's rows (combine_v2)
+  kTagShmReady = 0x4d0a,    // every rank passed the header before a collective shm call
 };
 
 // EpConfig::transport as carried in the header (0: not resolved, the op failed before).
