@@ -18,6 +18,11 @@
 
 namespace moe_ep {
 
+namespace detail {
+class ShmContext;
+struct CommInternals;
+}  // namespace detail
+
 struct CommOptions {
   // Deadline of every blocking wait, in seconds (> 0). Unset: $MOE_EP_TIMEOUT_S, else 300.
   // A malformed $MOE_EP_TIMEOUT_S raises Error(kInvalidArgument).
@@ -31,7 +36,12 @@ class MOE_EP_API Communicator {
   // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout.
   static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});
 
-  ~Communicator();  // frees the duplicate (if MPI is not finalised yet); never throws
+  // Frees the duplicate (if MPI is not finalised yet); never throws. When the shared-memory
+  // transport was used (EpConfig::transport), this also releases its node communicator and
+  // windows: collective over the ranks of this machine (like MPI_Comm_free), bounded by
+  // timeout_s(); windows that a live dispatch_v2 output still uses on any rank of the machine
+  // stay mapped until the process exits (docs/design.md, "Shared-memory transport").
+  ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
@@ -46,6 +56,10 @@ class MOE_EP_API Communicator {
   int rank_;
   int size_;
   double timeout_s_;
+  // The shared-memory transport's state (node communicator, windows, slots), created by the
+  // first op that uses it. Internal: reached through detail::CommInternals.
+  friend struct detail::CommInternals;
+  mutable std::shared_ptr<detail::ShmContext> shm_;
 };
 
 }  // namespace moe_ep

@@ -53,6 +53,19 @@
 // rank, peer and phase); after a timeout the communicator is unusable. MPI failures raise
 // Error(kSystem).
 //
+// Shared-memory transport (EpConfig::transport "shm", the default; docs/design.md): the first op
+// that uses it creates, collectively over group_ep, the node communicator and a window per
+// machine; windows grow (collectively over the machine, after the header agreement) when a call
+// needs more. dispatch_v2's expand_x then lives in a slot of this rank's window: it is a normal
+// Tensor, valid as long as any copy of it lives (even after the Communicator is destroyed), and
+// the slot is reused by a later call only once every copy has been released. A call for which
+// no slot is free (previous outputs still held and the window full) receives into ordinary
+// memory through MPI instead. combine_v2 lets peers read expand_x in place when it lies in this
+// rank's window (experts run in place on dispatch_v2's expand_x), otherwise it copies the valid
+// rows once into a window slot (comm_quant_mode 2: quantises them there); combine_v2 returns only
+// after every peer on the machine has finished reading them. The whole call uses MPI when
+// tp_world_size is 2 or elastic_info scales in (is_scaled_down 1).
+//
 // Data flow (docs/design.md): a header exchange, then per-(destination, local expert) counts, then
 // one message of rows per peer and direction, described by MPI derived datatypes over x's rows and
 // expand_x's blocks (no packing; int8 rows are packed per destination in send order, their fp32
@@ -92,6 +105,16 @@ struct EpConfig {
   int64_t global_bs = 0;  // 0 (BS equal on all ranks) or W * m, m >= max BS over ranks (BS may
                           // then differ across ranks, and be 0)
   std::string comm_alg;   // "" or "fullmesh" ("hierarchy": unsupported)
+  // How rows move between ranks on the same machine (not a SPEC argument; results are bitwise
+  // the same either way). "mpi": MPI point-to-point for every peer. "shm": ranks that share
+  // memory (MPI_Comm_split_type SHARED) write dispatch_v2's rows straight into the receiver's
+  // expand_x inside an MPI-3 shared-memory window, and combine_v2 reads the expert outputs from
+  // the owner's window; peers on other machines use MPI. "" (default): $MOE_EP_TRANSPORT when
+  // set, else "shm". Must resolve to the same value on every rank (kInvalidArgument on every rank
+  // otherwise); any other value, here or in $MOE_EP_TRANSPORT: kInvalidArgument naming it. See
+  // "Shared-memory transport" below for when a call still uses MPI and for the lifetime of
+  // expand_x.
+  std::string transport;
   // Special experts (SPEC §2.2), Z, C, Q >= 0, E+Z+C+Q < 2^31-1: ids [E, E+Z) zero experts,
   // [E+Z, E+Z+C) copy experts, [E+Z+C, E+Z+C+Q) const experts. Never sent; combine_v2 evaluates
   // them locally. K <= E+Z+C+Q.

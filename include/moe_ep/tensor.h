@@ -16,6 +16,10 @@
 
 namespace moe_ep {
 
+namespace detail {
+struct TensorInternals;
+}  // namespace detail
+
 enum class DType : uint8_t { kBF16, kF16, kF32, kI8, kI32, kI64, kBool };
 
 // Bytes per element: 2, 2, 4, 1, 4, 8, 1.
@@ -96,6 +100,8 @@ class MOE_EP_API Tensor {
   DLManagedTensor* to_dlpack_managed() const;
 
  private:
+  // Internal: wraps memory the library manages itself (a shared-memory window slot).
+  friend struct detail::TensorInternals;
   std::shared_ptr<void> storage_;
   TensorView view_;
 };

@@ -148,6 +148,10 @@ void add_run_options(CLI::App* run, RunOptions& o) {
                   "combine quantisation: none (default) or int8 (comm_quant_mode 2: expert "
                   "outputs travel back as int8; not with --tp 2)")
       ->check(CLI::IsMember({"none", "int8"}));
+  run->add_option("--transport", o.transport,
+                  "how ranks on one machine move rows: shm (MPI-3 shared memory, one copy) or "
+                  "mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. Same results")
+      ->check(CLI::IsMember({"mpi", "shm"}));
   run->add_option("--mask", o.mask,
                   "x_active_mask: none (default), prefix (1-D: the last quarter of each rank's "
                   "tokens, rounded, inactive) or entries (2-D: each (token, k) inactive with "

@@ -865,6 +865,7 @@ int run_command(const RunOptions& o) {
   cfg.zero_expert_num = Z;
   cfg.copy_expert_num = C;
   cfg.const_expert_num = Q;
+  cfg.transport = o.transport;
   moe_ep::DispatchInputs din;
   din.x = moe_ep::TensorView::contiguous(x.data(), dtype, {BS, H});
   din.expert_ids = moe_ep::TensorView::contiguous(slot_ids.data(), DType::kI32, {BS, K});

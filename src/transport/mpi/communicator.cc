@@ -5,6 +5,7 @@
 #include "core/check.h"
 #include "moe_ep/comm.h"
 #include "transport/mpi/exchange.h"
+#include "transport/shm/context.h"
 
 namespace moe_ep {
 
@@ -53,6 +54,7 @@ Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s)
     : comm_(dup), rank_(rank), size_(size), timeout_s_(timeout_s) {}
 
 Communicator::~Communicator() {
+  shm_.reset();  // before the communicator it was split from
   int finalized = 1;
   MPI_Finalized(&finalized);
   if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);

@@ -19,6 +19,7 @@
 // mismatch (an error) instead of a stray message that would poison the next op.
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
@@ -33,6 +34,7 @@
 #include "kernels/cpu/quant.h"
 #include "moe_ep/dispatch.h"
 #include "transport/mpi/exchange.h"
+#include "transport/shm/context.h"
 
 namespace moe_ep {
 
@@ -267,6 +269,93 @@ EpShape local_shape(const EpConfig& cfg, const World& w, int64_t BS, int64_t H, 
 int to_int(int64_t v) {
   MOE_EP_CHECK(v >= 0 && v <= INT_MAX);
   return static_cast<int>(v);
+}
+
+// ---- Shared-memory transport (EpConfig::transport, docs/design.md) ---------------------------
+// EpConfig::transport, or $MOE_EP_TRANSPORT when it is empty (default "shm").
+int64_t resolve_transport(const char* op, const EpConfig& cfg) {
+  std::string v = cfg.transport;
+  if (v.empty()) {
+    const char* env = std::getenv("MOE_EP_TRANSPORT");
+    if (env == nullptr || *env == '\0') return detail::kTransportShm;
+    v = env;
+    if (v != "mpi" && v != "shm")
+      detail::invalid(op, ": MOE_EP_TRANSPORT = \"", v,
+                      "\" (used because transport is \"\") is not one of \"mpi\", \"shm\"");
+  }
+  if (v == "mpi") return detail::kTransportMpi;
+  if (v == "shm") return detail::kTransportShm;
+  detail::invalid(op, ": transport = \"", v, "\" is not one of \"\", \"mpi\", \"shm\"");
+}
+
+// Whether a call uses the shared-memory transport: decided from agreed values only (transport,
+// tp_world_size, the elastic_info hash), so every rank decides the same.
+bool shm_applies(int64_t transport, const EpConfig& cfg, const World& w) {
+  return transport == detail::kTransportShm && cfg.tp_world_size != 2 && w.hash == 0;
+}
+
+constexpr int64_t kMinShmBytes = int64_t{1} << 20;
+
+// After the header agreement of a call that uses shm: the communicator's context, created
+// (collectively over group_ep) on first use; a new window generation (collectively over the
+// machine) when any rank of this machine said its segment is too small. `own_need`: the bytes
+// this rank wants in one slot; its new segment holds two.
+detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
+                               const std::vector<OpHeader>& h, const std::vector<int>& peers,
+                               int64_t own_need) {
+  std::shared_ptr<detail::ShmContext>& ctx = detail::CommInternals::shm(comm);
+  // A rank that timed out in the header phase sent its header all the same, so the others'
+  // agreement does not prove it is still here. Before a blocking collective (which has no
+  // deadline), every rank taking part confirms it passed the agreement (phase "shm ready", with
+  // the deadline): a missing rank then shows up as kTimeout instead of a hang.
+  auto confirm = [&](const std::vector<int>& with) {
+    Exchange ex(comm, op, "shm ready");
+    auto flags = std::make_shared<std::vector<int32_t>>(with.size() + 1, 1);
+    ex.keep_alive(flags);
+    for (std::size_t i = 0; i < with.size(); ++i) {
+      if (with[i] == comm.rank()) continue;
+      ex.irecv(flags->data() + i, 1, MPI_INT32_T, with[i], detail::kTagShmReady);
+      ex.isend(flags->data() + with.size(), 1, MPI_INT32_T, with[i], detail::kTagShmReady);
+    }
+    ex.wait();
+  };
+  bool grow = false;
+  if (!ctx) {
+    confirm(peers);  // MPI_Comm_split_type is collective over group_ep
+    ctx = detail::ShmContext::create(comm, op);
+    grow = true;
+  } else {
+    std::vector<int> node;
+    for (std::size_t p = 0; p < h.size(); ++p) {
+      if (ctx->node_of(peers[p]) < 0) continue;
+      node.push_back(peers[p]);
+      if (h[p].shm_grow) grow = true;
+    }
+    if (grow) confirm(node);  // MPI_Win_allocate_shared is collective over the machine
+  }
+  if (grow) ctx->grow(std::max({ctx->capacity(), 2 * own_need, kMinShmBytes}), op);
+  return *ctx;
+}
+
+// memset / row copies over all threads (large buffers: the copy is the transport).
+void parallel_zero(char* p, int64_t bytes) {
+  constexpr int64_t kChunk = int64_t{1} << 20;
+  const int64_t n = (bytes + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) if (n > 1)
+  for (int64_t c = 0; c < n; ++c)
+    std::memset(p + c * kChunk, 0, static_cast<std::size_t>(std::min(kChunk, bytes - c * kChunk)));
+}
+
+struct RowCopy {
+  const char* src;
+  char* dst;
+};
+
+void parallel_copy(const std::vector<RowCopy>& rows, int64_t row_bytes) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+#pragma omp parallel for schedule(static) if (n * row_bytes > (int64_t{1} << 16))
+  for (int64_t j = 0; j < n; ++j)
+    std::memcpy(rows[j].dst, rows[j].src, static_cast<std::size_t>(row_bytes));
 }
 
 // ---- Tensor parallelism, tp_world_size 2 (SPEC §1.1 step 3, §2) --------------------------------
@@ -549,7 +638,13 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   // quant_mode 2: the int8 rows in send order (SPEC §1.5) and their dynamic scales.
   std::shared_ptr<std::vector<int8_t>> qsend;
   std::shared_ptr<std::vector<float>> qsend_scale;
+  // Shared-memory transport: expand_x's slot in this rank's window, or, when the window must
+  // first grow, its allocation deferred until after the header agreement.
+  bool shm_want = false, shm_defer = false;
+  std::optional<detail::ShmSlot> slot;
+  int64_t expand_bytes = 0;
   capture(hdr, local, [&] {
+    hdr.transport = resolve_transport(op, cfg);
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
@@ -580,11 +675,28 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     send = detail::plan_sends(act, sh.pl, sh.rank);
     // Allocated before the header exchange, so an allocation failure on one rank is reported to
     // every rank instead of leaving them waiting for its rows.
-    out.expand_x = Tensor::empty(quant ? DType::kI8 : sh.dtype, {tp_rows(cfg, sh.A), sh.H});
+    const DType out_dtype = quant ? DType::kI8 : sh.dtype;
+    expand_bytes = tp_rows(cfg, sh.A) * sh.H * static_cast<int64_t>(dtype_size(out_dtype));
+    shm_want = shm_applies(hdr.transport, cfg, world);
+    if (shm_want) {
+      const auto& ctx = detail::CommInternals::shm(comm);
+      if (ctx) slot = ctx->try_alloc(expand_bytes);
+      // No window yet, or one too small: all ranks of the machine grow it after the agreement.
+      // A window big enough but full (earlier outputs still held): MPI for this call.
+      if (!slot && (!ctx || ctx->capacity() < expand_bytes)) hdr.shm_grow = 1, shm_defer = true;
+    }
+    if (slot)
+      out.expand_x = detail::TensorInternals::wrap(slot->token, slot->ptr, out_dtype,
+                                                   {tp_rows(cfg, sh.A), sh.H});
+    else if (!shm_defer)
+      out.expand_x = Tensor::empty(out_dtype, {tp_rows(cfg, sh.A), sh.H});
     if (quant) {
       out.dynamic_scales = Tensor::zeros(DType::kF32, {tp_rows(cfg, sh.A)});
       const int64_t n = static_cast<int64_t>(send.order.size());
-      qsend = std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(n * sh.H));
+      // With shm the int8 rows for peers on this machine are written straight into their
+      // expand_x; the send buffer is allocated later, only if some peer needs MPI.
+      if (!shm_want)
+        qsend = std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(n * sh.H));
       qsend_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(n));
     }
     out.assist_info_for_combine = Tensor::zeros(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
@@ -608,8 +720,19 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   check_batch_sizes(op, headers, world.peers, cfg.global_bs, "x.shape[0]");
   check_quant_modes(op, headers, world.peers, "quant_mode");
 
-  const int W = to_int(sh.W), L = to_int(sh.L);
+  const int W = to_int(sh.W), L = to_int(sh.L), me = to_int(sh.rank);
   const std::vector<int>& peers = world.peers;
+  detail::ShmContext* shm = nullptr;
+  if (shm_applies(headers[0].transport, cfg, world)) {
+    MOE_EP_CHECK(shm_want);
+    shm = &ensure_shm(comm, op, headers, peers, expand_bytes);
+    if (shm_defer) {
+      slot = shm->try_alloc(expand_bytes);
+      MOE_EP_CHECK(slot.has_value());
+      out.expand_x = detail::TensorInternals::wrap(slot->token, slot->ptr,
+                                                   quant ? DType::kI8 : sh.dtype, {sh.A, sh.H});
+    }
+  }
   // Phase "counts": rank d learns how many rows each source sends for each of its local experts.
   auto counts_out = std::make_shared<std::vector<int32_t>>(send.counts);
   auto counts_in = std::make_shared<std::vector<int32_t>>(sh.W * sh.L, 0);
@@ -632,13 +755,59 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   const int64_t row_bytes = sh.H * esize;
   const int64_t out_row_bytes = quant ? sh.H : row_bytes;  // of expand_x (int8 with quant_mode 2)
   if (sh.A > recv.valid)
-    std::memset(out.expand_x.ptr<char>() + recv.valid * out_row_bytes, 0,
-                static_cast<std::size_t>((sh.A - recv.valid) * out_row_bytes));
+    parallel_zero(out.expand_x.ptr<char>() + recv.valid * out_row_bytes,
+                  (sh.A - recv.valid) * out_row_bytes);
+
+  // Phase "shm offsets": each receiver on this machine tells each sender on it where, in its
+  // window, that sender's block of each local expert starts (gen -1: "use MPI this time", when
+  // the receiver has no slot). to[d]: what receiver d said; shm_to / shm_from: pairs that use
+  // shared memory in each direction.
+  std::vector<char> shm_to(W, 0), shm_from(W, 0);
+  std::vector<std::vector<int64_t>> to(W);
+  if (shm) {
+    auto where_for = [&](int p) {  // what this rank tells sender p: gen, then L byte offsets
+      std::vector<int64_t> o(1 + L, 0);
+      o[0] = slot ? slot->gen : -1;
+      for (int l = 0; l < L && slot; ++l)
+        o[1 + l] = slot->offset + recv.block_offset[l * W + p] * out_row_bytes;
+      return o;
+    };
+    Exchange ex(comm, op, "shm offsets");
+    std::vector<std::shared_ptr<std::vector<int64_t>>> in_off(W), out_off(W);
+    for (int p = 0; p < W; ++p) {
+      if (shm->node_of(peers[p]) < 0) continue;
+      shm_from[p] = slot.has_value();
+      if (p == me) continue;
+      out_off[p] = std::make_shared<std::vector<int64_t>>(where_for(p));
+      in_off[p] = std::make_shared<std::vector<int64_t>>(1 + sh.pl.local_experts(p));
+      ex.keep_alive(out_off[p]);
+      ex.keep_alive(in_off[p]);
+      ex.irecv(in_off[p]->data(), to_int(1 + sh.pl.local_experts(p)), MPI_INT64_T, peers[p],
+               detail::kTagShmOffsets);
+      ex.isend(out_off[p]->data(), 1 + L, MPI_INT64_T, peers[p], detail::kTagShmOffsets);
+    }
+    ex.wait();
+    if (perf) ex.add_recv_wait_us(perf);
+    for (int p = 0; p < W; ++p) {
+      if (shm->node_of(peers[p]) < 0) continue;
+      to[p] = p == me ? where_for(me) : *in_off[p];
+      shm_to[p] = to[p][0] >= 0;
+    }
+  }
+  bool any_mpi_to = false;
+  for (int d = 0; d < W; ++d) any_mpi_to |= !shm_to[d];
+  if (quant && any_mpi_to && !qsend)
+    qsend =
+        std::make_shared<std::vector<int8_t>>(send.order.size() * static_cast<std::size_t>(sh.H));
+
+  // quant_mode 2 (SPEC §1.5): every (token, destination) copy in send order, smoothed by its
+  // expert's row of scales (Ns + e for MoE expert e, s for shared expert s). Rows for MPI
+  // destinations go to the send buffer, rows for shared-memory ones straight to their place.
+  std::vector<int32_t> src_index, smooth_index;
+  detail::QuantizeRowsInt8Args qa;
   if (quant) {
-    // SPEC §1.5: every (token, destination) copy in send order, smoothed by its expert's row of
-    // scales (Ns + e for MoE expert e, s for shared expert s).
     const int64_t n = static_cast<int64_t>(send.order.size());
-    std::vector<int32_t> src_index(static_cast<std::size_t>(n)), smooth_index;
+    src_index.resize(static_cast<std::size_t>(n));
     if (in.scales) smooth_index.resize(static_cast<std::size_t>(n));
     for (int64_t j = 0; j < n; ++j) {
       const int64_t i = send.order[j] / sh.KS, k = send.order[j] % sh.KS;
@@ -647,46 +816,59 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         smooth_index[j] = static_cast<int32_t>(
             k < sh.K ? sh.pl.Ns + detail::index_at(in.expert_ids, i, k) : k - sh.K);
     }
-    detail::QuantizeRowsInt8Args qa;
     qa.op = op;
     qa.name = "x";
-    qa.rows = n;
     qa.n = sh.H;
     qa.dtype = sh.dtype;
     qa.src = in.x.data;
     qa.src_stride = in.x.strides[0];
-    qa.src_index = src_index.data();
     if (in.scales) {
       qa.smooth = in.scales->ptr<float>();
       qa.smooth_stride = sh.H;
-      qa.smooth_index = smooth_index.data();
     }
-    qa.q = qsend->data();
     qa.q_stride = sh.H;
-    qa.scales = qsend_scale->data();
-    detail::quantize_rows_int8(qa);
   }
+  // Quantises send-order entries [first, first + n) to q.
+  auto quantise = [&](int64_t first, int64_t n, int8_t* q) {
+    if (n == 0) return;
+    detail::QuantizeRowsInt8Args a = qa;
+    a.rows = n;
+    a.src_index = src_index.data() + first;
+    if (in.scales) a.smooth_index = smooth_index.data() + first;
+    a.q = q;
+    a.scales = qsend_scale->data() + first;
+    detail::quantize_rows_int8(a);
+  };
+  if (quant)
+    for (int d = 0; d < W; ++d)
+      if (!shm_to[d])
+        quantise(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d],
+                 qsend->data() + send.rank_offset[d] * sh.H);
 
-  // Phase "rows": rows and their metadata, one message each per peer and direction.
+  // Phase "rows": rows and their metadata, one message each per peer and direction. With shared
+  // memory the sender writes the rows itself, then sends the metadata, which doubles as the
+  // notification that they are in place.
   {
     Exchange ex(comm, op, "rows");
     auto expand_x = std::make_shared<Tensor>(out.expand_x);
     ex.keep_alive(expand_x);
     const MpiType row = detail::contiguous_bytes(out_row_bytes, op);
     const MpiType meta_type = detail::contiguous_bytes(sizeof(RowMeta), op);
-    if (quant) ex.keep_alive(qsend);
+    if (qsend) ex.keep_alive(qsend);
     std::vector<MpiType> types;
     types.reserve(2 * W);
     std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in(W), meta_out(W);
     for (int s = 0; s < W; ++s) {
-      std::vector<int> len(L);
-      std::vector<MPI_Aint> disp(L);
-      for (int l = 0; l < L; ++l) {
-        len[l] = recv.block_rows[l * W + s];
-        disp[l] = static_cast<MPI_Aint>(recv.block_offset[l * W + s] * out_row_bytes);
+      if (!shm_from[s]) {
+        std::vector<int> len(L);
+        std::vector<MPI_Aint> disp(L);
+        for (int l = 0; l < L; ++l) {
+          len[l] = recv.block_rows[l * W + s];
+          disp[l] = static_cast<MPI_Aint>(recv.block_offset[l * W + s] * out_row_bytes);
+        }
+        types.push_back(detail::blocks_at(len, disp, row.get(), op));
+        ex.irecv(out.expand_x.data(), 1, types.back().get(), peers[s], detail::kTagRows);
       }
-      types.push_back(detail::blocks_at(len, disp, row.get(), op));
-      ex.irecv(out.expand_x.data(), 1, types.back().get(), peers[s], detail::kTagRows);
       meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
       ex.keep_alive(meta_in[s]);
       ex.irecv(meta_in[s]->data(), to_int(recv.source_rows[s]), meta_type.get(), peers[s],
@@ -695,29 +877,59 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     const int64_t x_row_stride = in.x.strides[0] * esize;
     for (int d = 0; d < W; ++d) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
-      std::vector<MPI_Aint> disp(n);
       meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
       ex.keep_alive(meta_out[d]);
+      if (shm_to[d]) continue;  // rows below, metadata after them
+      if (quant) {
+        // The int8 rows for d are contiguous in the send buffer.
+        ex.isend(qsend->data() + first * sh.H, to_int(n), row.get(), peers[d], detail::kTagRows);
+      } else {
+        std::vector<MPI_Aint> disp(n);
+        for (int64_t j = 0; j < n; ++j)
+          disp[j] = static_cast<MPI_Aint>((send.order[first + j] / sh.KS) * x_row_stride);
+        types.push_back(detail::rows_at(disp, row.get(), op));
+        ex.isend(in.x.data, 1, types.back().get(), peers[d], detail::kTagRows);
+      }
+    }
+    // Shared memory: each (destination, local expert) run of the send order is contiguous at
+    // its destination; bf16/fp16/fp32 rows are copied there in parallel, int8 rows quantised
+    // there (one pass over x either way: the one copy).
+    std::vector<RowCopy> copies;
+    for (int d = 0; d < W; ++d) {
+      if (!shm_to[d]) continue;
+      int64_t j = send.rank_offset[d];
+      for (int64_t l = 0; l < sh.pl.local_experts(d); ++l) {
+        const int64_t n = send.counts[sh.pl.block_base(d) + l];
+        char* dst =
+            shm->peer_ptr(static_cast<int>(to[d][0]), peers[d], to[d][1 + l], n * out_row_bytes);
+        if (quant) {
+          quantise(j, n, reinterpret_cast<int8_t*>(dst));
+        } else {
+          for (int64_t r = 0; r < n; ++r)
+            copies.push_back({in.x.ptr<char>() + (send.order[j + r] / sh.KS) * x_row_stride,
+                              dst + r * row_bytes});
+        }
+        j += n;
+      }
+      MOE_EP_CHECK(j == send.rank_offset[d + 1]);
+    }
+    parallel_copy(copies, row_bytes);
+    if (shm) shm->sync();  // the rows are in place before their metadata announces them
+    for (int d = 0; d < W; ++d) {
+      const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t flat = send.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
-        disp[j] = static_cast<MPI_Aint>(i * x_row_stride);
         // Shared-expert copies (slot >= K) carry no weight: expand_scales 0.
         (*meta_out[d])[j] =
             RowMeta{static_cast<int32_t>(i), static_cast<int32_t>(k),
                     in.expert_scales && k < sh.K ? detail::float_at(*in.expert_scales, i, k) : 0.0f,
                     quant ? (*qsend_scale)[first + j] : 0.0f};
       }
-      if (quant) {
-        // The int8 rows for d are contiguous in the send buffer.
-        ex.isend(qsend->data() + first * sh.H, to_int(n), row.get(), peers[d], detail::kTagRows);
-      } else {
-        types.push_back(detail::rows_at(disp, row.get(), op));
-        ex.isend(in.x.data, 1, types.back().get(), peers[d], detail::kTagRows);
-      }
       ex.isend(meta_out[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagMeta);
     }
     ex.wait();
     if (perf) ex.add_recv_wait_us(perf);
+    if (shm) shm->sync();  // the peers' rows, announced by their metadata, are visible
 
     int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
     float* scales = out.expand_scales.ptr<float>();
@@ -821,7 +1033,16 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   int64_t* perf = nullptr;
   const TensorView* mask = in.x_active_mask ? &*in.x_active_mask : nullptr;
   const int64_t Z = cfg.zero_expert_num, C = cfg.copy_expert_num, Q = cfg.const_expert_num;
+  // Shared-memory transport: where peers read this rank's rows. `in_place`: expand_x's valid
+  // rows lie in this rank's window (at in_gen, in_off); else they are staged (copied, or
+  // quantised with comm_quant_mode 2) once into `stage` in send order; `stage_defer`: the window
+  // must grow first.
+  bool shm_want = false, in_place = false, stage_defer = false;
+  int in_gen = -1;
+  int64_t in_off = 0, stage_bytes = 0;
+  std::optional<detail::ShmSlot> stage;
   capture(hdr, local, [&] {
+    hdr.transport = resolve_transport(op, cfg);
     // Checked first: never valid (SPEC §2.1), whatever else this build supports.
     if (in.comm_quant_mode != 0 && in.comm_quant_mode != 2)
       detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");
@@ -882,11 +1103,31 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     if (in.expand_scales)
       detail::expect_tensor(op, "expand_scales", *in.expand_scales, {DType::kF32}, 1);
     back = detail::plan_sends(detail::Activity{&in.expert_ids, mask}, sh.pl, sh.rank);
-    // Allocated before the header exchange (see dispatch_v2).
-    y = std::make_shared<Tensor>(Tensor::empty(cq ? DType::kI8 : sh.dtype, {sh.BS * sh.KS, sh.H}));
+    shm_want = shm_applies(hdr.transport, cfg, world);
+    if (shm_want) {
+      const auto& ctx = detail::CommInternals::shm(comm);
+      const int64_t esz = static_cast<int64_t>(dtype_size(sh.dtype));
+      const int64_t extent =
+          blocks.valid == 0 ? 0 : (blocks.valid - 1) * in.expand_x.strides[0] * esz + sh.H * esz;
+      in_place = !cq && (blocks.valid == 0 ||
+                         (ctx && ctx->locate(in.expand_x.data, extent, in_gen, in_off)));
+      if (!in_place) {
+        stage_bytes = blocks.valid * (cq ? sh.H : sh.H * esz);
+        if (ctx) stage = ctx->try_alloc(stage_bytes);
+        if (!stage && (!ctx || ctx->capacity() < stage_bytes)) hdr.shm_grow = 1, stage_defer = true;
+      }
+      hdr.shm_rows = in_place || stage || stage_defer;
+    }
+    // Allocated before the header exchange (see dispatch_v2); with shm, y (the rows received
+    // through MPI) only once it is known that some peer sends through MPI.
+    if (!shm_want)
+      y = std::make_shared<Tensor>(
+          Tensor::empty(cq ? DType::kI8 : sh.dtype, {sh.BS * sh.KS, sh.H}));
     if (cq) {
       yscale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(sh.BS * sh.KS));
-      qback = std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(blocks.valid * sh.H));
+      if (!stage && !stage_defer)
+        qback =
+            std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(blocks.valid * sh.H));
       qback_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(blocks.valid));
     }
     out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
@@ -906,12 +1147,35 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   check_batch_sizes(op, headers, world.peers, cfg.global_bs, "expert_ids.shape[0]");
   check_quant_modes(op, headers, world.peers, "comm_quant_mode");
 
-  const int W = to_int(sh.W), L = to_int(sh.L);
+  const int W = to_int(sh.W), L = to_int(sh.L), me = to_int(sh.rank);
   const std::vector<int>& peers = world.peers;
   const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
   const int64_t row_bytes = sh.H * esize;
   const int64_t wire_row = cq ? sh.H : row_bytes;  // bytes of a row on the way back (and in y)
-  int64_t qback_row = 0;                           // comm_quant_mode 2: next row of qback
+  detail::ShmContext* shm = nullptr;
+  if (shm_applies(headers[0].transport, cfg, world)) {
+    MOE_EP_CHECK(shm_want);
+    shm = &ensure_shm(comm, op, headers, peers, stage_bytes);
+    if (stage_defer) {
+      stage = shm->try_alloc(stage_bytes);
+      MOE_EP_CHECK(stage.has_value());
+    }
+  }
+  // Shared memory between this rank and p: p reads this rank's rows from its window (provide),
+  // this rank reads p's (read); both sides know both from the headers.
+  std::vector<char> provide(W, 0), read(W, 0);
+  for (int p = 0; p < W && shm; ++p)
+    if (shm->node_of(peers[p]) >= 0) {
+      provide[p] = headers[me].shm_rows != 0;
+      read[p] = headers[p].shm_rows != 0;
+    }
+  // This rank's rows for source s, in send order (s, then its blocks l): the rows of
+  // comm_quant_mode 2 (quantised) and of staging.
+  std::vector<int64_t> send_first(W + 1, 0);
+  for (int s = 0; s < W; ++s) send_first[s + 1] = send_first[s] + blocks.source_rows[s];
+  const TensorView& rows_src = rs_out ? rs_out->view() : in.expand_x;  // T == 2: the TP sums
+  const int64_t src_stride = rows_src.strides[0] * esize;
+  int8_t* qrows = cq ? (stage ? reinterpret_cast<int8_t*>(stage->ptr) : qback->data()) : nullptr;
   if (cq) {
     // SPEC §2.1: each row sent back is quantised like §1.5 (no smoothing), in send order.
     std::vector<int32_t> src_index;
@@ -932,37 +1196,106 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     qa.src = in.expand_x.data;
     qa.src_stride = in.expand_x.strides[0];
     qa.src_index = src_index.data();
-    qa.q = qback->data();
+    qa.q = qrows;
     qa.q_stride = sh.H;
     qa.scales = qback_scale->data();
     detail::quantize_rows_int8(qa);
+  } else if (stage) {
+    // Staging: the valid rows copied once into the window, in send order.
+    std::vector<RowCopy> copies;
+    copies.reserve(static_cast<std::size_t>(blocks.valid));
+    for (int s = 0; s < W; ++s)
+      for (int l = 0; l < L; ++l) {
+        const int64_t b = static_cast<int64_t>(l) * W + s;
+        for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
+             ++j)
+          copies.push_back({static_cast<const char*>(rows_src.data) + j * src_stride,
+                            stage->ptr + static_cast<int64_t>(copies.size()) * row_bytes});
+      }
+    parallel_copy(copies, row_bytes);
   }
+  // Where source s finds its rows in this rank's window: gen, byte offset of row 0, row stride,
+  // then per local expert l the first row and the row count of block (l, s).
+  auto where_for = [&](int s) {
+    std::vector<int64_t> w(3 + 2 * static_cast<std::size_t>(L), 0);
+    w[0] = in_place ? in_gen : stage ? stage->gen : -1;
+    w[1] = in_place ? in_off : stage ? stage->offset + send_first[s] * wire_row : 0;
+    w[2] = in_place ? src_stride : wire_row;
+    int64_t staged = 0;
+    for (int l = 0; l < L; ++l) {
+      const int64_t b = static_cast<int64_t>(l) * W + s;
+      w[3 + l] = in_place ? blocks.block_offset[b] : staged;
+      w[3 + L + l] = blocks.block_rows[b];
+      staged += blocks.block_rows[b];
+    }
+    return w;
+  };
+
+  // yrow[i*KS + k]: the row holding y_ik, in y (received through MPI) or in a peer's window.
+  std::vector<const char*> yrow(static_cast<std::size_t>(sh.BS * sh.KS), nullptr);
+
+  // Tells every owner this rank read from that it is done, and waits until every reader of this
+  // rank's rows is done with them (they may be the caller's expand_x, or staging about to be
+  // reused). Runs on success and, best effort, on errors after the rows phase.
+  bool finished = shm == nullptr;
+  auto finish_reading = [&] {
+    if (finished) return;
+    finished = true;
+    Exchange ex(comm, op, "shm done");
+    auto flag = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(W), 0);
+    ex.keep_alive(flag);
+    for (int p = 0; p < W; ++p) {
+      if (p == me) continue;
+      if (provide[p]) ex.irecv(flag->data() + p, 1, MPI_INT32_T, peers[p], detail::kTagShmDone);
+      if (read[p]) ex.isend(flag->data() + me, 1, MPI_INT32_T, peers[p], detail::kTagShmDone);
+    }
+    ex.wait();
+  };
   {
     Exchange ex(comm, op, "rows");
-    ex.keep_alive(y);
+    if (y) ex.keep_alive(y);
     if (rs_out) ex.keep_alive(rs_out);
-    if (cq) ex.keep_alive(qback);
+    if (qback) ex.keep_alive(qback);
     const MpiType row = detail::contiguous_bytes(wire_row, op);
-    std::vector<MpiType> types;
-    types.reserve(2 * W);
+    std::vector<MpiType> types(W);
     std::vector<int64_t> expected(W);
     const MpiType meta_type = detail::contiguous_bytes(sizeof(BackMeta), op);
     std::vector<std::shared_ptr<std::vector<BackMeta>>> meta_in(W), meta_out(W);
+    std::vector<std::shared_ptr<std::vector<int64_t>>> where_in(W), where_out(W);
+    // Rows through MPI land in y at i*KS + k; y is allocated only when some peer sends any.
+    bool need_y = false;
+    for (int d = 0; d < W; ++d) need_y |= !read[d] && back.rank_offset[d + 1] > back.rank_offset[d];
+    if (need_y && !y) {
+      y = std::make_shared<Tensor>(
+          Tensor::empty(cq ? DType::kI8 : sh.dtype, {sh.BS * sh.KS, sh.H}));
+      ex.keep_alive(y);
+    }
+    static char no_rows;  // the buffer of empty receives when y is not needed
     for (int d = 0; d < W; ++d) {
       const int64_t first = back.rank_offset[d], n = back.rank_offset[d + 1] - first;
-      std::vector<MPI_Aint> disp(n);
-      for (int64_t j = 0; j < n; ++j)
-        disp[j] = static_cast<MPI_Aint>(back.order[first + j] * wire_row);
-      types.push_back(detail::rows_at(disp, row.get(), op));
-      ex.irecv(y->data(), 1, types.back().get(), peers[d], detail::kTagCombineRows);
       expected[d] = n * wire_row;
+      if (read[d]) {
+        if (d != me) {
+          where_in[d] = std::make_shared<std::vector<int64_t>>(3 + 2 * sh.pl.local_experts(d));
+          ex.keep_alive(where_in[d]);
+          ex.irecv(where_in[d]->data(), to_int(3 + 2 * sh.pl.local_experts(d)), MPI_INT64_T,
+                   peers[d], detail::kTagShmWhere);
+        }
+      } else {
+        std::vector<MPI_Aint> disp(n);
+        for (int64_t j = 0; j < n; ++j)
+          disp[j] = static_cast<MPI_Aint>(back.order[first + j] * wire_row);
+        types[d] = detail::rows_at(disp, row.get(), op);
+        ex.irecv(y ? y->data() : &no_rows, 1, types[d].get(), peers[d], detail::kTagCombineRows);
+      }
       meta_in[d] = std::make_shared<std::vector<BackMeta>>(n);
       ex.keep_alive(meta_in[d]);
       ex.irecv(meta_in[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagCombineMeta);
     }
-    const TensorView& rows_src = rs_out ? rs_out->view() : in.expand_x;  // T == 2: the TP sums
-    const int64_t stride = rows_src.strides[0] * esize;
+    if (shm) shm->sync();  // this rank's rows (the experts' stores, staging) before "where"
     const TensorView& ai = in.assist_info_for_combine;
+    std::vector<MpiType> send_types;
+    send_types.reserve(W);
     for (int s = 0; s < W; ++s) {
       std::vector<MPI_Aint> disp;
       disp.reserve(blocks.source_rows[s]);
@@ -973,56 +1306,99 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
         const int64_t b = static_cast<int64_t>(l) * W + s;
         for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
              ++j) {
-          disp.push_back(static_cast<MPI_Aint>(j * stride));
+          disp.push_back(static_cast<MPI_Aint>(j * src_stride));
           meta_out[s]->push_back(BackMeta{
               static_cast<int32_t>(detail::index_at(ai, 3 * j + 1)),
               static_cast<int32_t>(detail::index_at(ai, 3 * j + 2)),
               static_cast<int32_t>(sh.pl.expert_on(sh.rank, l)),
-              cq ? (*qback_scale)[qback_row + static_cast<int64_t>(meta_out[s]->size())] : 0.0f});
+              cq ? (*qback_scale)[send_first[s] + static_cast<int64_t>(meta_out[s]->size())]
+                 : 0.0f});
         }
       }
-      if (cq) {
-        // The int8 rows for s are contiguous in qback.
-        const int64_t n = static_cast<int64_t>(meta_out[s]->size());
-        ex.isend(qback->data() + qback_row * sh.H, to_int(n), row.get(), peers[s],
+      if (provide[s]) {
+        if (s != me) {
+          where_out[s] = std::make_shared<std::vector<int64_t>>(where_for(s));
+          ex.keep_alive(where_out[s]);
+          ex.isend(where_out[s]->data(), to_int(static_cast<int64_t>(where_out[s]->size())),
+                   MPI_INT64_T, peers[s], detail::kTagShmWhere);
+        }
+      } else if (cq) {
+        // The int8 rows for s are contiguous in send order.
+        ex.isend(qrows + send_first[s] * sh.H, to_int(blocks.source_rows[s]), row.get(), peers[s],
                  detail::kTagCombineRows);
-        qback_row += n;
       } else {
-        types.push_back(detail::rows_at(disp, row.get(), op));
-        ex.isend(rows_src.data, 1, types.back().get(), peers[s], detail::kTagCombineRows);
+        send_types.push_back(detail::rows_at(disp, row.get(), op));
+        ex.isend(rows_src.data, 1, send_types.back().get(), peers[s], detail::kTagCombineRows);
       }
       ex.isend(meta_out[s]->data(), to_int(static_cast<int64_t>(meta_out[s]->size())),
                meta_type.get(), peers[s], detail::kTagCombineMeta);
     }
-    std::vector<MPI_Status> st = ex.wait();  // receives were posted as (rows, meta) per peer
-    if (perf) ex.add_recv_wait_us(perf);
-    for (int d = 0; d < W; ++d) {
-      MPI_Count got = 0;
-      detail::check_mpi(MPI_Get_elements_x(&st[2 * d], types[d].get(), &got), op,
-                        "MPI_Get_elements_x");
-      if (got != expected[d])
-        detail::invalid(op, ": rank ", peers[d], " sent back ",
-                        got / std::max<int64_t>(wire_row, 1), " rows but expert_ids on rank ",
-                        comm.rank(), " route ", expected[d] / std::max<int64_t>(wire_row, 1),
-                        " entries to it: expert_ids and ep_send_counts must be those of the "
-                        "matching dispatch_v2");
-    }
-    // Every row must be the one expert_ids put at that position: same (token, slot), same expert
-    // (a shared expert s is -1 - s).
-    for (int d = 0; d < W; ++d) {
-      const int64_t first = back.rank_offset[d];
-      const std::vector<BackMeta>& m = *meta_in[d];
-      for (int64_t j = 0; j < static_cast<int64_t>(m.size()); ++j) {
-        const int64_t flat = back.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
-        const int64_t e = k < sh.K ? detail::index_at(in.expert_ids, i, k) : -1 - (k - sh.K);
-        if (m[j].token != i || m[j].slot != k || m[j].expert != e)
-          detail::invalid(op, ": expert_ids[", i, ",", k, "] = ", e, ", but rank ", peers[d],
-                          " returned the output of expert ", m[j].expert, " for (token ",
-                          m[j].token, ", slot ", m[j].slot,
-                          ") at that position: expert_ids (and x_active_mask) must be those of "
-                          "the matching dispatch_v2 (same tokens, same order)");
-        if (cq) (*yscale)[flat] = m[j].qscale;
+    try {
+      std::vector<MPI_Status> st = ex.wait();  // receives in the order posted, per peer
+      if (perf) ex.add_recv_wait_us(perf);
+      if (shm) shm->sync();  // the owners' rows, announced by "where", are visible
+      std::size_t at = 0;
+      for (int d = 0; d < W; ++d) {
+        const MPI_Status& rows_or_where = st[at];
+        if (!(read[d] && d == me)) ++at;
+        const MPI_Status& meta_st = st[at++];
+        MPI_Count got = 0;
+        if (!read[d]) {
+          detail::check_mpi(MPI_Get_elements_x(&rows_or_where, types[d].get(), &got), op,
+                            "MPI_Get_elements_x");
+        } else {
+          int metas = 0;  // shm: the rows are counted by their metadata
+          detail::check_mpi(MPI_Get_count(&meta_st, meta_type.get(), &metas), op, "MPI_Get_count");
+          got = static_cast<MPI_Count>(metas) * wire_row;
+        }
+        if (got != expected[d])
+          detail::invalid(op, ": rank ", peers[d], " sent back ",
+                          got / std::max<int64_t>(wire_row, 1), " rows but expert_ids on rank ",
+                          comm.rank(), " route ", expected[d] / std::max<int64_t>(wire_row, 1),
+                          " entries to it: expert_ids and ep_send_counts must be those of the "
+                          "matching dispatch_v2");
       }
+      // Every row must be the one expert_ids put at that position: same (token, slot), same
+      // expert (a shared expert s is -1 - s).
+      for (int d = 0; d < W; ++d) {
+        const int64_t first = back.rank_offset[d];
+        const std::vector<BackMeta>& m = *meta_in[d];
+        std::vector<int64_t> where;
+        if (read[d]) where = d == me ? where_for(me) : *where_in[d];
+        int64_t l = 0, in_block = 0;  // shm: position of row j in the owner's blocks
+        for (int64_t j = 0; j < static_cast<int64_t>(m.size()); ++j) {
+          const int64_t flat = back.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
+          const int64_t e = k < sh.K ? detail::index_at(in.expert_ids, i, k) : -1 - (k - sh.K);
+          if (m[j].token != i || m[j].slot != k || m[j].expert != e)
+            detail::invalid(op, ": expert_ids[", i, ",", k, "] = ", e, ", but rank ", peers[d],
+                            " returned the output of expert ", m[j].expert, " for (token ",
+                            m[j].token, ", slot ", m[j].slot,
+                            ") at that position: expert_ids (and x_active_mask) must be those of "
+                            "the matching dispatch_v2 (same tokens, same order)");
+          if (cq) (*yscale)[flat] = m[j].qscale;
+          if (!read[d]) {
+            yrow[flat] = y->ptr<char>() + flat * wire_row;
+            continue;
+          }
+          const int64_t Ld = sh.pl.local_experts(d);
+          while (l < Ld && in_block == where[3 + Ld + l]) ++l, in_block = 0;
+          if (l >= Ld)
+            detail::invalid(op, ": rank ", peers[d], " holds fewer rows for rank ", comm.rank(),
+                            " than expert_ids route to it (ep_send_counts and expert_ids must be "
+                            "those of the matching dispatch_v2)");
+          yrow[flat] = shm->peer_ptr(static_cast<int>(where[0]), peers[d],
+                                     where[1] + (where[3 + l] + in_block) * where[2], wire_row);
+          ++in_block;
+        }
+      }
+    } catch (const Error& e) {
+      // The owners wait for this rank's "done" before they return; after a timeout the
+      // communicator is unusable anyway.
+      if (e.kind() != ErrorKind::kTimeout) try {
+          finish_reading();
+        } catch (...) {  // the first error is the one to report
+        }
+      throw;
     }
   }
 
@@ -1031,8 +1407,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   // c = alpha_1[q] * ori_x[i] + alpha_2[q] * v[q] (each product rounded to fp32, then the sum),
   // acc += w * c. Then the hosted shared experts in s order (unweighted), then shared_expert_x.
   // Every product is rounded to fp32 before its add (-ffp-contract=off); one final rounding.
-  const char* ybase = y->ptr<char>();
   const float* ysc = cq ? yscale->data() : nullptr;
+  const char* const* yp = yrow.data();
   char* obase = out.ptr<char>();
   const int64_t BS = sh.BS, K = sh.K, KS = sh.KS, H = sh.H, E = sh.E, Ns = sh.pl.Ns;
   const DType dtype = sh.dtype;
@@ -1050,11 +1426,10 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
           const float w = detail::float_at(in.expert_scales, i, k);
           if (e < E) {
             if (cq)  // SPEC §2.3 with comm_quant_mode 2: the dequantised row
-              detail::axpy_row_int8(acc.data(), w,
-                                    reinterpret_cast<const int8_t*>(ybase) + (i * KS + k) * H,
+              detail::axpy_row_int8(acc.data(), w, reinterpret_cast<const int8_t*>(yp[i * KS + k]),
                                     ysc[i * KS + k], H);
             else
-              detail::axpy_row_f32(acc.data(), w, ybase + (i * KS + k) * row_bytes, dtype, H);
+              detail::axpy_row_f32(acc.data(), w, yp[i * KS + k], dtype, H);
           } else if (e < E + Z) {
             // zero expert: contributes nothing
           } else if (e < E + Z + C) {
@@ -1076,16 +1451,17 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
         for (int64_t s = 0; s < Ns; ++s)
           if (cq)  // acc + fl(1 * y) == acc + y: the unweighted add
             detail::axpy_row_int8(acc.data(), 1.0f,
-                                  reinterpret_cast<const int8_t*>(ybase) + (i * KS + K + s) * H,
+                                  reinterpret_cast<const int8_t*>(yp[i * KS + K + s]),
                                   ysc[i * KS + K + s], H);
           else
-            detail::add_row_f32(acc.data(), ybase + (i * KS + K + s) * row_bytes, dtype, H);
+            detail::add_row_f32(acc.data(), yp[i * KS + K + s], dtype, H);
         if (in.shared_expert_x)
           detail::add_row_f32(acc.data(), shared_row(*in.shared_expert_x, i), dtype, H);
       }
       detail::store_row_f32(obase + i * row_bytes, dtype, acc.data(), H);
     }
   }
+  finish_reading();
   return out;
 }
 

@@ -279,6 +279,16 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
         invalid(op, ": ", f.name, " differs across ranks: rank ", peers[0], " has ", h[0].*f.member,
                 ", rank ", peers[p], " has ", h[p].*f.member,
                 " (every rank must pass the same value)");
+  auto transport_name = [](int64_t t) {
+    return t == kTransportMpi ? "\"mpi\"" : t == kTransportShm ? "\"shm\"" : "(unresolved)";
+  };
+  for (int p = 1; p < W; ++p)
+    if (h[p].transport != h[0].transport)
+      invalid(op, ": transport differs across ranks: rank ", peers[0], " uses ",
+              transport_name(h[0].transport), ", rank ", peers[p], " uses ",
+              transport_name(h[p].transport),
+              " (EpConfig::transport, or $MOE_EP_TRANSPORT when it is empty, must resolve to the "
+              "same value on every rank)");
   const char* xname = dispatch ? "x" : "expand_x";
   for (int p = 1; p < W; ++p) {
     if (h[p].H != h[0].H)

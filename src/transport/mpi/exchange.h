@@ -28,7 +28,14 @@ enum Tag : int {
   kTagRows = 0x4d04,
   kTagCombineRows = 0x4d05,
   kTagCombineMeta = 0x4d06,
+  kTagShmOffsets = 0x4d07,  // shared-memory transport: where a sender's rows go (dispatch_v2)
+  kTagShmWhere = 0x4d08,    // where a reader finds its rows (combine_v2)
+  kTagShmDone = 0x4d09,     // a reader is done with an owner's rows (combine_v2)
+  kTagShmReady = 0x4d0a,    // every rank passed the header before a collective shm call
 };
+
+// EpConfig::transport as carried in the header (0: not resolved, the op failed before).
+enum TransportCode : int64_t { kTransportMpi = 1, kTransportShm = 2 };
 
 // Throws Error(kSystem) "<op>: <what> failed: <MPI_Error_string>" unless rc == MPI_SUCCESS.
 void check_mpi(int rc, const char* op, const char* what);
@@ -107,6 +114,9 @@ struct OpHeader {
   int64_t elastic = 0;     // hash of elastic_info (0: none or not scaled down)
   int32_t all_active = 1;  // 0: x_active_mask given and not all True
   int32_t quant_mode = 0;  // dispatch_v2: quant_mode; combine_v2: comm_quant_mode (the op checks)
+  int64_t transport = 0;   // TransportCode, must be equal on all ranks
+  int32_t shm_grow = 0;    // shm: this rank's window segment is too small (or there is none yet)
+  int32_t shm_rows = 0;    // combine_v2, shm: this rank's rows can be read from its window
   char message[400] = {};  // the local error, truncated
 };
 
@@ -116,8 +126,8 @@ struct OpHeader {
 //   - `local` is set (this rank failed validation): rethrows it;
 //   - another rank failed: throws Error(kRemote) "<op>: rank <r> failed: <its message>" (lowest r);
 //   - the ranks disagree on an argument that must be equal (op, ep_world_size, moe_expert_num,
-//     global_bs, H, K, dtype, ...): throws Error(kInvalidArgument) on every rank naming the
-//     argument, two ranks and their values.
+//     global_bs, H, K, dtype, transport, ...): throws Error(kInvalidArgument) on every rank naming
+//     the argument, two ranks and their values.
 // `perf` (optional, indexed by communicator rank): the wait for each peer's header is added to it.
 std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
                                        const char* op, const OpHeader& mine, const Error* local,

@@ -1,0 +1,193 @@
+#include "transport/shm/context.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "core/check.h"
+#include "transport/mpi/exchange.h"
+
+namespace moe_ep::detail {
+
+namespace {
+
+constexpr int64_t kSlotAlign = 4096;
+
+int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Releases a slot: removes its region from the window's live list.
+struct SlotRelease {
+  std::shared_ptr<ShmWindow> win;
+  int64_t offset;
+  ~SlotRelease() {
+    std::lock_guard<std::mutex> lock(win->mu);
+    auto it = std::find_if(win->live.begin(), win->live.end(),
+                           [&](const auto& r) { return r.first == offset; });
+    if (it != win->live.end()) win->live.erase(it);
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<ShmContext> ShmContext::create(const Communicator& comm, const char* op) {
+  std::shared_ptr<ShmContext> ctx(new ShmContext());
+  ctx->timeout_s_ = comm.timeout_s();
+  check_mpi(MPI_Comm_split_type(comm.mpi_comm(), MPI_COMM_TYPE_SHARED, comm.rank(), MPI_INFO_NULL,
+                                &ctx->node_),
+            op, "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)");
+  MPI_Comm_set_errhandler(ctx->node_, MPI_ERRORS_RETURN);
+  int n = 0;
+  MPI_Comm_rank(ctx->node_, &ctx->node_rank_);
+  MPI_Comm_size(ctx->node_, &n);
+  MPI_Group node_group, group;
+  check_mpi(MPI_Comm_group(ctx->node_, &node_group), op, "MPI_Comm_group");
+  check_mpi(MPI_Comm_group(comm.mpi_comm(), &group), op, "MPI_Comm_group");
+  std::vector<int> node_ranks(n);
+  for (int i = 0; i < n; ++i) node_ranks[i] = i;
+  ctx->node_to_group_.assign(n, MPI_UNDEFINED);
+  const int rc = MPI_Group_translate_ranks(node_group, n, node_ranks.data(), group,
+                                           ctx->node_to_group_.data());
+  MPI_Group_free(&node_group);
+  MPI_Group_free(&group);
+  check_mpi(rc, op, "MPI_Group_translate_ranks");
+  ctx->group_to_node_.assign(comm.size(), -1);
+  for (int i = 0; i < n; ++i) {
+    const int g = ctx->node_to_group_[i];
+    MOE_EP_CHECK(g >= 0 && g < comm.size());
+    ctx->group_to_node_[g] = i;
+  }
+  return ctx;
+}
+
+ShmContext::~ShmContext() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (finalized || node_ == MPI_COMM_NULL) return;
+  // Free only when no rank of the node still has a slot in use (a window is freed by all of the
+  // node's ranks together); the agreement has a deadline, so a rank that never destroys its
+  // communicator costs the others at most timeout_s.
+  int* vote = new int[2];
+  vote[0] = 1;
+  for (const auto& w : windows_) {
+    std::lock_guard<std::mutex> lock(w->mu);
+    if (!w->live.empty() || w.use_count() > 1) vote[0] = 0;
+  }
+  vote[1] = 0;
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (MPI_Iallreduce(&vote[0], &vote[1], 1, MPI_INT, MPI_MIN, node_, &req) != MPI_SUCCESS) return;
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s_));
+  int done = 0;
+  while (!done) {
+    if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;  // leak: MPI broken
+    if (!done) {
+      if (Clock::now() >= deadline) return;  // leak `vote`: the request may still write it
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  const bool free_all = vote[1] == 1;
+  delete[] vote;
+  if (!free_all) return;  // some slot is still in use on the node: keep everything mapped
+  for (const auto& w : windows_) {
+    MPI_Win_unlock_all(w->win);
+    MPI_Win_free(&w->win);
+  }
+  MPI_Comm_free(&node_);
+}
+
+int64_t ShmContext::capacity() const {
+  return windows_.empty() ? 0 : windows_.back()->bytes[node_rank_];
+}
+
+void ShmContext::grow(int64_t own_bytes, const char* op) {
+  auto w = std::make_shared<ShmWindow>();
+  w->gen = static_cast<int>(windows_.size());
+  w->me = node_rank_;
+  MPI_Info info;
+  MPI_Info_create(&info);
+  // Each segment on its own pages, first touched by its owner (NUMA placement).
+  MPI_Info_set(info, "alloc_shared_noncontig", "true");
+  char* mine = nullptr;
+  const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(round_up(own_bytes, kSlotAlign)), 1,
+                                         info, node_, &mine, &w->win);
+  MPI_Info_free(&info);
+  check_mpi(rc, op, "MPI_Win_allocate_shared");
+  MPI_Win_set_errhandler(w->win, MPI_ERRORS_RETURN);
+  const int n = node_size();
+  w->base.resize(n);
+  w->bytes.resize(n);
+  for (int p = 0; p < n; ++p) {
+    MPI_Aint size = 0;
+    int disp = 0;
+    void* base = nullptr;
+    check_mpi(MPI_Win_shared_query(w->win, p, &size, &disp, &base), op, "MPI_Win_shared_query");
+    w->base[p] = static_cast<char*>(base);
+    w->bytes[p] = static_cast<int64_t>(size);
+  }
+  // One passive-target epoch for the window's life: MPI_Win_sync needs one.
+  check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, w->win), op, "MPI_Win_lock_all");
+  windows_.push_back(std::move(w));
+}
+
+std::optional<ShmSlot> ShmContext::try_alloc(int64_t bytes) {
+  if (windows_.empty()) return std::nullopt;
+  const std::shared_ptr<ShmWindow>& w = windows_.back();
+  const int64_t need = round_up(std::max<int64_t>(bytes, 1), kSlotAlign);
+  const int64_t cap = w->bytes[node_rank_];
+  std::lock_guard<std::mutex> lock(w->mu);
+  int64_t at = 0;  // first fit between the live regions
+  std::size_t pos = 0;
+  for (; pos < w->live.size(); ++pos) {
+    if (w->live[pos].first - at >= need) break;
+    at = w->live[pos].first + w->live[pos].second;
+  }
+  if (cap - at < need) return std::nullopt;
+  w->live.insert(w->live.begin() + static_cast<std::ptrdiff_t>(pos), {at, need});
+  ShmSlot s;
+  s.token = std::shared_ptr<SlotRelease>(new SlotRelease{w, at});  // no temporary to destroy
+  s.gen = w->gen;
+  s.offset = at;
+  s.ptr = w->base[node_rank_] + at;
+  return s;
+}
+
+bool ShmContext::locate(const void* p, int64_t bytes, int& gen, int64_t& offset) const {
+  const char* c = static_cast<const char*>(p);
+  for (const auto& w : windows_) {
+    const char* b = w->base[node_rank_];
+    const int64_t n = w->bytes[node_rank_];
+    if (b != nullptr && c >= b && bytes >= 0 && c - b <= n && bytes <= n - (c - b)) {
+      gen = w->gen;
+      offset = c - b;
+      return true;
+    }
+  }
+  return false;
+}
+
+char* ShmContext::peer_ptr(int gen, int group_rank, int64_t offset, int64_t bytes) const {
+  MOE_EP_CHECK(gen >= 0 && gen < static_cast<int>(windows_.size()));
+  const int p = node_of(group_rank);
+  MOE_EP_CHECK(p >= 0);
+  const ShmWindow& w = *windows_[gen];
+  MOE_EP_CHECK(offset >= 0 && bytes >= 0 && offset <= w.bytes[p] && bytes <= w.bytes[p] - offset);
+  return w.base[p] + offset;
+}
+
+void ShmContext::sync() const {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (const auto& w : windows_) MPI_Win_sync(w->win);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+Tensor TensorInternals::wrap(std::shared_ptr<void> owner, void* data, DType dtype,
+                             const std::vector<int64_t>& shape) {
+  Tensor t;
+  t.view_ = TensorView::contiguous(data, dtype, shape);
+  t.storage_ = std::move(owner);
+  return t;
+}
+
+}  // namespace moe_ep::detail

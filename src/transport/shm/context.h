@@ -1,0 +1,102 @@
+// Internal: the shared-memory transport's per-communicator state (docs/design.md, "Shared-memory
+// transport"): the node communicator (the ranks of group_ep on this machine), the map from
+// group_ep ranks to node ranks, and generations of MPI-3 shared-memory windows in which
+// dispatch_v2's receive buffers (expand_x) and combine_v2's staging rows live.
+//
+// Collective calls (MPI_Comm_split_type over group_ep, MPI_Win_allocate_shared over the node) are
+// made only after an op's header agreement showed every rank healthy and asking for them, so no
+// rank is left in a collective that a failed peer never enters. Windows only grow: a new
+// generation is allocated when a rank's segment is too small for one call; older generations stay
+// mapped (their slots may still back live tensors) until the communicator is destroyed.
+#pragma once
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "moe_ep/comm.h"
+#include "moe_ep/tensor.h"
+
+namespace moe_ep::detail {
+
+class ShmContext;
+
+// The private members of Communicator and Tensor that the transport needs.
+struct CommInternals {
+  static std::shared_ptr<ShmContext>& shm(const Communicator& comm) { return comm.shm_; }
+};
+struct TensorInternals {
+  // A contiguous tensor over `data`, kept valid by `owner` (released with the last copy).
+  static Tensor wrap(std::shared_ptr<void> owner, void* data, DType dtype,
+                     const std::vector<int64_t>& shape);
+};
+
+// One generation of windows: every rank of the node allocated its segment in the same call.
+struct ShmWindow {
+  MPI_Win win = MPI_WIN_NULL;
+  int gen = 0;
+  std::vector<char*> base;     // per node rank: the segment's address in THIS process
+  std::vector<int64_t> bytes;  // per node rank
+  int me = 0;                  // this rank's node rank
+  // The regions of this rank's own segment in use, (offset, bytes) sorted by offset.
+  std::mutex mu;
+  std::vector<std::pair<int64_t, int64_t>> live;
+};
+
+// A region of this rank's segment, reserved until `token` (and every copy) is released.
+struct ShmSlot {
+  std::shared_ptr<void> token;
+  int gen = 0;
+  int64_t offset = 0;
+  char* ptr = nullptr;
+};
+
+class ShmContext {
+ public:
+  // Collective over `comm` (MPI_Comm_split_type, then the node's group ranks): call it on every
+  // rank in the same op, after the header agreement. Throws Error(kSystem) if MPI fails.
+  static std::shared_ptr<ShmContext> create(const Communicator& comm, const char* op);
+  // Releases the windows and the node communicator when no rank of the node still uses a slot
+  // (an MPI_Iallreduce over the node bounded by the communicator's deadline); otherwise they stay
+  // mapped until the process exits. Never throws.
+  ~ShmContext();
+  ShmContext(const ShmContext&) = delete;
+  ShmContext& operator=(const ShmContext&) = delete;
+
+  int node_size() const { return static_cast<int>(node_to_group_.size()); }
+  int node_rank() const { return node_rank_; }
+  // Node rank of group_ep rank `g`, or -1 when it is on another machine.
+  int node_of(int group_rank) const { return group_to_node_[group_rank]; }
+  // Bytes of this rank's segment in the newest generation (0: no window yet).
+  int64_t capacity() const;
+  // Node-collective (every rank of the node, same op): allocates a new generation in which this
+  // rank's segment has `own_bytes` bytes.
+  void grow(int64_t own_bytes, const char* op);
+  // Reserves `bytes` (rounded up to 4 KiB) of this rank's segment in the newest generation;
+  // nullopt when they do not fit beside the live slots. Thread-safe release.
+  std::optional<ShmSlot> try_alloc(int64_t bytes);
+  // If [p, p + bytes) lies inside this rank's segment of a generation: its (gen, offset).
+  bool locate(const void* p, int64_t bytes, int& gen, int64_t& offset) const;
+  // The address, in this process, of byte `offset` of group rank `g`'s segment of generation
+  // `gen`, after checking that [offset, offset + bytes) lies inside it (kInternal otherwise).
+  char* peer_ptr(int gen, int group_rank, int64_t offset, int64_t bytes) const;
+  // Memory barrier for the windows (std::atomic_thread_fence + MPI_Win_sync of every
+  // generation): after this rank's stores, before a message that publishes them; after a
+  // message that announces a peer's stores, before loading them.
+  void sync() const;
+
+ private:
+  ShmContext() = default;
+  MPI_Comm node_ = MPI_COMM_NULL;
+  int node_rank_ = 0;
+  double timeout_s_ = 300;
+  std::vector<int> group_to_node_;
+  std::vector<int> node_to_group_;
+  std::vector<std::shared_ptr<ShmWindow>> windows_;  // by generation
+};
+
+}  // namespace moe_ep::detail

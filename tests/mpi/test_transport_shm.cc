@@ -1,0 +1,327 @@
+// The shared-memory transport (EpConfig::transport "shm") against plain MPI ("mpi"): for a grid
+// of configurations, dispatch_v2 + experts + combine_v2 run once with each transport on the same
+// inputs, and every output of both ops must be bitwise identical. Repeated calls hold earlier
+// outputs alive and grow the batch, so slot reuse, the "no free slot" fallback and window growth
+// are exercised. Also: the transport must agree across ranks, malformed values are rejected.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe_ep/comm.h"
+#include "moe_ep/dispatch.h"
+#include "moe_ep/error.h"
+#include "mpi/common.h"
+#include "ref/numeric.h"
+#include "transport/shm/context.h"
+
+namespace moe_ep {
+namespace {
+
+Communicator* comm() {
+  static std::shared_ptr<Communicator> c = Communicator::from_mpi(MPI_COMM_WORLD);
+  return c.get();
+}
+
+struct Case {
+  std::string name;
+  DType dtype = DType::kBF16;
+  int64_t H = 24;
+  int64_t K = 2;
+  int64_t L = 3;          // experts per MoE rank
+  int64_t BS = 9;         // tokens per rank at the first call (odd)
+  int64_t grow = 4;       // tokens added per call
+  bool uneven = false;    // BS differs across ranks (global_bs given; last rank 0 tokens)
+  bool skew = false;      // slot 0 of every token goes to expert 0
+  double inactive = 0.0;  // probability of an id -1
+  int mask = 0;           // 0 none, 1 1-D prefix, 2 2-D random
+  bool quant = false;     // quant_mode 2
+  bool smooth = false;    // with smoothing scales
+  bool cq = false;        // comm_quant_mode 2
+  int64_t S = 0, Ns = 1;  // shared-expert ranks (S > 0 needs W > S)
+  bool shared_x = false;  // shared_expert_x given
+  int64_t Z = 0, C = 0, Q = 0;
+  bool in_place = true;  // experts write into dispatch's expand_x (when not int8)
+  int64_t y_pad = 0;     // otherwise: y's row stride is H + y_pad
+  int iters = 3;
+  bool hold = false;  // keep every call's outputs alive until the end
+  uint64_t seed = 7;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+// Everything one call produced, as bytes.
+struct Result {
+  std::vector<std::vector<unsigned char>> parts;
+  DispatchOutputs held;
+  bool in_window = false;  // expand_x lay in this rank's shared-memory window
+};
+
+std::vector<unsigned char> bytes_of(const Tensor& t) {
+  if (!t.defined()) return {};
+  const auto* p = static_cast<const unsigned char*>(t.data());
+  return std::vector<unsigned char>(p, p + t.nbytes());
+}
+
+bool in_window(const Tensor& t) {
+  const auto& ctx = detail::CommInternals::shm(*comm());
+  int gen = 0;
+  int64_t off = 0;
+  return ctx && t.numel() > 0 && ctx->locate(t.data(), static_cast<int64_t>(t.nbytes()), gen, off);
+}
+
+Result run(const Case& c, const std::string& transport, int iter) {
+  const int W = test::world_size(), rank = test::world_rank();
+  const int64_t S = W > c.S ? c.S : 0;
+  const int64_t E = (W - S) * c.L, special = c.Z + c.C + c.Q;
+  const int64_t K = std::min(c.K, E + special);
+  const int64_t base = c.BS + iter * c.grow;
+  int64_t BS = base;
+  if (c.uneven) BS = rank == W - 1 && W > 1 ? 0 : base + 2 * rank;
+  const int64_t max_bs = c.uneven ? base + 2 * (W - 1) : base;
+  test::SplitMix64 rng{c.seed * 1000003 + static_cast<uint64_t>(iter) * 7919 +
+                       static_cast<uint64_t>(rank) * 104729};
+  auto uniform = [&] { return static_cast<float>(rng.below(2001) - 1000) / 250.0f; };
+
+  Tensor x = Tensor::empty(c.dtype, {BS, c.H});
+  for (int64_t i = 0; i < BS * c.H; ++i) ref::store(c.dtype, x.data(), i, uniform());
+  Tensor ids = Tensor::empty(DType::kI32, {BS, K});
+  Tensor scales = Tensor::empty(DType::kF32, {BS, K});
+  for (int64_t i = 0; i < BS; ++i) {
+    std::vector<int32_t> pool(static_cast<std::size_t>(E + special));
+    for (std::size_t e = 0; e < pool.size(); ++e) pool[e] = static_cast<int32_t>(e);
+    for (int64_t k = 0; k < K; ++k) {  // distinct ids: a partial shuffle
+      const int64_t j = k + rng.below(static_cast<int64_t>(pool.size()) - k);
+      std::swap(pool[k], pool[j]);
+    }
+    if (c.skew && std::find(pool.begin() + 1, pool.begin() + K, 0) == pool.begin() + K) pool[0] = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t id = pool[k];
+      if (c.inactive > 0 && rng.below(1000) < c.inactive * 1000) id = -1;
+      ids.ptr<int32_t>()[i * K + k] = id;
+      scales.ptr<float>()[i * K + k] = uniform();
+    }
+  }
+  Tensor mask;
+  if (c.mask == 1) {
+    mask = Tensor::empty(DType::kBool, {BS});
+    for (int64_t i = 0; i < BS; ++i) mask.ptr<bool>()[i] = i < BS - BS / 3;
+  } else if (c.mask == 2) {
+    mask = Tensor::empty(DType::kBool, {BS, K});
+    for (int64_t i = 0; i < BS * K; ++i) mask.ptr<bool>()[i] = rng.below(5) != 0;
+  }
+
+  EpConfig cfg;
+  cfg.group_ep = comm();
+  cfg.ep_world_size = W;
+  cfg.ep_rank_id = rank;
+  cfg.moe_expert_num = E;
+  cfg.shared_expert_rank_num = S;
+  cfg.shared_expert_num = S > 0 ? c.Ns : (c.S > 0 ? 0 : 1);
+  cfg.global_bs = c.uneven ? W * max_bs : 0;
+  cfg.zero_expert_num = c.Z;
+  cfg.copy_expert_num = c.C;
+  cfg.const_expert_num = c.Q;
+  cfg.transport = transport;
+
+  DispatchInputs din;
+  din.x = x;
+  din.expert_ids = ids;
+  din.expert_scales = scales.view();
+  if (mask.defined()) din.x_active_mask = mask.view();
+  din.quant_mode = c.quant ? 2 : 0;
+  Tensor smooth;
+  if (c.smooth) {
+    const int64_t rows = (S > 0 ? cfg.shared_expert_num : 0) + E;
+    smooth = Tensor::empty(DType::kF32, {rows, c.H});
+    for (int64_t i = 0; i < rows * c.H; ++i)
+      smooth.ptr<float>()[i] = 0.5f + static_cast<float>(rng.below(64)) / 32.0f;
+    din.scales = smooth.view();
+  }
+  Result r;
+  DispatchOutputs d = dispatch_v2(din, cfg);
+  r.in_window = in_window(d.expand_x);
+  for (const Tensor* t :
+       {&d.expand_x, &d.dynamic_scales, &d.assist_info_for_combine, &d.expert_token_nums,
+        &d.ep_recv_counts, &d.tp_recv_counts, &d.expand_scales})
+    r.parts.push_back(bytes_of(*t));
+
+  // The experts: row j of expand_x times (1 + (j % 5) / 8), in fp32, rounded to the dtype
+  // (int8 rows dequantised with their dynamic scale first).
+  const int64_t rows = d.expand_x.size(0);
+  const bool in_place = c.in_place && !c.quant;
+  const int64_t stride = in_place ? c.H : c.H + c.y_pad;
+  Tensor y = in_place ? d.expand_x : Tensor::zeros(c.dtype, {rows, stride});
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t h = 0; h < c.H; ++h) {
+      const float v = c.quant ? static_cast<float>(d.expand_x.ptr<int8_t>()[j * c.H + h]) *
+                                    d.dynamic_scales.ptr<float>()[j]
+                              : ref::load(c.dtype, d.expand_x.data(), j * c.H + h);
+      ref::store(c.dtype, y.data(), j * stride + h, v * (1.0f + static_cast<float>(j % 5) / 8.0f));
+    }
+  CombineInputs cin;
+  cin.expand_x = y.view();
+  cin.expand_x.shape[1] = c.H;
+  cin.expert_ids = ids;
+  cin.assist_info_for_combine = d.assist_info_for_combine;
+  cin.ep_send_counts = d.ep_recv_counts;
+  cin.expert_scales = scales;
+  if (mask.defined()) cin.x_active_mask = mask.view();
+  cin.comm_quant_mode = c.cq ? 2 : 0;
+  Tensor sx, ori, a1, a2, v;
+  if (c.shared_x) {
+    sx = Tensor::empty(c.dtype, {BS, c.H});
+    for (int64_t i = 0; i < BS * c.H; ++i) ref::store(c.dtype, sx.data(), i, uniform());
+    cin.shared_expert_x = sx.view();
+  }
+  if (c.C > 0 || c.Q > 0) cin.ori_x = x.view();
+  if (c.Q > 0) {
+    for (Tensor* t : {&a1, &a2, &v}) {
+      *t = Tensor::empty(c.dtype, {c.Q, c.H});
+      for (int64_t i = 0; i < c.Q * c.H; ++i) ref::store(c.dtype, t->data(), i, uniform());
+    }
+    cin.const_expert_alpha_1 = a1.view();
+    cin.const_expert_alpha_2 = a2.view();
+    cin.const_expert_v = v.view();
+  }
+  r.parts.push_back(bytes_of(combine_v2(cin, cfg)));
+  if (c.hold) r.held = d;
+  return r;
+}
+
+class ShmVsMpi : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ShmVsMpi, BitwiseEqual) {
+  const Case& c = GetParam();
+  const char* names[] = {"expand_x",          "dynamic_scales",   "assist_info_for_combine",
+                         "expert_token_nums", "ep_recv_counts",   "tp_recv_counts",
+                         "expand_scales",     "combine_v2 output"};
+  std::vector<Result> kept;  // c.hold: every call's outputs stay alive
+  int windowed = 0;
+  for (int it = 0; it < c.iters; ++it) {
+    SCOPED_TRACE("call " + std::to_string(it));
+    Result m = run(c, "mpi", it);
+    Result s = run(c, "shm", it);
+    EXPECT_FALSE(m.in_window);
+    windowed += s.in_window;
+    ASSERT_EQ(m.parts.size(), s.parts.size());
+    for (std::size_t p = 0; p < m.parts.size(); ++p)
+      EXPECT_TRUE(m.parts[p] == s.parts[p]) << names[p] << " differs between transports";
+    if (c.hold) {
+      kept.push_back(std::move(m));
+      kept.push_back(std::move(s));
+    }
+  }
+  // The shared-memory path was taken (not a silent MPI fallback) at least on the first call.
+  EXPECT_GT(windowed, 0);
+}
+
+std::vector<Case> grid() {
+  std::vector<Case> g;
+  auto add = [&](std::string name, auto&& tweak) {
+    Case c;
+    c.name = std::move(name);
+    tweak(c);
+    g.push_back(c);
+  };
+  add("bf16_K2", [](Case&) {});
+  add("fp16_K8_L4", [](Case& c) { c.dtype = DType::kF16, c.K = 8, c.L = 4; });
+  add("fp32_K1_L1", [](Case& c) { c.dtype = DType::kF32, c.K = 1, c.L = 1; });
+  add("bs0_then_1", [](Case& c) { c.BS = 0, c.grow = 1; });
+  add("bs1", [](Case& c) { c.BS = 1, c.grow = 0; });
+  add("uneven_global_bs", [](Case& c) { c.uneven = true; });
+  add("skewed", [](Case& c) { c.skew = true, c.K = 3; });
+  add("inactive_ids", [](Case& c) { c.inactive = 0.3; });
+  add("mask_1d", [](Case& c) { c.mask = 1; });
+  add("mask_2d", [](Case& c) { c.mask = 2, c.K = 4; });
+  add("quant", [](Case& c) { c.quant = true; });
+  add("quant_smooth_shared", [](Case& c) { c.quant = c.smooth = true, c.S = 1; });
+  add("comm_quant", [](Case& c) { c.cq = true, c.K = 4; });
+  add("comm_quant_out_of_place", [](Case& c) { c.cq = true, c.in_place = false, c.y_pad = 3; });
+  add("shared_rank", [](Case& c) { c.S = 1, c.K = 2; });
+  add("shared_rank_mask", [](Case& c) { c.S = 1, c.mask = 2; });
+  add("shared_x", [](Case& c) { c.shared_x = true; });
+  add("special_experts", [](Case& c) { c.Z = 1, c.C = 1, c.Q = 2, c.K = 4; });
+  add("out_of_place_strided", [](Case& c) { c.in_place = false, c.y_pad = 5; });
+  add("hold_and_grow", [](Case& c) { c.hold = true, c.iters = 5, c.grow = 9; });
+  add("hold_quant", [](Case& c) { c.hold = true, c.quant = true, c.iters = 4; });
+  add("large_rows", [](Case& c) { c.H = 1040, c.K = 4, c.BS = 33, c.iters = 2; });
+  return g;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transport, ShmVsMpi, ::testing::ValuesIn(grid()),
+                         [](const auto& info) { return info.param.name; });
+
+// A small valid call; `tweak` edits this rank's config.
+void small_call(const std::function<void(EpConfig&)>& tweak, bool bad_id = false) {
+  const int W = test::world_size(), rank = test::world_rank();
+  Tensor x = Tensor::zeros(DType::kBF16, {4, 8});
+  Tensor ids = Tensor::empty(DType::kI32, {4, 1});
+  for (int i = 0; i < 4; ++i) ids.ptr<int32_t>()[i] = i % W;
+  if (bad_id) ids.ptr<int32_t>()[2] = 999;
+  EpConfig cfg;
+  cfg.group_ep = comm();
+  cfg.ep_world_size = W;
+  cfg.ep_rank_id = rank;
+  cfg.moe_expert_num = W;
+  tweak(cfg);
+  DispatchInputs din;
+  din.x = x;
+  din.expert_ids = ids;
+  dispatch_v2(din, cfg);
+}
+
+TEST(Transport, DiffersAcrossRanks) {
+  if (test::world_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  test::expect_collective_error(
+      [] {
+        small_call([](EpConfig& c) { c.transport = test::world_rank() == 1 ? "mpi" : "shm"; });
+      },
+      test::world_rank(), -1, ErrorKind::kInvalidArgument,
+      {"dispatch_v2: transport differs across ranks", "\"shm\"", "\"mpi\""});
+  small_call([](EpConfig&) {});  // the communicator is still usable
+}
+
+TEST(Transport, MalformedValue) {
+  const int bad = test::world_size() - 1;
+  test::expect_collective_error(
+      [&] {
+        small_call([&](EpConfig& c) {
+          if (test::world_rank() == bad) c.transport = "SHM";
+        });
+      },
+      test::world_rank(), bad, ErrorKind::kInvalidArgument,
+      {"transport = \"SHM\" is not one of \"\", \"mpi\", \"shm\""});
+}
+
+TEST(Transport, MalformedEnvironment) {
+  const int bad = 0;
+  if (test::world_rank() == bad) setenv("MOE_EP_TRANSPORT", "tcp", 1);
+  test::expect_collective_error([] { small_call([](EpConfig&) {}); }, test::world_rank(), bad,
+                                ErrorKind::kInvalidArgument,
+                                {"MOE_EP_TRANSPORT = \"tcp\" (used because transport is \"\")"});
+  unsetenv("MOE_EP_TRANSPORT");
+  // The environment fills only an empty field: "mpi" on every rank, whatever it says.
+  if (test::world_rank() == bad) setenv("MOE_EP_TRANSPORT", "tcp", 1);
+  small_call([](EpConfig& c) { c.transport = "mpi"; });
+  unsetenv("MOE_EP_TRANSPORT");
+}
+
+// A bad argument on one rank, after the shared-memory path is set up: the others get kRemote.
+TEST(Transport, BadArgumentOnOneRankWithShm) {
+  small_call([](EpConfig& c) { c.transport = "shm"; });
+  const int bad = test::world_size() - 1;
+  test::expect_collective_error(
+      [&] { small_call([](EpConfig& c) { c.transport = "shm"; }, test::world_rank() == bad); },
+      test::world_rank(), bad, ErrorKind::kInvalidArgument, {"expert_ids[2,0] = 999"});
+  small_call([](EpConfig& c) { c.transport = "shm"; });
+}
+
+}  // namespace
+}  // namespace moe_ep
