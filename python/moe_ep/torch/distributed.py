@@ -24,6 +24,7 @@ mpi4py, so make the first call on a communicator (or group_id(comm)) outside the
 from __future__ import annotations
 
 import atexit
+import inspect
 import itertools
 from typing import Dict, NamedTuple, List, Optional, Tuple
 
@@ -146,6 +147,22 @@ def _group(op: str, param: str, gid: int):
         ) from None
 
 
+def _binding_args(op: str, args: Dict[str, object]) -> Dict[str, object]:
+    """The custom op's arguments as moe_ep._C takes them: group ids as communicators (group_tp 0:
+    none), tensors through dl(); performance_info is written in place, so it goes as it is."""
+    out: Dict[str, object] = {}
+    for name, value in args.items():
+        if name == "group_ep" or (name == "group_tp" and value):
+            out[name] = _group(op, name, value)
+        elif name == "group_tp":
+            out[name] = None
+        elif isinstance(value, Tensor) and name != "performance_info":
+            out[name] = dl(value)
+        else:
+            out[name] = value
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Output shapes (SPEC §1.4), for the fake implementations.
 
@@ -182,8 +199,7 @@ def _dispatch_shapes(
 # dispatch_v2
 
 
-@torch.library.custom_op("moe_ep::dispatch_v2", mutates_args=("performance_info",))
-def _dispatch_v2_op(
+def _dispatch_v2_impl(
     x: Tensor,
     expert_ids: Tensor,
     group_ep: int,
@@ -209,32 +225,7 @@ def _dispatch_v2_op(
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    outs = _C.dispatch_v2(
-        dl(x),
-        dl(expert_ids),
-        _group("dispatch_v2", "group_ep", group_ep),
-        ep_world_size,
-        ep_rank_id,
-        moe_expert_num,
-        scales=dl(scales),
-        x_active_mask=dl(x_active_mask),
-        expert_scales=dl(expert_scales),
-        elastic_info=dl(elastic_info),
-        performance_info=performance_info,
-        group_tp=_group("dispatch_v2", "group_tp", group_tp) if group_tp else None,
-        tp_world_size=tp_world_size,
-        tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type,
-        shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num,
-        quant_mode=quant_mode,
-        global_bs=global_bs,
-        expert_token_nums_type=expert_token_nums_type,
-        comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num,
-        copy_expert_num=copy_expert_num,
-        const_expert_num=const_expert_num,
-    )
+    outs = _C.dispatch_v2(**_binding_args("dispatch_v2", locals()))
     expand_x, dynamic_scales, *rest = outs
     if dynamic_scales is None:  # quant_mode 0: empty, as torch_npu returns
         dynamic_scales = torch.empty((0,), dtype=torch.float32)
@@ -243,32 +234,21 @@ def _dispatch_v2_op(
     return (tt(expand_x), dynamic_scales, *(tt(r) for r in rest))
 
 
+_dispatch_v2_op = torch.library.custom_op(
+    "moe_ep::dispatch_v2", _dispatch_v2_impl, mutates_args=("performance_info",)
+)
+
+
 @_dispatch_v2_op.register_fake
-def _(
-    x,
-    expert_ids,
-    group_ep,
-    ep_world_size,
-    ep_rank_id,
-    moe_expert_num,
-    scales=None,
-    x_active_mask=None,
-    expert_scales=None,
-    elastic_info=None,
-    performance_info=None,
-    group_tp=0,
-    tp_world_size=0,
-    tp_rank_id=0,
-    expert_shard_type=0,
-    shared_expert_num=1,
-    shared_expert_rank_num=0,
-    quant_mode=0,
-    global_bs=0,
-    expert_token_nums_type=1,
-    comm_alg="",
-    zero_expert_num=0,
-    copy_expert_num=0,
-    const_expert_num=0,
+def _(*args, **kwargs):
+    bound = inspect.signature(_dispatch_v2_impl).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return _dispatch_v2_fake(**bound.arguments)
+
+
+def _dispatch_v2_fake(
+    x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, elastic_info, tp_world_size,
+    shared_expert_num, shared_expert_rank_num, quant_mode, global_bs, **_
 ):
     if elastic_info is not None:
         raise UnsupportedError(
@@ -337,39 +317,7 @@ def _combine_v2_impl(
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
 ) -> Tensor:
-    out = _C.combine_v2(
-        dl(expand_x),
-        dl(expert_ids),
-        dl(assist_info_for_combine),
-        dl(ep_send_counts),
-        dl(expert_scales),
-        _group("combine_v2", "group_ep", group_ep),
-        ep_world_size,
-        ep_rank_id,
-        moe_expert_num,
-        tp_send_counts=dl(tp_send_counts),
-        x_active_mask=dl(x_active_mask),
-        expand_scales=dl(expand_scales),
-        shared_expert_x=dl(shared_expert_x),
-        elastic_info=dl(elastic_info),
-        ori_x=dl(ori_x),
-        const_expert_alpha_1=dl(const_expert_alpha_1),
-        const_expert_alpha_2=dl(const_expert_alpha_2),
-        const_expert_v=dl(const_expert_v),
-        performance_info=performance_info,
-        group_tp=_group("combine_v2", "group_tp", group_tp) if group_tp else None,
-        tp_world_size=tp_world_size,
-        tp_rank_id=tp_rank_id,
-        expert_shard_type=expert_shard_type,
-        shared_expert_num=shared_expert_num,
-        shared_expert_rank_num=shared_expert_rank_num,
-        global_bs=global_bs,
-        comm_quant_mode=comm_quant_mode,
-        comm_alg=comm_alg,
-        zero_expert_num=zero_expert_num,
-        copy_expert_num=copy_expert_num,
-        const_expert_num=const_expert_num,
-    )
+    out = _C.combine_v2(**_binding_args("combine_v2", locals()))
     return tt(out)
 
 
