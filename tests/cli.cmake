@@ -475,6 +475,15 @@ add_test(NAME cli.bench.compare
                  -DPYTHON=${Python3_EXECUTABLE} -P ${_cli}/bench.cmake)
 set_tests_properties(cli.bench.compare PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 180
                                                   PROCESSORS 2)
+# --transport mpi: moe-ep's ops on plain MPI, verified like the shm default, and named in the
+# header line.
+add_test(NAME cli.bench.transport_mpi
+         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --transport mpi --tokens 8,16
+                 --hidden 64 --iters 2 --warmup 0 --compare)
+set_tests_properties(cli.bench.transport_mpi PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
+  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  --compare\n.*verified\n.*verified\n")
+cli_expect_error(bench_bad_transport "--transport: tcp not in \\{mpi,shm\\}"
+                 "${_mpi} -n 1 ${_exe} bench --transport tcp")
 # The verification can fail: a corrupted baseline row stops the run before timing, exit 1.
 cli_expect_error(bench_verification_fails
                  "verification failed: 1 rows of the textbook pipeline's regrouped rows differ"

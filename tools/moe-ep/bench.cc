@@ -138,9 +138,16 @@ class RowType {
   MPI_Datatype t_ = MPI_DATATYPE_NULL;
 };
 
-// The one place the benchmark builds its EpConfig, so a transport choice (EpConfig::transport,
-// added in another branch) is one more field set here from one more flag.
-moe_ep::EpConfig make_ep_config(const BenchOptions& /*options*/, moe_ep::Communicator& comm,
+// The transport the ops use, as printed: --transport, else $MOE_EP_TRANSPORT, else shm (the
+// library's own rule, EpConfig::transport).
+std::string transport_name(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  const char* env = std::getenv("MOE_EP_TRANSPORT");
+  return env != nullptr && *env != '\0' ? std::string(env) + " ($MOE_EP_TRANSPORT)" : "shm";
+}
+
+// The one place the benchmark builds its EpConfig.
+moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicator& comm,
                                 int64_t experts) {
   moe_ep::EpConfig cfg;
   cfg.group_ep = &comm;
@@ -148,6 +155,7 @@ moe_ep::EpConfig make_ep_config(const BenchOptions& /*options*/, moe_ep::Communi
   cfg.ep_rank_id = comm.rank();
   cfg.moe_expert_num = experts;
   cfg.shared_expert_num = 0;  // routed experts only (SPEC §1.3: (Ns, S) = (0, 0))
+  cfg.transport = options.transport;
   return cfg;
 }
 
@@ -1097,12 +1105,12 @@ int bench_command(const BenchOptions& o) {
   if (rank == 0) {
     std::printf(
         "moe-ep bench: preset %s  H %lld  E %lld  K %lld  dtype %s  W %lld  tokens/rank %s  "
-        "seed %llu%s%s\n",
+        "seed %llu  transport %s%s%s\n",
         layer.name.c_str(), static_cast<long long>(layer.hidden),
         static_cast<long long>(layer.experts), static_cast<long long>(layer.top_k),
         moe_ep::dtype_name(setup.dtype), static_cast<long long>(W), tokens_list.c_str(),
-        static_cast<unsigned long long>(o.seed), compare ? "  --compare" : "",
-        quant ? "  --quant int8" : "");
+        static_cast<unsigned long long>(o.seed), transport_name(o.transport).c_str(),
+        compare ? "  --compare" : "", quant ? "  --quant int8" : "");
     std::printf("  routing: %s\n", setup.routing_desc.c_str());
     std::printf(
         "  placement: %lld experts per rank (expert e on rank e / %lld), no shared experts\n",
@@ -1197,7 +1205,8 @@ int bench_command(const BenchOptions& o) {
                      {"iters", o.iters},
                      {"warmup", o.warmup},
                      {"compare", compare},
-                     {"quant", o.quant}};
+                     {"quant", o.quant},
+                     {"transport", transport_name(o.transport)}};
       j["bytes_rule"] = bytes_rule;
       j["time_rule"] = time_rule;
       j["verified"] = true;

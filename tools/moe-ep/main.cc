@@ -240,6 +240,12 @@ void add_bench_options(CLI::App* bench, BenchOptions& o) {
                    "none (default) or int8: also time dispatch_v2 with quant_mode 2 and report "
                    "its bytes and time against bf16's")
       ->check(CLI::IsMember({"none", "int8"}));
+  bench
+      ->add_option("--transport", o.transport,
+                   "how moe-ep's ranks on one machine move rows: shm (MPI-3 shared memory, one "
+                   "copy) or mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. The "
+                   "baselines always use plain MPI")
+      ->check(CLI::IsMember({"mpi", "shm"}));
   bench->add_option("--csv", o.csv, "write one row per (tokens, op, impl) as CSV");
   bench->add_option("--json", o.json,
                     "write the configuration, rules, results and targets as JSON");
