@@ -11,6 +11,7 @@
 
 #include <mpi.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 
@@ -27,13 +28,20 @@ struct CommOptions {
   // Deadline of every blocking wait, in seconds (> 0). Unset: $MOE_EP_TIMEOUT_S, else 300.
   // A malformed $MOE_EP_TIMEOUT_S raises Error(kInvalidArgument).
   std::optional<double> timeout_s;
+  // Shared-memory transport (EpConfig::transport): bytes of this rank's window segment when the
+  // first op that uses it creates the window (>= 0; 0, the default: twice that op's need, at
+  // least 1 MiB). A window holds live dispatch_v2 outputs and combine_v2's staging rows; size it
+  // with dispatch_workspace() (dispatch.h), e.g. n x shm_slot_bytes for n outputs alive at once,
+  // so that no later call grows it. Later calls that need more still grow it.
+  int64_t shm_window_bytes = 0;
 };
 
 class MOE_EP_API Communicator {
  public:
   // Collective over `comm` (MPI must be initialised; MPI_THREAD_SINGLE suffices: moe-ep calls
   // MPI from the calling thread only). `comm` is duplicated, not owned: the caller may free it.
-  // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout.
+  // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout or a negative
+  // shm_window_bytes.
   static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});
 
   // Frees the duplicate (if MPI is not finalised yet); never throws. When the shared-memory
@@ -49,13 +57,15 @@ class MOE_EP_API Communicator {
   int size() const { return size_; }
   MPI_Comm mpi_comm() const { return comm_; }
   double timeout_s() const { return timeout_s_; }
+  int64_t shm_window_bytes() const { return shm_window_bytes_; }
 
  private:
-  Communicator(MPI_Comm dup, int rank, int size, double timeout_s);
+  Communicator(MPI_Comm dup, int rank, int size, double timeout_s, int64_t shm_window_bytes);
   MPI_Comm comm_;
   int rank_;
   int size_;
   double timeout_s_;
+  int64_t shm_window_bytes_;
   // The shared-memory transport's state (node communicator, windows, slots), created by the
   // first op that uses it. Internal: reached through detail::CommInternals.
   friend struct detail::CommInternals;

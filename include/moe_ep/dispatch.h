@@ -243,4 +243,30 @@ struct CombineInputs {
 // Collective over cfg.group_ep, with the errors of dispatch_v2.
 MOE_EP_API Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg);
 
+// The memory one dispatch_v2 call and the combine_v2 that follows it take on this rank, known
+// before any call (a size query: plan memory, and size the shared-memory window up front with
+// CommOptions::shm_window_bytes so that no call has to grow it). All in bytes.
+struct DispatchWorkspace {
+  int64_t recv_rows = 0;       // A (SPEC §1.4): expand_x has max(1,T)*A rows
+  int64_t expand_x_bytes = 0;  // max(1,T)*A x H x (1 with quant_mode 2, else x's element size)
+  // dispatch_v2's other outputs together: assist_info_for_combine (max(BS*K, A*128) x 4),
+  // expand_scales and dynamic_scales (max(1,T)*A x 4 each), ep_recv_counts, tp_recv_counts and
+  // expert_token_nums.
+  int64_t other_outputs_bytes = 0;
+  // Shared-memory transport: the part of this rank's window segment one dispatch_v2 output holds
+  // while any copy of its expand_x lives (expand_x_bytes rounded up to 4 KiB). A combine_v2 whose
+  // expand_x is not that slot (the experts wrote elsewhere) also holds, during the call, a
+  // staging slot of at most the same size. 0 when the calls use MPI only (transport "mpi",
+  // tp_world_size 2).
+  int64_t shm_slot_bytes = 0;
+  int64_t combine_output_bytes = 0;  // combine_v2's x: BS x H x x's element size
+};
+
+// Local (no communication). cfg as for dispatch_v2 (group_ep set, the same checks and errors:
+// kInvalidArgument, kUnsupported), without elastic_info (a scale-in changes W and A; query with
+// the new world's cfg). bs: tokens on this rank (x.shape[0], >= 0), hidden: H (>= 1), top_k: K
+// (expert_ids.shape[1], >= 1), dtype: x's (bf16, fp16, fp32), quant_mode: 0 or 2.
+MOE_EP_API DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hidden,
+                                                int64_t top_k, DType dtype, int64_t quant_mode = 0);
+
 }  // namespace moe_ep

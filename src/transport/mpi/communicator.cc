@@ -34,6 +34,9 @@ double resolve_timeout(const CommOptions& options) {
 
 std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
   const double timeout = resolve_timeout(options);
+  if (options.shm_window_bytes < 0)
+    detail::invalid("Communicator: shm_window_bytes = ", options.shm_window_bytes,
+                    " must be >= 0 (0: sized by the first op)");
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -47,11 +50,17 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
   int rank = 0, size = 0;
   MPI_Comm_rank(dup, &rank);
   MPI_Comm_size(dup, &size);
-  return std::shared_ptr<Communicator>(new Communicator(dup, rank, size, timeout));
+  return std::shared_ptr<Communicator>(
+      new Communicator(dup, rank, size, timeout, options.shm_window_bytes));
 }
 
-Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s)
-    : comm_(dup), rank_(rank), size_(size), timeout_s_(timeout_s) {}
+Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s,
+                           int64_t shm_window_bytes)
+    : comm_(dup),
+      rank_(rank),
+      size_(size),
+      timeout_s_(timeout_s),
+      shm_window_bytes_(shm_window_bytes) {}
 
 Communicator::~Communicator() {
   shm_.reset();  // before the communicator it was split from

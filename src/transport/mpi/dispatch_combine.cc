@@ -333,7 +333,8 @@ detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
     }
     if (grow) confirm(node);  // MPI_Win_allocate_shared is collective over the machine
   }
-  if (grow) ctx->grow(std::max({ctx->capacity(), 2 * own_need, kMinShmBytes}), op);
+  if (grow)
+    ctx->grow(std::max({ctx->capacity(), 2 * own_need, kMinShmBytes, comm.shm_window_bytes()}), op);
   return *ctx;
 }
 
@@ -1463,6 +1464,44 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   }
   finish_reading();
   return out;
+}
+
+DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hidden, int64_t top_k,
+                                     DType dtype, int64_t quant_mode) {
+  const char* op = "dispatch_workspace";
+  const Communicator& comm = require_comm(op, cfg);
+  const int64_t transport = resolve_transport(op, cfg);
+  detail::check_ep_config(op, cfg, comm.rank(), comm.size());
+  if (bs < 0 || bs > INT32_MAX)
+    detail::invalid(op, ": bs = ", bs, " must be in [0, ", INT32_MAX, "] (x.shape[0])");
+  if (hidden < 1 || hidden > INT32_MAX)
+    detail::invalid(op, ": hidden = ", hidden, " must be in [1, ", INT32_MAX, "] (x.shape[1])");
+  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32)
+    detail::invalid(op, ": dtype = ", dtype_name(dtype), " must be bf16, fp16 or fp32");
+  if (quant_mode != 0 && quant_mode != 2)
+    detail::invalid(op, ": quant_mode = ", quant_mode, " is not one of {0, 2}");
+  const World world = resolve_world(op, cfg, std::nullopt);
+  EpShape sh = local_shape(cfg, world, bs, hidden, dtype);
+  const int64_t ids = sh.E + sh.pl.special;
+  if (top_k < 1 || top_k > ids)
+    detail::invalid(op, ": top_k = ", top_k, " must be in [1, ", ids,
+                    "] (moe_expert_num + zero/copy/const experts)");
+  sh.K = top_k;
+  sh.KS = sh.K + sh.pl.Ns;
+  detail::compute_capacity(op, cfg.global_bs, sh);
+  const int64_t esize = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t rows = tp_rows(cfg, sh.A);
+  DispatchWorkspace w;
+  w.recv_rows = sh.A;
+  w.expand_x_bytes = rows * sh.H * (quant_mode == 2 ? 1 : esize);
+  w.other_outputs_bytes = std::max(sh.BS * sh.K, sh.A * 128) * 4 +
+                          rows * 4 * (quant_mode == 2 ? 2 : 1) +
+                          sh.W * sh.L * std::max<int64_t>(1, cfg.tp_world_size) * 4 +
+                          std::max<int64_t>(1, cfg.tp_world_size) * 4 + sh.L * 8;
+  w.shm_slot_bytes =
+      shm_applies(transport, cfg, world) ? (w.expand_x_bytes + 4095) / 4096 * 4096 : 0;
+  w.combine_output_bytes = sh.BS * sh.H * esize;
+  return w;
 }
 
 }  // namespace moe_ep

@@ -1,0 +1,184 @@
+// The size query dispatch_workspace() and CommOptions::shm_window_bytes (issue 6, "Buffers"):
+// the query's sizes equal the nbytes of what dispatch_v2 and combine_v2 then return, for bf16
+// and int8, on both transports; a window reserved from the query holds that many live outputs in
+// its first generation (no call grows it); bad arguments raise errors naming the value.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe_ep/comm.h"
+#include "moe_ep/dispatch.h"
+#include "moe_ep/error.h"
+#include "mpi/common.h"
+#include "transport/shm/context.h"
+
+namespace moe_ep {
+namespace {
+
+constexpr int64_t kL = 4, kK = 3, kBS = 10;
+
+struct Inputs {
+  Tensor x, ids, scales;
+};
+
+// BS tokens of H values, each routed to kK distinct experts of E (token i: experts i, i + 1, ...
+// wrapping, shifted by the rank), weights 1/kK.
+Inputs make_inputs(int64_t BS, int64_t H, int64_t E, int rank) {
+  Inputs in;
+  in.x = Tensor::empty(DType::kBF16, {BS, H});
+  auto* px = in.x.ptr<uint16_t>();
+  for (int64_t i = 0; i < BS * H; ++i) px[i] = static_cast<uint16_t>(0x3f80 + (i % 64));
+  in.ids = Tensor::empty(DType::kI32, {BS, kK});
+  in.scales = Tensor::empty(DType::kF32, {BS, kK});
+  for (int64_t i = 0; i < BS; ++i)
+    for (int64_t k = 0; k < kK; ++k) {
+      in.ids.ptr<int32_t>()[i * kK + k] = static_cast<int32_t>((i + rank + k) % E);
+      in.scales.ptr<float>()[i * kK + k] = 1.0f / kK;
+    }
+  return in;
+}
+
+EpConfig make_cfg(Communicator& comm, const std::string& transport) {
+  EpConfig cfg;
+  cfg.group_ep = &comm;
+  cfg.ep_world_size = comm.size();
+  cfg.ep_rank_id = comm.rank();
+  cfg.moe_expert_num = kL * comm.size();
+  cfg.transport = transport;
+  return cfg;
+}
+
+std::shared_ptr<Communicator> world_comm(int64_t shm_window_bytes = 0) {
+  CommOptions o;
+  o.shm_window_bytes = shm_window_bytes;
+  return Communicator::from_mpi(MPI_COMM_WORLD, o);
+}
+
+int64_t nbytes(const Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; }
+
+TEST(Workspace, SizesEqualTheOutputs) {
+  auto comm = world_comm();
+  const int rank = comm->rank();
+  const int64_t H = 96, E = kL * comm->size();
+  for (const std::string transport : {"shm", "mpi"})
+    for (const int64_t quant : {0, 2}) {
+      SCOPED_TRACE("transport " + transport + ", quant_mode " + std::to_string(quant));
+      const EpConfig cfg = make_cfg(*comm, transport);
+      const DispatchWorkspace w = dispatch_workspace(cfg, kBS, H, kK, DType::kBF16, quant);
+      const Inputs in = make_inputs(kBS, H, E, rank);
+      DispatchInputs din;
+      din.x = in.x;
+      din.expert_ids = in.ids;
+      din.expert_scales = in.scales.view();
+      din.quant_mode = quant;
+      const DispatchOutputs d = dispatch_v2(din, cfg);
+      // A = G * min(L, K) with G = BS * W (SPEC §1.4), written out independently.
+      EXPECT_EQ(w.recv_rows, kBS * comm->size() * std::min(kL, kK));
+      EXPECT_EQ(w.recv_rows, d.expand_x.size(0));
+      EXPECT_EQ(w.expand_x_bytes, nbytes(d.expand_x));
+      EXPECT_EQ(w.expand_x_bytes, w.recv_rows * H * (quant == 2 ? 1 : 2));
+      EXPECT_EQ(w.other_outputs_bytes, nbytes(d.dynamic_scales) +
+                                           nbytes(d.assist_info_for_combine) +
+                                           nbytes(d.expert_token_nums) + nbytes(d.ep_recv_counts) +
+                                           nbytes(d.tp_recv_counts) + nbytes(d.expand_scales));
+      EXPECT_EQ(w.shm_slot_bytes, transport == "shm" ? (w.expand_x_bytes + 4095) / 4096 * 4096 : 0);
+      if (quant == 2) continue;  // combine_v2 takes the experts' bf16 rows: run it on bf16 only
+      CombineInputs cin;
+      cin.expand_x = d.expand_x;
+      cin.expert_ids = in.ids;
+      cin.assist_info_for_combine = d.assist_info_for_combine;
+      cin.ep_send_counts = d.ep_recv_counts;
+      cin.expert_scales = in.scales;
+      EXPECT_EQ(w.combine_output_bytes, nbytes(combine_v2(cin, cfg)));
+    }
+}
+
+// With the window sized from the query for n live outputs, n dispatch_v2 calls whose outputs are
+// all kept alive each receive into the window, in its first generation: nothing grew it.
+// H is large enough that n slots exceed both the 1 MiB minimum and twice one call's need (what
+// the window would be without the reservation).
+TEST(Workspace, ReservedWindowHoldsTheLiveOutputs) {
+  const int64_t H = 4096, n = 5;
+  int64_t slot = 0;
+  {
+    auto probe = world_comm();
+    slot = dispatch_workspace(make_cfg(*probe, "shm"), kBS, H, kK, DType::kBF16).shm_slot_bytes;
+  }
+  ASSERT_GT(slot, 0);
+  ASSERT_GT(n * slot, std::max<int64_t>(2 * slot, int64_t{1} << 20));
+  auto comm = world_comm(n * slot);
+  EXPECT_EQ(comm->shm_window_bytes(), n * slot);
+  const EpConfig cfg = make_cfg(*comm, "shm");
+  const Inputs in = make_inputs(kBS, H, kL * comm->size(), comm->rank());
+  std::vector<DispatchOutputs> live;
+  for (int64_t c = 0; c < n; ++c) {
+    DispatchInputs din;
+    din.x = in.x;
+    din.expert_ids = in.ids;
+    live.push_back(dispatch_v2(din, cfg));
+  }
+  const auto& ctx = detail::CommInternals::shm(*comm);
+  ASSERT_TRUE(ctx);
+  EXPECT_EQ(ctx->capacity(), n * slot);
+  for (int64_t c = 0; c < n; ++c) {
+    int gen = -1;
+    int64_t off = -1;
+    EXPECT_TRUE(ctx->locate(live[c].expand_x.data(), nbytes(live[c].expand_x), gen, off))
+        << "call " << c << ": expand_x is not in the window";
+    EXPECT_EQ(gen, 0) << "call " << c;
+  }
+}
+
+TEST(Workspace, Errors) {
+  const int rank = test::world_rank();
+  try {
+    world_comm(-1);
+    ADD_FAILURE() << "no error for shm_window_bytes = -1";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_STREQ(e.what(),
+                 "Communicator: shm_window_bytes = -1 must be >= 0 (0: sized by "
+                 "the first op)");
+  }
+  auto comm = world_comm();
+  const EpConfig cfg = make_cfg(*comm, "");
+  const int64_t ids = kL * comm->size();
+  struct Bad {
+    int64_t bs, h, k;
+    DType dtype;
+    int64_t quant;
+    std::string message;
+  };
+  const std::vector<Bad> bad = {
+      {-1, 8, 2, DType::kBF16, 0, "dispatch_workspace: bs = -1 must be in [0, 2147483647]"},
+      {4, 0, 2, DType::kBF16, 0, "dispatch_workspace: hidden = 0 must be in [1, 2147483647]"},
+      {4, 8, ids + 1, DType::kBF16, 0,
+       "dispatch_workspace: top_k = " + std::to_string(ids + 1) + " must be in [1, " +
+           std::to_string(ids) + "]"},
+      {4, 8, 2, DType::kI32, 0, "dispatch_workspace: dtype = int32 must be bf16, fp16 or fp32"},
+      {4, 8, 2, DType::kBF16, 1, "dispatch_workspace: quant_mode = 1 is not one of {0, 2}"},
+  };
+  for (const Bad& b : bad) {
+    try {
+      dispatch_workspace(cfg, b.bs, b.h, b.k, b.dtype, b.quant);
+      ADD_FAILURE() << "no error for " << b.message;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(b.message), std::string::npos)
+          << e.what() << "\nexpected: " << b.message;
+    }
+  }
+  // cfg's own checks are dispatch_v2's.
+  EpConfig wrong = cfg;
+  wrong.ep_rank_id = (rank + 1) % (comm->size() + 1);
+  if (wrong.ep_rank_id != rank) {
+    EXPECT_THROW(dispatch_workspace(wrong, 4, 8, 2, DType::kBF16), Error);
+  }
+}
+
+}  // namespace
+}  // namespace moe_ep
