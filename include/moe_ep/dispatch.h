@@ -79,6 +79,7 @@
 #include <string>
 
 #include "moe_ep/comm.h"
+#include "moe_ep/error.h"
 #include "moe_ep/export.h"
 #include "moe_ep/tensor.h"
 
@@ -154,7 +155,13 @@ struct DispatchInputs {
   // fl(q * scale) is within max|xf| / 254 * (1 + 2^-14) + 2^-143 of xf per element
   // (src/kernels/cpu/quant.h). Must be equal on all ranks (kInvalidArgument on every rank).
   int64_t quant_mode = 0;
-  int64_t expert_token_nums_type = 1;  // 0 = running sum, 1 = per-expert count
+  int64_t expert_token_nums_type =
+      1;  // 0 = running sum, 1 = per-expert count  // A bad argument the caller found before the
+          // call, e.g. a binding that could not convert a
+  // tensor: the op reports it on this rank before any other check, exactly like its own checks
+  // (this rank throws it, the others Error(kRemote) naming this rank), instead of this rank
+  // leaving and its peers waiting until their deadline. The other fields may be unset.
+  std::optional<Error> caller_error;
 };
 
 // SPEC §1.4. A = G * min(L, K) on a MoE rank, (G / W) * ceil(W / (S / Ns)) on a shared-expert
@@ -227,6 +234,11 @@ struct CombineInputs {
   // fp32 rounding. Not allowed with tp_world_size 2 (kInvalidArgument, reported before any other
   // check); must be equal on all ranks (kInvalidArgument on every rank).
   int64_t comm_quant_mode = 0;
+  // A bad argument the caller found before the call, e.g. a binding that could not convert a
+  // tensor: the op reports it on this rank before any other check, exactly like its own checks
+  // (this rank throws it, the others Error(kRemote) naming this rank), instead of this rank
+  // leaving and its peers waiting until their deadline. The other fields may be unset.
+  std::optional<Error> caller_error;
 };
 
 // Returns x (BS, H) in expand_x's dtype: SPEC §2.3 and §2.2, for each ACTIVE token i, in fp32

@@ -430,13 +430,20 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
                  zero_expert_num, copy_expert_num, const_expert_num});
   moe_ep::DispatchInputs in;
-  in.x = view_of(x, "x");
-  in.expert_ids = view_of(expert_ids, "expert_ids");
-  in.scales = view_of(scales, "scales");
-  in.x_active_mask = view_of(x_active_mask, "x_active_mask");
-  in.expert_scales = view_of(expert_scales, "expert_scales");
-  in.elastic_info = view_of(elastic_info, "elastic_info");
-  if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
+  // A tensor the binding cannot take goes into the collective as this rank's argument error, so
+  // the peers raise RemoteError at once instead of waiting for this rank until their deadline.
+  try {
+    in.x = view_of(x, "x");
+    in.expert_ids = view_of(expert_ids, "expert_ids");
+    in.scales = view_of(scales, "scales");
+    in.x_active_mask = view_of(x_active_mask, "x_active_mask");
+    in.expert_scales = view_of(expert_scales, "expert_scales");
+    in.elastic_info = view_of(elastic_info, "elastic_info");
+    if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
+  } catch (const moe_ep::Error& e) {
+    in = moe_ep::DispatchInputs{};
+    in.caller_error = e;
+  }
   in.quant_mode = quant_mode;
   in.expert_token_nums_type = expert_token_nums_type;
   InUse ep_guard(&group_ep, "dispatch_v2", "group_ep");
@@ -472,21 +479,26 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
                  zero_expert_num, copy_expert_num, const_expert_num});
   moe_ep::CombineInputs in;
-  in.expand_x = view_of(expand_x, "expand_x");
-  in.expert_ids = view_of(expert_ids, "expert_ids");
-  in.assist_info_for_combine = view_of(assist_info_for_combine, "assist_info_for_combine");
-  in.ep_send_counts = view_of(ep_send_counts, "ep_send_counts");
-  in.expert_scales = view_of(expert_scales, "expert_scales");
-  in.tp_send_counts = view_of(tp_send_counts, "tp_send_counts");
-  in.x_active_mask = view_of(x_active_mask, "x_active_mask");
-  in.expand_scales = view_of(expand_scales, "expand_scales");
-  in.shared_expert_x = view_of(shared_expert_x, "shared_expert_x");
-  in.elastic_info = view_of(elastic_info, "elastic_info");
-  in.ori_x = view_of(ori_x, "ori_x");
-  in.const_expert_alpha_1 = view_of(const_expert_alpha_1, "const_expert_alpha_1");
-  in.const_expert_alpha_2 = view_of(const_expert_alpha_2, "const_expert_alpha_2");
-  in.const_expert_v = view_of(const_expert_v, "const_expert_v");
-  if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
+  try {  // as in dispatch_v2
+    in.expand_x = view_of(expand_x, "expand_x");
+    in.expert_ids = view_of(expert_ids, "expert_ids");
+    in.assist_info_for_combine = view_of(assist_info_for_combine, "assist_info_for_combine");
+    in.ep_send_counts = view_of(ep_send_counts, "ep_send_counts");
+    in.expert_scales = view_of(expert_scales, "expert_scales");
+    in.tp_send_counts = view_of(tp_send_counts, "tp_send_counts");
+    in.x_active_mask = view_of(x_active_mask, "x_active_mask");
+    in.expand_scales = view_of(expand_scales, "expand_scales");
+    in.shared_expert_x = view_of(shared_expert_x, "shared_expert_x");
+    in.elastic_info = view_of(elastic_info, "elastic_info");
+    in.ori_x = view_of(ori_x, "ori_x");
+    in.const_expert_alpha_1 = view_of(const_expert_alpha_1, "const_expert_alpha_1");
+    in.const_expert_alpha_2 = view_of(const_expert_alpha_2, "const_expert_alpha_2");
+    in.const_expert_v = view_of(const_expert_v, "const_expert_v");
+    if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
+  } catch (const moe_ep::Error& e) {
+    in = moe_ep::CombineInputs{};
+    in.caller_error = e;
+  }
   in.comm_quant_mode = comm_quant_mode;
   InUse ep_guard(&group_ep, "combine_v2", "group_ep");
   InUse tp_guard(group_tp ? &*group_tp : nullptr, "combine_v2", "group_tp");

@@ -691,6 +691,47 @@ def overlapping_calls_from_two_threads(ctx):
     round_trip(ctx, Spec(91, bs_all(ctx, 3), k=2, e=2 * ctx.world))  # still usable
 
 
+@case(min_world=2)
+def unconvertible_tensor_on_one_rank(ctx):
+    """A tensor the binding cannot take (fp64) on one rank: that rank raises UnsupportedError
+    naming it, and the others RemoteError at once (the error travels in the op's header), not
+    TimeoutError after the communicator's deadline."""
+    w, rank, bad = ctx.world, ctx.rank, ctx.world - 1
+    spec = Spec(55, bs_all(ctx, 4), k=2, e=2 * w)
+    mine = make_inputs(spec, rank)
+    want = moe_ep.UnsupportedError if rank == bad else moe_ep.RemoteError
+    x = mine.x.double() if rank == bad else mine.x
+    start, seen = time.monotonic(), None
+    try:
+        mt.dispatch_v2(x, mine.ids, ctx.comm, moe_expert_num=spec.e)
+    except moe_ep.Error as err:
+        seen = err
+    took = time.monotonic() - start
+
+    def dispatch_checks():
+        check(type(seen) is want, f"dispatch_v2: rank {rank} raised {seen!r}, want {want.__name__}")
+        check("x dtype" in str(seen), f"message does not name x's dtype: {seen}")
+        check(took < 20, f"dispatch_v2 took {took:.1f} s to fail: a timeout, not the error")
+
+    agreed(ctx, dispatch_checks)
+    out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e)
+    y = out[0].double() if rank == bad else out[0]
+    start, seen = time.monotonic(), None
+    try:
+        mt.combine_v2(y, mine.ids, out[2], out[4], mine.w, ctx.comm, moe_expert_num=spec.e)
+    except moe_ep.Error as err:
+        seen = err
+    took = time.monotonic() - start
+
+    def combine_checks():
+        check(type(seen) is want, f"combine_v2: rank {rank} raised {seen!r}, want {want.__name__}")
+        check("expand_x dtype" in str(seen), f"message does not name expand_x's dtype: {seen}")
+        check(took < 20, f"combine_v2 took {took:.1f} s to fail: a timeout, not the error")
+
+    agreed(ctx, combine_checks)
+    round_trip(ctx, Spec(56, bs_all(ctx, 4), k=2, e=2 * w))  # the communicator still works
+
+
 def _opcheck_args(ctx):
     spec = Spec(60, bs_all(ctx, 5), k=2, e=2 * ctx.world)
     mine = make_inputs(spec, ctx.rank)

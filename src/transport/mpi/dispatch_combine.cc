@@ -645,6 +645,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   std::optional<detail::ShmSlot> slot;
   int64_t expand_bytes = 0;
   capture(hdr, local, [&] {
+    if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
@@ -1043,6 +1044,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   int64_t in_off = 0, stage_bytes = 0;
   std::optional<detail::ShmSlot> stage;
   capture(hdr, local, [&] {
+    if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
     // Checked first: never valid (SPEC §2.1), whatever else this build supports.
     if (in.comm_quant_mode != 0 && in.comm_quant_mode != 2)
