@@ -382,9 +382,13 @@ bool tp_pair(const EpConfig& cfg) {
 }
 
 // Scale-in with TP is not implemented: checked before a removed rank would leave.
-void reject_tp_scale_in(const char* op, const EpConfig& cfg, World& w) {
+void reject_tp_scale_in(const char* op, const Communicator& comm, const EpConfig& cfg, World& w) {
   if (cfg.tp_world_size != 2 || w.hash == 0) return;
-  w.removed = false;  // take part in the TP header, so the peer learns of the error
+  // Every rank of group_ep, removed ones included, reports the error through the header
+  // agreement of the whole (old) world, and the TP header, so that no rank waits for another.
+  const int64_t hash = w.hash;
+  w = whole_world(comm);
+  w.hash = hash;
   detail::unsupported(op,
                       ": elastic_info scale-in (is_scaled_down = 1) with tp_world_size = 2 "
                       "is not supported by this build");
@@ -650,7 +654,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
-    reject_tp_scale_in(op, cfg, world);
+    reject_tp_scale_in(op, comm, cfg, world);
     if (in.quant_mode != 0 && in.quant_mode != 2)
       detail::invalid(op, ": quant_mode = ", in.quant_mode, " is not one of {0, 2}");
     if (in.scales && in.quant_mode != 2)
@@ -1054,7 +1058,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
-    reject_tp_scale_in(op, cfg, world);
+    reject_tp_scale_in(op, comm, cfg, world);
     reject_given(op, {{"tp_send_counts", in.tp_send_counts.has_value() && cfg.tp_world_size != 2}});
     perf = perf_ptr(op, in.performance_info, cfg);
     detail::expect_rows(op, "expand_x", in.expand_x);
