@@ -1,6 +1,7 @@
 """The checks the Python layer makes itself (docs/errors.md, "The Python front"): communicator
 handling, the fake implementation's num_out_tokens bound, and the exception classes."""
 
+import re
 import subprocess
 import sys
 
@@ -95,3 +96,86 @@ def test_outputs_are_dlpack_arrays_for_torch_and_numpy_without_copies():
     assert a.ctypes.data == b.data_ptr()  # one buffer: no copy on either side
     np.testing.assert_array_equal(a, tokens[[1, 3, 0, 2]])
     assert np.from_dlpack(sorted_indices).tolist() == [2, 0, 3, 1]
+
+
+# Each fake implementation checks the ranks it reads shapes from, with the real op's message: a
+# malformed input under torch.compile raises InvalidArgumentError at trace time, not IndexError.
+# (op, args with one tensor of the wrong rank, the message)
+_FAKE_RANK_CASES = [
+    ("token_permute", lambda: (torch.empty(4), torch.empty(4, 2, dtype=torch.int32)),
+     "permute: tokens.ndim = 1 must be 2"),
+    ("token_permute", lambda: (torch.empty(4, 3), torch.empty(4, 2, 1, dtype=torch.int32)),
+     "permute: indices.ndim = 3 must be 1 or 2"),
+    ("token_permute_grad",
+     lambda: (torch.empty(4), torch.empty(8, 3), torch.empty(4, 2, dtype=torch.int32),
+              torch.empty(8, dtype=torch.int32)),
+     "permute_grad: tokens.ndim = 1 must be 2"),
+    ("token_permute_grad_v2",
+     lambda: (torch.empty(8), torch.empty(8, dtype=torch.int32), 4, torch.float32, 2),
+     "permute_grad_v2: grad_permuted_tokens.ndim = 1 must be 2"),
+    ("token_unpermute", lambda: (torch.empty(8), torch.empty(8, dtype=torch.int32)),
+     "unpermute: permuted_tokens.ndim = 1 must be 2"),
+    ("token_unpermute",
+     lambda: (torch.empty(8, 3), torch.empty(8, dtype=torch.int32), torch.empty(8)),
+     "unpermute: probs.ndim = 1 must be 2"),
+    ("_token_unpermute", lambda: (torch.empty(8, 3), torch.empty(8, 1, dtype=torch.int32)),
+     "unpermute_with_saved: sorted_indices.ndim = 2 must be 1"),
+    ("token_unpermute_grad",
+     lambda: (torch.empty(8, 3), torch.empty(4), torch.empty(8, dtype=torch.int32),
+              torch.empty(4, 2)),
+     "unpermute_grad: grad_out.ndim = 1 must be 2"),
+    ("token_unpermute_grad_v2",
+     lambda: (torch.empty(4, 3), torch.empty(8, dtype=torch.int32), 8, torch.float32,
+              torch.empty(4, 2, 1), False, None, torch.empty(8, 3)),
+     "unpermute_grad_v2: probs.ndim = 3 must be 2"),
+]
+
+
+@pytest.mark.parametrize("op,make_args,message", _FAKE_RANK_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(_FAKE_RANK_CASES)])
+def test_fake_implementations_check_ranks(op, make_args, message):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        args = make_args()
+        with pytest.raises(moe_ep.InvalidArgumentError, match=re.escape(message)):
+            getattr(torch.ops.moe_ep, op)(*args)
+
+
+@pytest.mark.parametrize("op,make_args,message", _FAKE_RANK_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(_FAKE_RANK_CASES)])
+def test_real_implementations_give_the_same_rank_errors(op, make_args, message):
+    # The same inputs on real tensors: the C++ check gives the fake's message, word for word.
+    args = make_args()
+    with pytest.raises(moe_ep.InvalidArgumentError) as info:
+        getattr(torch.ops.moe_ep, op)(*args)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "op,args,message",
+    [
+        ("dispatch_v2", lambda: (torch.empty(4), torch.empty(4, 2, dtype=torch.int32), 1, 2, 0, 4),
+         "dispatch_v2: x.ndim = 1 must be 2"),
+        ("dispatch_v2", lambda: (torch.empty(4, 8), torch.empty(8, dtype=torch.int32), 1, 2, 0, 4),
+         "dispatch_v2: expert_ids.ndim = 1 must be 2"),
+        ("combine_v2",
+         lambda: (torch.empty(16, 8), torch.empty(8, dtype=torch.int32),
+                  torch.empty(16, dtype=torch.int32), torch.empty(4, dtype=torch.int32),
+                  torch.empty(4, 2), 1, 2, 0, 4),
+         "combine_v2: expert_ids.ndim = 1 must be 2"),
+        ("_combine_v2_functional",
+         lambda: (torch.empty(16), torch.empty(4, 2, dtype=torch.int32),
+                  torch.empty(16, dtype=torch.int32), torch.empty(4, dtype=torch.int32),
+                  torch.empty(4, 2), 1, 2, 0, 4),
+         "combine_v2: expand_x.ndim = 1 must be 2"),
+    ],
+)
+def test_dispatch_combine_fakes_check_ranks(op, args, message):
+    # Fake implementations only: no communicator is touched (group id 1 need not exist).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = args()
+        with pytest.raises(moe_ep.InvalidArgumentError, match=re.escape(message)):
+            getattr(torch.ops.moe_ep, op)(*a)

@@ -239,6 +239,13 @@ _dispatch_v2_op = torch.library.custom_op(
 )
 
 
+def _fake_ndim(op: str, name: str, t: Tensor) -> None:
+    """The fake implementations read shapes from 2-D tensors: a malformed input under
+    torch.compile raises the real op's InvalidArgumentError at trace time, not IndexError."""
+    if t.dim() != 2:
+        raise InvalidArgumentError(f"{op}: {name}.ndim = {t.dim()} must be 2")
+
+
 @_dispatch_v2_op.register_fake
 def _(*args, **kwargs):
     bound = inspect.signature(_dispatch_v2_impl).bind(*args, **kwargs)
@@ -250,6 +257,8 @@ def _dispatch_v2_fake(
     x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, elastic_info, tp_world_size,
     shared_expert_num, shared_expert_rank_num, quant_mode, global_bs, **_
 ):
+    _fake_ndim("dispatch_v2", "x", x)
+    _fake_ndim("dispatch_v2", "expert_ids", expert_ids)
     if elastic_info is not None:
         raise UnsupportedError(
             "dispatch_v2: elastic_info cannot be traced (the output shapes depend on its values)"
@@ -324,6 +333,8 @@ def _combine_v2_impl(
 def _combine_v2_fake(
     expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, *args, **kw
 ):
+    _fake_ndim("combine_v2", "expand_x", expand_x)
+    _fake_ndim("combine_v2", "expert_ids", expert_ids)
     return expand_x.new_empty((expert_ids.shape[0], expand_x.shape[1]))
 
 

@@ -34,6 +34,14 @@ from moe_ep.torch._convert import dl, dtype_name, tt
 # Shape rules shared by the real and the fake implementations.
 
 
+def _ndim(op: str, name: str, t: Optional[Tensor], *ndims: int) -> None:
+    """The fake implementations' rank checks, with the C++ op's name and message (a malformed
+    input under torch.compile raises InvalidArgumentError at trace time, not IndexError)."""
+    if t is not None and t.dim() not in ndims:
+        want = " or ".join(str(n) for n in ndims)
+        raise InvalidArgumentError(f"{op}: {name}.ndim = {t.dim()} must be {want}")
+
+
 def _topk(indices: Tensor) -> int:
     return 1 if indices.dim() == 1 else indices.shape[1]
 
@@ -47,6 +55,12 @@ def _permute_rows(op: str, m: int, num_out_tokens: Optional[int]) -> int:
             f"{op}: num_out_tokens = {n} drops more than the M = {m} rows there are"
         )
     return m + n
+
+
+def _unpermute_ndims(op: str, permuted_tokens, sorted_indices, probs) -> None:
+    _ndim(op, "permuted_tokens", permuted_tokens, 2)
+    _ndim(op, "sorted_indices", sorted_indices, 1)
+    _ndim(op, "probs", probs, 2)
 
 
 def _unpermute_rows(sorted_indices: Tensor, probs: Optional[Tensor]) -> int:
@@ -99,6 +113,8 @@ def token_permute(
 
 @token_permute.register_fake
 def _(tokens, indices, num_out_tokens=None, padded_mode=False):
+    _ndim("permute", "tokens", tokens, 2)
+    _ndim("permute", "indices", indices, 1, 2)
     m = indices.numel()
     rows = _permute_rows("token_permute", m, num_out_tokens)
     return tokens.new_empty((rows, tokens.shape[1])), indices.new_empty((m,), dtype=torch.int32)
@@ -153,6 +169,8 @@ def token_permute_grad(
 
 @token_permute_grad.register_fake
 def _(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode=False):
+    _ndim("permute_grad", "tokens", tokens, 2)
+    _ndim("permute_grad", "grad_permuted_tokens", grad_permuted_tokens, 2)
     return tokens.new_empty((tokens.shape[0], grad_permuted_tokens.shape[1]))
 
 
@@ -178,6 +196,7 @@ def token_permute_grad_v2(
 
 @token_permute_grad_v2.register_fake
 def _(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype, num_topk, padded_mode=False):
+    _ndim("permute_grad_v2", "grad_permuted_tokens", grad_permuted_tokens, 2)
     return grad_permuted_tokens.new_empty(
         (tokens_rows, grad_permuted_tokens.shape[1]), dtype=tokens_dtype
     )
@@ -209,6 +228,7 @@ def token_unpermute(
 
 @token_unpermute.register_fake
 def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    _unpermute_ndims("unpermute", permuted_tokens, sorted_indices, probs)
     rows = _unpermute_rows(sorted_indices, probs)
     return permuted_tokens.new_empty((rows, permuted_tokens.shape[1]))
 
@@ -236,6 +256,7 @@ def _token_unpermute(
 
 @_token_unpermute.register_fake
 def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    _unpermute_ndims("unpermute_with_saved", permuted_tokens, sorted_indices, probs)
     rows = _unpermute_rows(sorted_indices, probs)
     return (
         permuted_tokens.new_empty((rows, permuted_tokens.shape[1])),
@@ -331,6 +352,8 @@ def token_unpermute_grad(
 
 @token_unpermute_grad.register_fake
 def _(permuted_tokens, grad_out, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    _unpermute_ndims("unpermute_grad", permuted_tokens, sorted_indices, probs)
+    _ndim("unpermute_grad", "grad_out", grad_out, 2)
     gp = grad_out.new_empty((permuted_tokens.shape[0], grad_out.shape[1]))
     return gp, probs.new_empty(probs.shape) if probs is not None else _empty_grad_probs(grad_out)
 
@@ -372,5 +395,7 @@ def _(
     restore_shape=None,
     permuted_tokens=None,
 ):
+    _unpermute_ndims("unpermute_grad_v2", permuted_tokens, sorted_indices, probs)
+    _ndim("unpermute_grad_v2", "grad_out", grad_out, 2)
     gp = grad_out.new_empty((permuted_rows, grad_out.shape[1]), dtype=permuted_dtype)
     return gp, probs.new_empty(probs.shape) if probs is not None else _empty_grad_probs(grad_out)
