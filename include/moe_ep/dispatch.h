@@ -30,8 +30,8 @@
 // grouping: group_ep and group_tp are just communicators), and L must be 1 (moe_expert_num =
 // ep_world_size - shared_expert_rank_num). dispatch_v2 runs the EP exchange, then sends this rank's
 // valid rows to its TP peer and appends the peer's, PACKED: expand_x (2A, H) rows [0, own) this
-// rank's, [own, own + peer) the peer's, zeros after; ep_recv_counts (2W,) is one inclusive running
-// sum whose second W entries (continuing from own) are the peer's blocks by source rank;
+// rank's, [own, own + peer) the peer's, unspecified after; ep_recv_counts (2W,) is one inclusive
+// running sum whose second W entries (continuing from own) are the peer's blocks by source rank;
 // tp_recv_counts (2,) [tp_rank_id] = own, [1 - tp_rank_id] = peer; expert_token_nums = own + peer;
 // assist_info_for_combine, expand_scales (2A,) and dynamic_scales (2A,) hold both halves.
 // combine_v2 takes expand_x with each row's PARTIAL expert output: it sends the peer's rows to the
@@ -172,14 +172,17 @@ struct DispatchInputs {
 struct DispatchOutputs {
   Tensor expand_x;  // (max(1,T)*A, H) (T == 2: see "Tensor parallelism"), x's dtype (int8 with
                     // quant_mode 2); the first ep_recv_counts[W*L-1] rows are valid, in the SPEC
-                    // §1.4 order (local expert, source rank, entry i*K+k); the rest is zero
+                    // §1.4 order (local expert, source rank, entry i*K+k); the rows
+                    // after them are unspecified (left as they were: not zeroed, which would
+                    // cost as much as the rows moved, A being the worst case)
   // quant_mode 2: expand_x is int8 (same shape and row layout) and dynamic_scales is (A,) fp32,
   // the dequantisation factor of each received row (0 beyond the valid rows); quant_mode 0:
   // undefined (defined() == false).
   Tensor dynamic_scales;
   Tensor assist_info_for_combine;  // (max(BS*K, A*128),) int32: [3j, 3j+1, 3j+2] = (source rank,
                                    // source token, top-k slot) of row j (slot K + s for a copy
-                                   // to shared expert s); the rest is zero
+                                   // to shared expert s); the entries after
+                                   // 3 * valid are unspecified
   Tensor expert_token_nums;        // (L,) int64: rows per local expert (expert_token_nums_type
                                    // 1) or their running sum (type 0)
   Tensor ep_recv_counts;           // (W*L*max(1,T),) int32, inclusive running sum over

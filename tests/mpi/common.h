@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -45,6 +46,30 @@ struct SplitMix64 {
 template <typename T>
 std::vector<T> values(const Tensor& t) {
   return std::vector<T>(t.ptr<T>(), t.ptr<T>() + t.numel());
+}
+
+// The first n elements of a contiguous tensor. dispatch_v2 leaves the rows of expand_x past the
+// valid ones, and assist_info_for_combine past its first 3 * valid entries, unspecified (SPEC
+// §1.4: only the first valid rows are meaningful), so the tests compare only that prefix and check
+// the shape on its own. n outside [0, numel] is a test failure (and is clamped).
+template <typename T>
+std::vector<T> values(const Tensor& t, int64_t n) {
+  if (n < 0 || n > t.numel()) {
+    ADD_FAILURE() << "the first " << n << " elements of a tensor of " << t.numel();
+    n = std::clamp<int64_t>(n, 0, t.numel());
+  }
+  return std::vector<T>(t.ptr<T>(), t.ptr<T>() + n);
+}
+
+// The first n elements of v (the reference's side of values(t, n)); n outside [0, v.size()] is a
+// test failure (and is clamped).
+template <typename T>
+std::vector<T> prefix(const std::vector<T>& v, int64_t n) {
+  if (n < 0 || n > static_cast<int64_t>(v.size())) {
+    ADD_FAILURE() << "the first " << n << " elements of a vector of " << v.size();
+    n = std::clamp<int64_t>(n, 0, static_cast<int64_t>(v.size()));
+  }
+  return std::vector<T>(v.begin(), v.begin() + n);
 }
 
 // Runs the collective `call` on this rank (`rank`) and checks what it throws. `bad` < 0: every

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -132,13 +133,20 @@ void expect_matches_reference(const DispatchOutputs& out, const ref::EpRankDispa
   ASSERT_EQ(out.expand_x.size(0), want.A);
   ASSERT_EQ(out.expand_x.size(1), H);
   ASSERT_EQ(out.expand_x.nbytes(), want.expand_x.size());
-  EXPECT_TRUE(want.expand_x.empty() ||
-              std::memcmp(out.expand_x.data(), want.expand_x.data(), want.expand_x.size()) == 0)
+  // Only the first `valid` rows of expand_x and 3 * valid entries of assist_info_for_combine are
+  // meaningful (SPEC §1.4); dispatch_v2 leaves the rest as it was.
+  ASSERT_LE(want.valid, want.A);
+  const std::size_t row_bytes = want.A > 0 ? want.expand_x.size() / want.A : 0;
+  const std::size_t valid_bytes = static_cast<std::size_t>(want.valid) * row_bytes;
+  EXPECT_TRUE(valid_bytes == 0 ||
+              std::memcmp(out.expand_x.data(), want.expand_x.data(), valid_bytes) == 0)
       << "expand_x differs from the reference";
   EXPECT_EQ(values<int32_t>(out.ep_recv_counts), want.ep_recv_counts);
   EXPECT_EQ(values<int64_t>(out.expert_token_nums),
             type == 0 ? want.expert_token_nums0 : want.expert_token_nums1);
-  EXPECT_EQ(values<int32_t>(out.assist_info_for_combine), want.assist_info);
+  EXPECT_EQ(out.assist_info_for_combine.numel(), static_cast<int64_t>(want.assist_info.size()));
+  EXPECT_EQ(values<int32_t>(out.assist_info_for_combine, 3 * want.valid),
+            test::prefix(want.assist_info, 3 * want.valid));
   EXPECT_EQ(values<float>(out.expand_scales), want.expand_scales);
   ASSERT_EQ(out.tp_recv_counts.numel(), 1);
   EXPECT_EQ(out.tp_recv_counts.ptr<int32_t>()[0], want.valid);
@@ -253,13 +261,12 @@ TEST_F(EpLayoutAdversarial, HandComputedW2) {
       const DispatchOutputs out = dispatch_v2(dispatch_inputs(c, wr, type), config(c, group.get()));
       ASSERT_EQ(out.expand_x.size(0), A);
       ASSERT_EQ(out.expand_x.size(1), 2);
-      std::vector<float> rows = values<float>(out.expand_x);
-      std::vector<float> want_rows = w.rows;
-      want_rows.resize(A * 2, 0.0f);
-      EXPECT_EQ(rows, want_rows);
-      std::vector<int32_t> assist = w.assist;
-      assist.resize(std::max<int64_t>(c.bs[wr] * 2, A * 128), 0);
-      EXPECT_EQ(values<int32_t>(out.assist_info_for_combine), assist);
+      // The valid rows and their assist triples; the rest is unspecified (SPEC §1.4).
+      const int64_t valid = static_cast<int64_t>(w.rows.size() / 2);
+      EXPECT_EQ(values<float>(out.expand_x, valid * 2), w.rows);
+      ASSERT_EQ(static_cast<int64_t>(w.assist.size()), 3 * valid);
+      EXPECT_EQ(out.assist_info_for_combine.numel(), std::max<int64_t>(c.bs[wr] * 2, A * 128));
+      EXPECT_EQ(values<int32_t>(out.assist_info_for_combine, 3 * valid), w.assist);
       EXPECT_EQ(values<int32_t>(out.ep_recv_counts), w.counts);
       EXPECT_EQ(values<int64_t>(out.expert_token_nums), type == 0 ? w.nums0 : w.nums1);
       std::vector<float> scales = w.scales;
@@ -337,6 +344,87 @@ TEST_F(EpLayoutAdversarial, NoTokensAnywhere) {
   round_trip(make_case(W, 12, 2, 4, std::vector<int64_t>(W, 0), 0, 3));
 }
 
+// SPEC §1.4: only the first `valid` rows of expand_x (and 3 * valid entries of
+// assist_info_for_combine) are meaningful; dispatch_v2 does not clear the rest, which keeps
+// whatever the memory held. Nothing may depend on that tail. With each transport, on a
+// communicator of its own: a first call with many valid rows, whose expand_x and
+// assist_info_for_combine are then poisoned (NaN rows, 0xa5a5a5a5 entries) and released; then a
+// second call with other routing, fewer valid rows and the same capacity A, which gets that memory
+// back (both outputs are over the block cache's 4 MiB threshold, core/block_cache.h; with "shm"
+// expand_x takes the same slot of the new window). Its valid prefix must equal the reference
+// bitwise, and combine_v2 over it (the expert outputs NaN past the valid rows, the assist tail
+// poisoned) must equal the reference bitwise: a read past the valid rows would show.
+TEST_F(EpLayoutAdversarial, StaleTailIsNeverRead) {
+  const int W = world_size(), rank = world_rank();
+  if (12 % W != 0) GTEST_SKIP() << "E = 12 experts over W ranks";
+  const int64_t E = 12, K = 8, H = 160, L = E / W;
+  // global_bs = W * m with A = W * m * min(L, K) >= 8192 rows: assist_info_for_combine (A * 128
+  // int32) and expand_x (A * H fp32) are at least 4 MiB each.
+  const int64_t per_m = W * std::min(L, K), m = (8192 + per_m - 1) / per_m;
+  const std::vector<int64_t> bs(W, 12);
+  const Case many = make_case(W, E, K, H, bs, W * m, 41);
+  const Case few = make_case(W, E, K, H, bs, W * m, 42, /*inactive_pct=*/70);
+  const auto want_many = ref::dispatch_reference(many.views(), E, W * m);
+  const auto want_few = ref::dispatch_reference(few.views(), E, W * m);
+  const int64_t A = want_few[rank].A, valid = want_few[rank].valid;
+  ASSERT_EQ(want_many[rank].A, A);
+  ASSERT_GE(A, 8192);
+  ASSERT_LT(valid, want_many[rank].valid);
+  const ref::ExpertFn expert = ref::scale_expert(E);
+  const auto combined = ref::combine_reference(few.views(), expert);
+  constexpr unsigned char kPoisonX = 0xff;  // every fp32 row element NaN
+  constexpr unsigned char kPoisonAssist = 0xa5;
+  for (const char* transport : {"mpi", "shm"}) {
+    SCOPED_TRACE(std::string("transport ") + transport);
+    auto group = Communicator::from_mpi(MPI_COMM_WORLD);  // with "shm": a new window
+    EpConfig cfg = config(many, group.get());
+    cfg.transport = transport;
+    const void* first_x = nullptr;
+    const void* first_assist = nullptr;
+    {
+      DispatchOutputs first = dispatch_v2(dispatch_inputs(many, rank), cfg);
+      expect_matches_reference(first, want_many[rank], H, 1);
+      first_x = first.expand_x.data();
+      first_assist = first.assist_info_for_combine.data();
+      std::memset(first.expand_x.data(), kPoisonX, first.expand_x.nbytes());
+      std::memset(first.assist_info_for_combine.data(), kPoisonAssist,
+                  first.assist_info_for_combine.nbytes());
+    }
+    DispatchOutputs second = dispatch_v2(dispatch_inputs(few, rank), cfg);
+    // The premise: the second call's outputs lie in the first call's poisoned memory.
+    EXPECT_EQ(second.expand_x.data(), first_x)
+        << "expand_x does not reuse the first call's memory: the test no longer sees stale rows";
+    EXPECT_EQ(second.assist_info_for_combine.data(), first_assist)
+        << "assist_info_for_combine does not reuse the first call's memory";
+    expect_matches_reference(second, want_few[rank], H, 1);
+    ASSERT_EQ(second.expand_x.size(0), A);
+    int64_t stale = 0;  // rows past the valid ones still holding the poison (for the log)
+    const auto* rows = second.expand_x.ptr<unsigned char>();
+    for (int64_t j = valid; j < A; ++j)
+      stale += std::all_of(rows + j * H * 4, rows + (j + 1) * H * 4,
+                           [](unsigned char c) { return c == kPoisonX; });
+    if (rank == 0)
+      std::printf("[ %s ] rank 0: %lld valid rows, %lld of the %lld rows after them stale\n",
+                  transport, static_cast<long long>(valid), static_cast<long long>(stale),
+                  static_cast<long long>(A - valid));
+    // combine_v2 over the second call: the experts' outputs on the valid rows, NaN after them;
+    // the assist entries past 3 * valid poisoned whatever the memory held.
+    Tensor y = run_experts(second, rank, W, L, H, expert);
+    std::memset(y.ptr<float>() + valid * H, kPoisonX,
+                static_cast<std::size_t>((A - valid) * H) * sizeof(float));
+    int32_t* assist = second.assist_info_for_combine.ptr<int32_t>();
+    std::memset(assist + 3 * valid, kPoisonAssist,
+                static_cast<std::size_t>(second.assist_info_for_combine.numel() - 3 * valid) *
+                    sizeof(int32_t));
+    const Tensor x = combine_v2(combine_inputs(few, rank, second, y), cfg);
+    ASSERT_EQ(x.size(0), few.bs[rank]);
+    ASSERT_EQ(x.size(1), H);
+    ASSERT_EQ(x.nbytes(), combined[rank].size());
+    EXPECT_EQ(std::memcmp(x.data(), combined[rank].data(), x.nbytes()), 0)
+        << "combine_v2 over the second call differs from the reference";
+  }
+}
+
 // K == E (every expert) and L == 1 (W experts), K > L.
 TEST_F(EpLayoutAdversarial, TopKEqualsExpertNum) {
   const int W = world_size();
@@ -357,7 +445,11 @@ TEST_F(EpLayoutAdversarial, ZeroHiddenSize) {
     EXPECT_EQ(out.expand_x.size(0), want[rank].A);
     EXPECT_EQ(out.expand_x.size(1), 0);
     EXPECT_EQ(values<int32_t>(out.ep_recv_counts), want[rank].ep_recv_counts);
-    EXPECT_EQ(values<int32_t>(out.assist_info_for_combine), want[rank].assist_info);
+    // The first 3 * valid entries (SPEC §1.4: the rest is unspecified).
+    EXPECT_EQ(out.assist_info_for_combine.numel(),
+              static_cast<int64_t>(want[rank].assist_info.size()));
+    EXPECT_EQ(values<int32_t>(out.assist_info_for_combine, 3 * want[rank].valid),
+              test::prefix(want[rank].assist_info, 3 * want[rank].valid));
     const Tensor y = Tensor::zeros(DType::kF32, {out.expand_x.size(0), 0});
     const Tensor x = combine_v2(combine_inputs(c0, rank, out, y), config(c0));
     EXPECT_EQ(x.size(0), 3);

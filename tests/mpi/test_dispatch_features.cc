@@ -223,12 +223,17 @@ void check_dispatch(const Batch& b, const DispatchOutputs& out, const ref::EpRan
   const int64_t row_bytes = b.spec.H * esize(b.spec.dtype);
   ASSERT_EQ(out.expand_x.size(0), want.A);
   ASSERT_EQ(out.expand_x.size(1), b.spec.H);
-  EXPECT_TRUE(same_bytes(out.expand_x.data(), want.expand_x.data(), want.A * row_bytes))
+  // Only the first `valid` rows of expand_x and 3 * valid entries of assist_info_for_combine are
+  // meaningful (SPEC §1.4); dispatch_v2 leaves the rest as it was.
+  ASSERT_LE(want.valid, want.A);
+  EXPECT_TRUE(same_bytes(out.expand_x.data(), want.expand_x.data(), want.valid * row_bytes))
       << "expand_x differs from the reference";
   EXPECT_EQ(values<int32_t>(out.ep_recv_counts), want.ep_recv_counts);
   EXPECT_EQ(values<int64_t>(out.expert_token_nums),
             type == 0 ? want.expert_token_nums0 : want.expert_token_nums1);
-  EXPECT_EQ(values<int32_t>(out.assist_info_for_combine), want.assist_info);
+  EXPECT_EQ(out.assist_info_for_combine.numel(), static_cast<int64_t>(want.assist_info.size()));
+  EXPECT_EQ(values<int32_t>(out.assist_info_for_combine, 3 * want.valid),
+            test::prefix(want.assist_info, 3 * want.valid));
   EXPECT_EQ(values<float>(out.expand_scales), want.expand_scales);
   ASSERT_EQ(out.tp_recv_counts.numel(), 1);
   EXPECT_EQ(out.tp_recv_counts.ptr<int32_t>()[0], want.valid);
@@ -426,22 +431,20 @@ TEST_F(Features, HandComputedSharedExpertRankLayout) {
   in.expert_scales = TensorView::contiguous(w.data(), DType::kF32, {BS, 1});
   const DispatchOutputs out = dispatch_v2(in, cfg);
   ASSERT_EQ(out.expand_x.size(0), 4);
-  const std::vector<float> ex = values<float>(out.expand_x);
-  const std::vector<int32_t> ai = values<int32_t>(out.assist_info_for_combine);
+  // Three valid rows on either rank: only they (and their 9 assist entries) are meaningful, the
+  // fourth row is unspecified (SPEC §1.4).
+  const std::vector<float> ex = values<float>(out.expand_x, 6);
+  const std::vector<int32_t> ai = values<int32_t>(out.assist_info_for_combine, 9);
   if (wr == 0) {
     EXPECT_EQ(values<int32_t>(out.ep_recv_counts), (std::vector<int32_t>{2, 3}));
     EXPECT_EQ(values<int64_t>(out.expert_token_nums), (std::vector<int64_t>{3}));
-    EXPECT_EQ(std::vector<float>(ex.begin(), ex.begin() + 8),
-              (std::vector<float>{1, 2, 3, 4, 5, 6, 0, 0}));
-    EXPECT_EQ(std::vector<int32_t>(ai.begin(), ai.begin() + 9),
-              (std::vector<int32_t>{0, 0, 1, 0, 1, 1, 1, 0, 1}));
+    EXPECT_EQ(ex, (std::vector<float>{1, 2, 3, 4, 5, 6}));
+    EXPECT_EQ(ai, (std::vector<int32_t>{0, 0, 1, 0, 1, 1, 1, 0, 1}));
   } else {
     EXPECT_EQ(values<int32_t>(out.ep_recv_counts), (std::vector<int32_t>{1, 1, 2, 3}));
     EXPECT_EQ(values<int64_t>(out.expert_token_nums), (std::vector<int64_t>{1, 2}));
-    EXPECT_EQ(std::vector<float>(ex.begin(), ex.begin() + 8),
-              (std::vector<float>{3, 4, 1, 2, 5, 6, 0, 0}));
-    EXPECT_EQ(std::vector<int32_t>(ai.begin(), ai.begin() + 9),
-              (std::vector<int32_t>{0, 1, 0, 0, 0, 0, 1, 0, 0}));
+    EXPECT_EQ(ex, (std::vector<float>{3, 4, 1, 2, 5, 6}));
+    EXPECT_EQ(ai, (std::vector<int32_t>{0, 1, 0, 0, 0, 0, 1, 0, 0}));
     EXPECT_EQ(values<float>(out.expand_scales), (std::vector<float>{0.25f, 0.5f, 2, 0}));
   }
   // The experts.

@@ -147,10 +147,20 @@ void expect_layout(const DispatchOutputs& d, const ref::EpRankDispatch& want, in
                    int64_t own, int64_t peer) {
   ASSERT_EQ(d.expand_x.size(0), 2 * want.A);
   ASSERT_EQ(d.expand_x.nbytes(), want.expand_x.size());
-  EXPECT_EQ(std::memcmp(d.expand_x.data(), want.expand_x.data(), want.expand_x.size()), 0);
+  // The packed layout: own rows, then the peer's (want.valid = own + peer), then rows that are
+  // unspecified (SPEC §1.4: only the valid rows are meaningful); likewise assist_info_for_combine
+  // past its first 3 * valid entries. Only those prefixes are compared.
+  ASSERT_EQ(want.valid, own + peer);
+  const std::size_t row_bytes =
+      want.A > 0 ? want.expand_x.size() / static_cast<std::size_t>(2 * want.A) : 0;
+  EXPECT_EQ(std::memcmp(d.expand_x.data(), want.expand_x.data(),
+                        static_cast<std::size_t>(want.valid) * row_bytes),
+            0);
   EXPECT_EQ(test::values<int32_t>(d.ep_recv_counts), want.ep_recv_counts);
   EXPECT_EQ(test::values<int64_t>(d.expert_token_nums), want.expert_token_nums1);
-  EXPECT_EQ(test::values<int32_t>(d.assist_info_for_combine), want.assist_info);
+  EXPECT_EQ(d.assist_info_for_combine.numel(), static_cast<int64_t>(want.assist_info.size()));
+  EXPECT_EQ(test::values<int32_t>(d.assist_info_for_combine, 3 * want.valid),
+            test::prefix(want.assist_info, 3 * want.valid));
   EXPECT_EQ(test::values<float>(d.expand_scales), want.expand_scales);
   ASSERT_EQ(d.tp_recv_counts.numel(), 2);
   EXPECT_EQ(d.tp_recv_counts.ptr<int32_t>()[tp_rank], own);
@@ -215,19 +225,20 @@ TEST(DispatchTp, HandMadeLayout) {
     EXPECT_EQ(test::values<int32_t>(d.ep_recv_counts), (std::vector<int32_t>{t == 0 ? 2 : 3, 5}));
     EXPECT_EQ(test::values<int64_t>(d.expert_token_nums), (std::vector<int64_t>{5}));
     EXPECT_EQ(d.expand_x.size(0), 8);
-    const std::vector<int32_t> assist = test::values<int32_t>(d.assist_info_for_combine);
+    const std::vector<int32_t> assist = test::values<int32_t>(d.assist_info_for_combine, 15);
     const std::vector<int32_t> tokens =
         t == 0 ? std::vector<int32_t>{0, 1, 0, 1, 2} : std::vector<int32_t>{0, 1, 2, 0, 1};
     for (int j = 0; j < 5; ++j) EXPECT_EQ(assist[3 * j + 1], tokens[j]) << "row " << j;
     const Group& og = c.g[t];
     const Group& pg = c.g[1 - t];
     const int64_t own_n = t == 0 ? 2 : 3;
-    for (int64_t j = 0; j < 8; ++j) {
+    // Own rows, then the peer's; rows 5..7 are unspecified (SPEC §1.4) and not compared.
+    for (int64_t j = 0; j < 5; ++j) {
       const uint16_t* row = d.expand_x.ptr<uint16_t>() + j * og.H;
-      std::vector<uint16_t> want(og.H, 0);
+      std::vector<uint16_t> want;
       if (j < own_n)
         want.assign(og.x[0].begin() + j * og.H, og.x[0].begin() + (j + 1) * og.H);
-      else if (j < 5)
+      else
         want.assign(pg.x[0].begin() + (j - own_n) * og.H, pg.x[0].begin() + (j - own_n + 1) * og.H);
       EXPECT_EQ(std::vector<uint16_t>(row, row + og.H), want) << "row " << j;
     }

@@ -1,6 +1,7 @@
 // The shared-memory transport (EpConfig::transport "shm") against plain MPI ("mpi"): for a grid
 // of configurations, dispatch_v2 + experts + combine_v2 run once with each transport on the same
-// inputs, and every output of both ops must be bitwise identical. Repeated calls hold earlier
+// inputs, and every output of both ops must be bitwise identical (of expand_x and
+// assist_info_for_combine the meaningful prefix, SPEC §1.4). Repeated calls hold earlier
 // outputs alive and grow the batch, so slot reuse, the "no free slot" fallback and window growth
 // are exercised. Also: the transport must agree across ranks, malformed values are rejected.
 #include <gtest/gtest.h>
@@ -63,10 +64,25 @@ struct Result {
   bool in_window = false;  // expand_x lay in this rank's shared-memory window
 };
 
-std::vector<unsigned char> bytes_of(const Tensor& t) {
+// The first `bytes` bytes of t (all of them when bytes < 0).
+std::vector<unsigned char> bytes_of(const Tensor& t, int64_t bytes = -1) {
   if (!t.defined()) return {};
   const auto* p = static_cast<const unsigned char*>(t.data());
-  return std::vector<unsigned char>(p, p + t.nbytes());
+  const int64_t n = bytes < 0 ? static_cast<int64_t>(t.nbytes()) : bytes;
+  EXPECT_LE(n, static_cast<int64_t>(t.nbytes()));
+  return std::vector<unsigned char>(p, p + std::min<int64_t>(n, t.nbytes()));
+}
+
+// The dtype and shape of each tensor (undefined: -1), as bytes.
+std::vector<unsigned char> shapes_of(const std::vector<const Tensor*>& ts) {
+  std::vector<int64_t> v;
+  for (const Tensor* t : ts) {
+    v.push_back(t->defined() ? static_cast<int64_t>(t->dtype()) : -1);
+    v.push_back(t->defined() ? t->ndim() : -1);
+    for (int d = 0; t->defined() && d < t->ndim(); ++d) v.push_back(t->size(d));
+  }
+  const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+  return std::vector<unsigned char>(p, p + v.size() * sizeof(int64_t));
 }
 
 bool in_window(const Tensor& t) {
@@ -147,18 +163,32 @@ Result run(const Case& c, const std::string& transport, int iter) {
   Result r;
   DispatchOutputs d = dispatch_v2(din, cfg);
   r.in_window = in_window(d.expand_x);
-  for (const Tensor* t :
-       {&d.expand_x, &d.dynamic_scales, &d.assist_info_for_combine, &d.expert_token_nums,
-        &d.ep_recv_counts, &d.tp_recv_counts, &d.expand_scales})
-    r.parts.push_back(bytes_of(*t));
-
-  // The experts: row j of expand_x times (1 + (j % 5) / 8), in fp32, rounded to the dtype
-  // (int8 rows dequantised with their dynamic scale first).
+  // Only the first `valid` rows of expand_x and 3 * valid entries of assist_info_for_combine are
+  // meaningful (SPEC §1.4; the rest is whatever the memory held, and differs between the
+  // transports' buffers), so only those prefixes are compared; every shape is compared whole.
+  const int64_t n_counts = d.ep_recv_counts.numel();
+  const int64_t valid = n_counts > 0 ? d.ep_recv_counts.ptr<int32_t>()[n_counts - 1] : 0;
   const int64_t rows = d.expand_x.size(0);
+  EXPECT_LE(valid, rows);
+  const std::vector<const Tensor*> outs = {
+      &d.expand_x,          &d.dynamic_scales, &d.assist_info_for_combine,
+      &d.expert_token_nums, &d.ep_recv_counts, &d.tp_recv_counts,
+      &d.expand_scales};
+  r.parts.push_back(shapes_of(outs));
+  for (const Tensor* t : outs) {
+    int64_t bytes = -1;
+    if (t == &d.expand_x) bytes = rows > 0 ? valid * static_cast<int64_t>(t->nbytes()) / rows : 0;
+    if (t == &d.assist_info_for_combine) bytes = 3 * valid * static_cast<int64_t>(sizeof(int32_t));
+    r.parts.push_back(bytes_of(*t, bytes));
+  }
+
+  // The experts, on the valid rows: row j of expand_x times (1 + (j % 5) / 8), in fp32, rounded
+  // to the dtype (int8 rows dequantised with their dynamic scale first). y's other rows are
+  // zeros, or, in place, whatever expand_x holds there: combine_v2 must not read them.
   const bool in_place = c.in_place && !c.quant;
   const int64_t stride = in_place ? c.H : c.H + c.y_pad;
   Tensor y = in_place ? d.expand_x : Tensor::zeros(c.dtype, {rows, stride});
-  for (int64_t j = 0; j < rows; ++j)
+  for (int64_t j = 0; j < std::min(valid, rows); ++j)
     for (int64_t h = 0; h < c.H; ++h) {
       const float v = c.quant ? static_cast<float>(d.expand_x.ptr<int8_t>()[j * c.H + h]) *
                                     d.dynamic_scales.ptr<float>()[j]
@@ -199,9 +229,15 @@ class ShmVsMpi : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ShmVsMpi, BitwiseEqual) {
   const Case& c = GetParam();
-  const char* names[] = {"expand_x",          "dynamic_scales",   "assist_info_for_combine",
-                         "expert_token_nums", "ep_recv_counts",   "tp_recv_counts",
-                         "expand_scales",     "combine_v2 output"};
+  const char* names[] = {"dispatch_v2's output shapes",
+                         "expand_x (valid rows)",
+                         "dynamic_scales",
+                         "assist_info_for_combine (3 * valid entries)",
+                         "expert_token_nums",
+                         "ep_recv_counts",
+                         "tp_recv_counts",
+                         "expand_scales",
+                         "combine_v2 output"};
   std::vector<Result> kept;  // c.hold: every call's outputs stay alive
   int windowed = 0;
   for (int it = 0; it < c.iters; ++it) {

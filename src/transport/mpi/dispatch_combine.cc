@@ -338,15 +338,7 @@ detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
   return *ctx;
 }
 
-// memset / row copies over all threads (large buffers: the copy is the transport).
-void parallel_zero(char* p, int64_t bytes) {
-  constexpr int64_t kChunk = int64_t{1} << 20;
-  const int64_t n = (bytes + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (n > 1)
-  for (int64_t c = 0; c < n; ++c)
-    std::memset(p + c * kChunk, 0, static_cast<std::size_t>(std::min(kChunk, bytes - c * kChunk)));
-}
-
+// Row copies over all threads (large buffers: the copy is the transport).
 struct RowCopy {
   const char* src;
   char* dst;
@@ -522,9 +514,6 @@ void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64
   int got = 0;
   detail::check_mpi(MPI_Get_count(&st[3], MPI_FLOAT, &got), op, "MPI_Get_count");
   MOE_EP_CHECK(got == peer_rows && peer_rows <= cap);
-  if (total > own + peer_rows)
-    std::memset(out.expand_x.ptr<char>() + (own + peer_rows) * row_bytes, 0,
-                static_cast<std::size_t>((total - own - peer_rows) * row_bytes));
 
   Tensor counts = Tensor::empty(DType::kI32, {2 * WL});
   int32_t* c = counts.ptr<int32_t>();
@@ -705,7 +694,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         qsend = std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(n * sh.H));
       qsend_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(n));
     }
-    out.assist_info_for_combine = Tensor::zeros(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
+    // Only the first 3 * valid entries are written (SPEC §1.4: opaque, only those are read).
+    out.assist_info_for_combine = Tensor::empty(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
     out.expand_scales = Tensor::zeros(DType::kF32, {tp_rows(cfg, sh.A)});
   });
   if (world.removed && !local) {
@@ -760,9 +750,6 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
   const int64_t row_bytes = sh.H * esize;
   const int64_t out_row_bytes = quant ? sh.H : row_bytes;  // of expand_x (int8 with quant_mode 2)
-  if (sh.A > recv.valid)
-    parallel_zero(out.expand_x.ptr<char>() + recv.valid * out_row_bytes,
-                  (sh.A - recv.valid) * out_row_bytes);
 
   // Phase "shm offsets": each receiver on this machine tells each sender on it where, in its
   // window, that sender's block of each local expert starts (gen -1: "use MPI this time", when
@@ -807,49 +794,85 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         std::make_shared<std::vector<int8_t>>(send.order.size() * static_cast<std::size_t>(sh.H));
 
   // quant_mode 2 (SPEC §1.5): every (token, destination) copy in send order, smoothed by its
-  // expert's row of scales (Ns + e for MoE expert e, s for shared expert s). Rows for MPI
+  // expert's row of scales (Ns + e for MoE expert e, s for shared expert s). Without scales every
+  // copy of a token quantises to the same bytes, so each sent token is quantised once (tok_q)
+  // and its copies are row copies; with scales each copy is quantised on its own. Rows for MPI
   // destinations go to the send buffer, rows for shared-memory ones straight to their place.
   std::vector<int32_t> src_index, smooth_index;
+  std::vector<int32_t> tok_row;  // without scales: token i's row in tok_q (-1: not sent)
+  std::vector<int8_t> tok_q;
+  std::vector<float> tok_scale;
   detail::QuantizeRowsInt8Args qa;
   if (quant) {
     const int64_t n = static_cast<int64_t>(send.order.size());
-    src_index.resize(static_cast<std::size_t>(n));
-    if (in.scales) smooth_index.resize(static_cast<std::size_t>(n));
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t i = send.order[j] / sh.KS, k = send.order[j] % sh.KS;
-      src_index[j] = static_cast<int32_t>(i);
-      if (in.scales)
-        smooth_index[j] = static_cast<int32_t>(
-            k < sh.K ? sh.pl.Ns + detail::index_at(in.expert_ids, i, k) : k - sh.K);
-    }
     qa.op = op;
     qa.name = "x";
     qa.n = sh.H;
     qa.dtype = sh.dtype;
     qa.src = in.x.data;
     qa.src_stride = in.x.strides[0];
+    qa.q_stride = sh.H;
     if (in.scales) {
+      src_index.resize(static_cast<std::size_t>(n));
+      smooth_index.resize(static_cast<std::size_t>(n));
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = send.order[j] / sh.KS, k = send.order[j] % sh.KS;
+        src_index[j] = static_cast<int32_t>(i);
+        smooth_index[j] = static_cast<int32_t>(
+            k < sh.K ? sh.pl.Ns + detail::index_at(in.expert_ids, i, k) : k - sh.K);
+      }
       qa.smooth = in.scales->ptr<float>();
       qa.smooth_stride = sh.H;
+    } else {
+      tok_row.assign(static_cast<std::size_t>(sh.BS), -1);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = send.order[j] / sh.KS;
+        if (tok_row[i] < 0) {
+          tok_row[i] = static_cast<int32_t>(src_index.size());
+          src_index.push_back(static_cast<int32_t>(i));
+        }
+      }
+      const int64_t tokens = static_cast<int64_t>(src_index.size());
+      tok_q.resize(static_cast<std::size_t>(tokens * sh.H));
+      tok_scale.resize(static_cast<std::size_t>(tokens));
+      detail::QuantizeRowsInt8Args a = qa;
+      a.rows = tokens;
+      a.src_index = src_index.data();
+      a.q = tok_q.data();
+      a.scales = tok_scale.data();
+      detail::quantize_rows_int8(a);
+      for (int64_t j = 0; j < n; ++j) (*qsend_scale)[j] = tok_scale[tok_row[send.order[j] / sh.KS]];
     }
-    qa.q_stride = sh.H;
   }
-  // Quantises send-order entries [first, first + n) to q.
+  // The int8 row of send-order entry j when each token was quantised once.
+  auto tok_q_row = [&](int64_t j) {
+    return reinterpret_cast<const char*>(tok_q.data()) + tok_row[send.order[j] / sh.KS] * sh.H;
+  };
+  // Writes the int8 rows of send-order entries [first, first + n) to q.
+  std::vector<RowCopy> copies;
   auto quantise = [&](int64_t first, int64_t n, int8_t* q) {
     if (n == 0) return;
+    if (!in.scales) {
+      for (int64_t r = 0; r < n; ++r)
+        copies.push_back({tok_q_row(first + r), reinterpret_cast<char*>(q) + r * sh.H});
+      return;
+    }
     detail::QuantizeRowsInt8Args a = qa;
     a.rows = n;
     a.src_index = src_index.data() + first;
-    if (in.scales) a.smooth_index = smooth_index.data() + first;
+    a.smooth_index = smooth_index.data() + first;
     a.q = q;
     a.scales = qsend_scale->data() + first;
     detail::quantize_rows_int8(a);
   };
-  if (quant)
+  if (quant) {
     for (int d = 0; d < W; ++d)
       if (!shm_to[d])
         quantise(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d],
                  qsend->data() + send.rank_offset[d] * sh.H);
+    parallel_copy(copies, sh.H);
+    copies.clear();
+  }
 
   // Phase "rows": rows and their metadata, one message each per peer and direction. With shared
   // memory the sender writes the rows itself, then sends the metadata, which doubles as the
@@ -900,7 +923,6 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     // Shared memory: each (destination, local expert) run of the send order is contiguous at
     // its destination; bf16/fp16/fp32 rows are copied there in parallel, int8 rows quantised
     // there (one pass over x either way: the one copy).
-    std::vector<RowCopy> copies;
     for (int d = 0; d < W; ++d) {
       if (!shm_to[d]) continue;
       int64_t j = send.rank_offset[d];
@@ -919,7 +941,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       }
       MOE_EP_CHECK(j == send.rank_offset[d + 1]);
     }
-    parallel_copy(copies, row_bytes);
+    parallel_copy(copies, out_row_bytes);
     if (shm) shm->sync();  // the rows are in place before their metadata announces them
     for (int d = 0; d < W; ++d) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
