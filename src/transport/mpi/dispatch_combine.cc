@@ -725,8 +725,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     if (shm_defer) {
       slot = shm->try_alloc(expand_bytes);
       MOE_EP_CHECK(slot.has_value());
-      out.expand_x = detail::TensorInternals::wrap(slot->token, slot->ptr,
-                                                   quant ? DType::kI8 : sh.dtype, {sh.A, sh.H});
+      out.expand_x = detail::TensorInternals::wrap(
+          slot->token, slot->ptr, quant ? DType::kI8 : sh.dtype, {tp_rows(cfg, sh.A), sh.H});
     }
   }
   // Phase "counts": rank d learns how many rows each source sends for each of its local experts.
