@@ -263,36 +263,65 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
   for_each_target([] {
     std::mt19937_64 rng(13);
     for (DType dtype : kFloatDTypes)
-      for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 47, 513, 1030, 7171})
+      for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 47, 64, 85, 111, 513, 1030, 7171})
         for (int kind = 0; kind < 3; ++kind) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
                        " kind=" + std::to_string(kind));
           // kind 0: awkward values, NaN included; 1: no NaN; 2: signed zeros and small values,
           // where the sign of a zero partial sum shows whether the tail added anything.
           std::vector<float> g = f32_row(rng, n, kind == 0);
-          std::vector<uint16_t> x = make_row(rng, dtype, n, false);
+          // Nine rows sharing g, as a token's entries share its grad_out row.
+          constexpr int kMaxRows = 9;
+          std::vector<std::vector<uint16_t>> x;
+          std::vector<const void*> xp;
+          std::vector<float> w;
+          for (int r = 0; r < kMaxRows; ++r) {
+            x.push_back(make_row(rng, dtype, n, false));
+            w.push_back(awkward(rng, false));
+          }
           if (kind == 2)
             for (int64_t i = 0; i < n; ++i) {
               const std::size_t ui = static_cast<std::size_t>(i);
               g[ui] = rng() % 4 == 0 ? 0.5f : -1.0f;
-              detail::store_f32(x.data(), dtype, i, rng() % 3 == 0 ? -0.0f : 0.0f);
+              for (auto& row : x) detail::store_f32(row.data(), dtype, i, rng() % 3 ? -0.0f : 0.0f);
             }
-          const float want = blocked_dot(g.data(), x.data(), dtype, n);
-          const float got = detail::dot_row_f32(g.data(), x.data(), dtype, n);
-          expect_same_or_nan(DType::kF32, &got, &want, 1);
-          // The fused pass: the same dot and the row of scale_row_f32, nothing past the end.
-          for (DType out : kFloatDTypes) {
-            SCOPED_TRACE(std::string("scaled to ") + dtype_name(out));
-            const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
-            std::vector<uint8_t> a(ob + 8, 0xa5), b(ob + 8, 0xa5);
-            const float fused =
-                detail::scale_dot_row_f32(a.data(), out, g.data(), -0.375f, x.data(), dtype, n);
-            for (int64_t i = 0; i < n; ++i)
-              detail::store_f32(b.data(), out, i, g[static_cast<std::size_t>(i)] * -0.375f);
-            expect_same_or_nan(DType::kF32, &fused, &want, 1);
-            expect_same_or_nan(out, a.data(), b.data(), n);
-            expect_same_bytes(a.data() + ob, b.data() + ob, 8);
+          std::vector<float> want;
+          for (auto& row : x) {
+            xp.push_back(row.data());
+            want.push_back(blocked_dot(g.data(), row.data(), dtype, n));
           }
+          const float got = detail::dot_row_f32(g.data(), xp[0], dtype, n);
+          expect_same_or_nan(DType::kF32, &got, &want[0], 1);
+          // The fused pass over 1..9 rows (whole and partial groups of four): the same dot
+          // products, each row of scale_row_f32, nothing past the ends.
+          for (DType out : kFloatDTypes)
+            for (int count : {1, 3, 4, 5, 9}) {
+              SCOPED_TRACE(std::string("scaled to ") + dtype_name(out) +
+                           " count=" + std::to_string(count));
+              const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
+              std::vector<std::vector<uint8_t>> a, b;
+              std::vector<void*> ap;
+              for (int r = 0; r < count; ++r) {
+                a.emplace_back(ob + 8, 0xa5);
+                b.emplace_back(ob + 8, 0xa5);
+                ap.push_back(a.back().data());
+                for (int64_t i = 0; i < n; ++i)
+                  detail::store_f32(
+                      b.back().data(), out, i,
+                      g[static_cast<std::size_t>(i)] * w[static_cast<std::size_t>(r)]);
+              }
+              std::vector<float> dots(static_cast<std::size_t>(count) + 1, 2.0f);
+              detail::scale_dot_rows_f32(dots.data(), ap.data(), out, g.data(), w.data(), xp.data(),
+                                         dtype, count, n);
+              for (int r = 0; r < count; ++r) {
+                SCOPED_TRACE("row " + std::to_string(r));
+                const std::size_t ur = static_cast<std::size_t>(r);
+                expect_same_or_nan(DType::kF32, &dots[ur], &want[ur], 1);
+                expect_same_or_nan(out, a[ur].data(), b[ur].data(), n);
+                expect_same_bytes(a[ur].data() + ob, b[ur].data() + ob, 8);
+              }
+              EXPECT_EQ(dots[static_cast<std::size_t>(count)], 2.0f);  // nothing past `count`
+            }
         }
   });
 }

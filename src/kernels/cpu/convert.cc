@@ -121,32 +121,57 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
   }
 }
 
-// grad_probs' dot product in the blocked order of convert.h (dot_row_f32): lane l of the
+// grad_probs' dot products in the blocked order of convert.h (dot_row_f32): lane l of the
 // kDotLanes partial sums is lane l % Lanes of vector l / Lanes, so each lane is one chain of adds
-// along the row and the vectors of a block of kDotLanes elements go to kDotLanes / Lanes
-// independent chains. With kScale the same pass writes dst = round(g * w) (scale_row_f32), so
-// the row of x is read once and g (fp32, in cache) is loaded once per element for both.
+// along the row and the vectors of a group of kDotLanes elements go to kDotLanes / Lanes
+// independent chains. kRows rows share g and are walked side by side, kDotBlock elements of each
+// in turn: several rows in flight keep more memory requests outstanding than one, and each row's
+// block of output is whole cache lines. With kScale the same pass writes dst[r] = round(g * w[r])
+// (scale_row_f32), so each row of x is read once and g (fp32, in cache) is loaded once per use.
 constexpr size_t kDotLanes = 16;
+constexpr int64_t kDotBlock = 4 * kDotLanes;  // 128 bytes of a bf16 row
+constexpr int kMaxDotRows = 4;
 
+// acc + g[at..] * x[at..] for one vector; with kScale also dst[at..] = round(g[at..] * w).
 template <DType kX, DType kOut, bool kScale>
-float ScaleDotT(void* dst, const float* g, float w, const void* x, int64_t n, bool stream) {
+HWY_INLINE VF DotStep(DF df, VF acc, const float* g, VF w, const void* x, void* dst, int64_t at,
+                      bool stream) {
+  const VF gv = hn::LoadU(df, g + at);
+  if constexpr (kScale) StoreF32<kOut>(df, hn::Mul(gv, w), dst, at, stream);
+  return hn::Add(acc, hn::Mul(gv, LoadF32<kX>(df, x, at)));  // the product rounded first
+}
+
+template <DType kX, DType kOut, bool kScale, int kRows>
+void ScaleDotT(float* out, void* const* dst, const float* g, const float* w, const void* const* x,
+               int64_t n, bool stream) {
   const DF df;
   constexpr size_t kLanes = hn::MaxLanes(DF());
   static_assert(kDotLanes % kLanes == 0, "dot_row_f32's 16 lanes must fill whole vectors");
   constexpr size_t kVecs = kDotLanes / kLanes;
-  const int64_t lanes = static_cast<int64_t>(kLanes);
-  const VF vw = hn::Set(df, w);
-  VF acc[kVecs];
-  for (size_t v = 0; v < kVecs; ++v) acc[v] = hn::Zero(df);  // +0
-  int64_t i = 0;
-  for (; i + static_cast<int64_t>(kDotLanes) <= n; i += kDotLanes) {
-    for (size_t v = 0; v < kVecs; ++v) {
-      const int64_t at = i + static_cast<int64_t>(v) * lanes;
-      const VF gv = hn::LoadU(df, g + at);
-      acc[v] = hn::Add(acc[v], hn::Mul(gv, LoadF32<kX>(df, x, at)));  // product rounded first
-      if constexpr (kScale) StoreF32<kOut>(df, hn::Mul(gv, vw), dst, at, stream);
-    }
+  constexpr int64_t lanes = static_cast<int64_t>(kLanes);
+  VF vw[kRows];
+  VF acc[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    vw[r] = hn::Set(df, kScale ? w[r] : 0.0f);
+    for (size_t v = 0; v < kVecs; ++v) acc[r][v] = hn::Zero(df);  // +0
   }
+  void* d[kRows] = {};
+  if constexpr (kScale)
+    for (int r = 0; r < kRows; ++r) d[r] = dst[r];
+  // Element i + c (i a multiple of 16) belongs to lane (i + c) % 16, held by vector
+  // (c / Lanes) % kVecs, and reaches it after the elements of that lane before it.
+  int64_t i = 0;
+  for (; i + kDotBlock <= n; i += kDotBlock)
+    for (int r = 0; r < kRows; ++r)
+      for (int64_t c = 0; c < kDotBlock; c += lanes) {
+        VF& a = acc[r][static_cast<size_t>(c / lanes) % kVecs];
+        a = DotStep<kX, kOut, kScale>(df, a, g, vw[r], x[r], d[r], i + c, stream);
+      }
+  for (; i + static_cast<int64_t>(kDotLanes) <= n; i += kDotLanes)
+    for (int r = 0; r < kRows; ++r)
+      for (size_t v = 0; v < kVecs; ++v)
+        acc[r][v] = DotStep<kX, kOut, kScale>(df, acc[r][v], g, vw[r], x[r], d[r],
+                                              i + static_cast<int64_t>(v) * lanes, stream);
   // The last n - i < 16 elements. A partial vector is padded with zeros, whose products (+0)
   // leave every lane unchanged: a lane starts at +0 and a sum rounded to nearest is -0 only when
   // both addends are -0, so no lane ever holds -0, and x + (+0) == x for every other x, NaN
@@ -155,21 +180,47 @@ float ScaleDotT(void* dst, const float* g, float w, const void* x, int64_t n, bo
     const int64_t at = i + static_cast<int64_t>(v) * lanes;
     if (at >= n) break;
     if (at + lanes <= n) {
-      const VF gv = hn::LoadU(df, g + at);
-      acc[v] = hn::Add(acc[v], hn::Mul(gv, LoadF32<kX>(df, x, at)));
-      if constexpr (kScale) StoreF32<kOut>(df, hn::Mul(gv, vw), dst, at, stream);
-    } else {
-      const size_t rest = static_cast<size_t>(n - at);
-      const VF gv = Tail<DType::kF32>(g, at, rest).load(df);
-      acc[v] = hn::Add(acc[v], hn::Mul(gv, Tail<kX>(x, at, rest).load(df)));
-      if constexpr (kScale) StoreTail<kOut>(df, hn::Mul(gv, vw), dst, at, rest);
+      for (int r = 0; r < kRows; ++r)
+        acc[r][v] = DotStep<kX, kOut, kScale>(df, acc[r][v], g, vw[r], x[r], d[r], at, stream);
+      continue;
+    }
+    const size_t rest = static_cast<size_t>(n - at);
+    const VF gv = Tail<DType::kF32>(g, at, rest).load(df);
+    for (int r = 0; r < kRows; ++r) {
+      acc[r][v] = hn::Add(acc[r][v], hn::Mul(gv, Tail<kX>(x[r], at, rest).load(df)));
+      if constexpr (kScale) StoreTail<kOut>(df, hn::Mul(gv, vw[r]), d[r], at, rest);
     }
   }
-  HWY_ALIGN float part[kDotLanes];
-  for (size_t v = 0; v < kVecs; ++v) hn::Store(acc[v], df, part + v * kLanes);
-  for (size_t width = kDotLanes / 2; width >= 1; width /= 2)  // the fixed tree: 8, 4, 2, 1
-    for (size_t l = 0; l < width; ++l) part[l] = part[l] + part[l + width];
-  return part[0];
+  for (int r = 0; r < kRows; ++r) {
+    HWY_ALIGN float part[kDotLanes];
+    for (size_t v = 0; v < kVecs; ++v) hn::Store(acc[r][v], df, part + v * kLanes);
+    for (size_t width = kDotLanes / 2; width >= 1; width /= 2)  // the fixed tree: 8, 4, 2, 1
+      for (size_t l = 0; l < width; ++l) part[l] = part[l] + part[l + width];
+    out[r] = part[0];
+  }
+}
+
+template <DType kX, DType kOut, bool kScale>
+void ScaleDotRowsT(float* out, void* const* dst, const float* g, const float* w,
+                   const void* const* x, int64_t count, int64_t n, bool stream) {
+  for (int64_t r = 0; r < count; r += kMaxDotRows) {
+    void* const* dr = kScale ? dst + r : dst;
+    const float* wr = kScale ? w + r : w;
+    switch (count - r < kMaxDotRows ? count - r : kMaxDotRows) {
+      case 1:
+        ScaleDotT<kX, kOut, kScale, 1>(out + r, dr, g, wr, x + r, n, stream);
+        break;
+      case 2:
+        ScaleDotT<kX, kOut, kScale, 2>(out + r, dr, g, wr, x + r, n, stream);
+        break;
+      case 3:
+        ScaleDotT<kX, kOut, kScale, 3>(out + r, dr, g, wr, x + r, n, stream);
+        break;
+      default:
+        ScaleDotT<kX, kOut, kScale, 4>(out + r, dr, g, wr, x + r, n, stream);
+        break;
+    }
+  }
 }
 
 // Run-time dtype -> compile-time dtype.
@@ -211,12 +262,12 @@ template <DType kX>
 struct ScaleDotF {
   template <DType kOut>
   struct To {
-    static void run(float* out, void* dst, const float* g, float w, const void* x, int64_t n,
-                    bool stream) {
+    static void run(float* out, void* const* dst, const float* g, const float* w,
+                    const void* const* x, int64_t count, int64_t n, bool stream) {
       if (dst != nullptr) {
-        *out = ScaleDotT<kX, kOut, true>(dst, g, w, x, n, stream);
+        ScaleDotRowsT<kX, kOut, true>(out, dst, g, w, x, count, n, stream);
       } else {
-        *out = ScaleDotT<kX, kOut, false>(dst, g, w, x, n, stream);
+        ScaleDotRowsT<kX, kOut, false>(out, dst, g, w, x, count, n, stream);
       }
     }
   };
@@ -270,18 +321,18 @@ void AxpyRow(float* acc, float w, const void* src, DType dtype, int64_t n) {
 void AddRow(float* acc, const void* src, DType dtype, int64_t n) {
   ByDType<AddRowF>(dtype, acc, src, n);
 }
-// *out = the dot product; dst == null: no scaled row (dst_dtype unused).
-void ScaleDot(float* out, void* dst, DType dst_dtype, const float* g, float w, const void* x,
-              DType x_dtype, int64_t n, bool stream) {
+// dst == null: dot products only (dst_dtype and w unused).
+void ScaleDot(float* out, void* const* dst, DType dst_dtype, const float* g, const float* w,
+              const void* const* x, DType x_dtype, int64_t count, int64_t n, bool stream) {
   switch (x_dtype) {
     case DType::kBF16:
-      ByDType<ScaleDotF<DType::kBF16>::To>(dst_dtype, out, dst, g, w, x, n, stream);
+      ByDType<ScaleDotF<DType::kBF16>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
       break;
     case DType::kF16:
-      ByDType<ScaleDotF<DType::kF16>::To>(dst_dtype, out, dst, g, w, x, n, stream);
+      ByDType<ScaleDotF<DType::kF16>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
       break;
     default:
-      ByDType<ScaleDotF<DType::kF32>::To>(dst_dtype, out, dst, g, w, x, n, stream);
+      ByDType<ScaleDotF<DType::kF32>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
       break;
   }
   if (stream) hwy::FlushStream();
@@ -347,15 +398,14 @@ void add_row_f32(float* acc, const void* src, DType dtype, int64_t n) {
 }
 float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n) {
   float out;
-  HWY_DYNAMIC_DISPATCH(ScaleDot)(&out, nullptr, DType::kF32, g, 1.0f, x, dtype, n, false);
+  HWY_DYNAMIC_DISPATCH(ScaleDot)(&out, nullptr, DType::kF32, g, nullptr, &x, dtype, 1, n, false);
   return out;
 }
-float scale_dot_row_f32(void* dst, DType dst_dtype, const float* g, float w, const void* x,
-                        DType x_dtype, int64_t n, bool stream) {
-  float out;
-  HWY_DYNAMIC_DISPATCH(ScaleDot)
-  (&out, dst, dst_dtype, g, w, x, x_dtype, n, can_stream(dst, stream));
-  return out;
+void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const float* g,
+                        const float* w, const void* const* x, DType x_dtype, int64_t count,
+                        int64_t n, bool stream) {
+  for (int64_t r = 0; r < count && stream; ++r) stream = can_stream(dst[r], stream);
+  HWY_DYNAMIC_DISPATCH(ScaleDot)(out, dst, dst_dtype, g, w, x, x_dtype, count, n, stream);
 }
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
               int64_t count, DType src_dtype, int64_t n, bool stream) {

@@ -98,9 +98,12 @@ void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* 
 // acc[0] (+0 when n == 0). The lanes are vector lanes on every target (one AVX-512 vector, two
 // AVX2 or four SSE vectors, 16 scalars in the fallback), so the sum is one pass along the row.
 float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n);
-// One pass for an entry of unpermute_grad: returns dot_row_f32(g, x, x_dtype, n) and writes
-// dst[0..n) = round(g[0..n) * w) in dst_dtype, as scale_row_f32(dst, dst_dtype, g, w, n, stream).
-float scale_dot_row_f32(void* dst, DType dst_dtype, const float* g, float w, const void* x,
-                        DType x_dtype, int64_t n, bool stream = false);
+// The entries of a token in unpermute_grad, in one pass: for r < count, out[r] =
+// dot_row_f32(g, x[r], x_dtype, n) and dst[r][0..n) = round(g[0..n) * w[r]) in dst_dtype, as
+// scale_row_f32(dst[r], dst_dtype, g, w[r], n, stream). Each row of x is read once; up to four
+// rows are walked side by side. The dst rows must not overlap g or the rows of x.
+void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const float* g,
+                        const float* w, const void* const* x, DType x_dtype, int64_t count,
+                        int64_t n, bool stream = false);
 
 }  // namespace moe_ep::detail

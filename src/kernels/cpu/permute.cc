@@ -356,24 +356,38 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   const TensorView& probs = *q.probs;
   const TensorView& x = *q.permuted_tokens;
   void* const gprobs = res.grad_probs.data();
-  // One token at a time: grad_out's row in fp32 once (it stays in L1/L2), then one pass per
-  // present entry that reads its permuted row once, writes its scaled copy (grad_permuted) and
-  // returns the dot product (detail::scale_dot_row_f32, in the order permute.h fixes).
+  // One token at a time: grad_out's row in fp32 once (it stays in L1/L2), then one pass over
+  // the token's present entries that reads each permuted row once, writes its scaled copy
+  // (grad_permuted) and computes its dot product (detail::scale_dot_rows_f32, in the order
+  // permute.h fixes).
 #pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
   {
-    std::vector<float> gbuf(static_cast<std::size_t>(h));
+    const std::size_t ut = static_cast<std::size_t>(topk);
+    std::vector<float> gbuf(static_cast<std::size_t>(h)), w(ut), dots(ut);
+    std::vector<void*> dst(ut);
+    std::vector<const void*> rows(ut);
+    std::vector<int64_t> entry(ut);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      if (h > 0) detail::load_row_f32(gbuf.data(), row_ptr(g, i), g.dtype, h);
+      std::size_t count = 0;
       for (int64_t k = 0; k < topk; ++k) {
         const int64_t j = i * topk + k;
         const int64_t s = sorted_at(si, j);
-        float dot = 0.0f;
-        if (s < p)
-          dot = detail::scale_dot_row_f32(gp + s * row_bytes, q.dtype, gbuf.data(),
-                                          float_at(probs, i, k), row_ptr(x, s), x.dtype, h, stream);
-        detail::store_f32(gprobs, probs.dtype, j, dot);
+        if (s >= p) {
+          detail::store_f32(gprobs, probs.dtype, j, 0.0f);
+          continue;
+        }
+        dst[count] = gp + s * row_bytes;
+        w[count] = float_at(probs, i, k);
+        rows[count] = row_ptr(x, s);
+        entry[count++] = j;
       }
+      if (count == 0) continue;
+      if (h > 0) detail::load_row_f32(gbuf.data(), row_ptr(g, i), g.dtype, h);
+      detail::scale_dot_rows_f32(dots.data(), dst.data(), q.dtype, gbuf.data(), w.data(),
+                                 rows.data(), x.dtype, static_cast<int64_t>(count), h, stream);
+      for (std::size_t c = 0; c < count; ++c)
+        detail::store_f32(gprobs, probs.dtype, entry[c], dots[c]);
     }
   }
   return res;
