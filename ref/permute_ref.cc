@@ -33,6 +33,10 @@ struct Sum {
   }
 };
 
+// grad_probs' dot products (permute.h): 16 partial sums from +0, lane l adding the products of
+// elements l, l+16, ... in order, then a fixed tree: lane[l] += lane[l+w] for w = 8, 4, 2, 1.
+constexpr int64_t kDotLanes = 16;
+
 }  // namespace
 
 PermuteRefResult permute(const TensorView& tokens, const TensorView& indices,
@@ -131,12 +135,14 @@ UnpermuteGradRefResult unpermute_grad(const TensorView& grad_out, const TensorVi
       store(permuted_dtype, r.grad_permuted_tokens.data(), s * h + c, v);
     }
     if (probs) {
-      Sum dot;
+      float lane[kDotLanes] = {};  // +0
       for (int64_t c = 0; c < h; ++c) {
         const float term = value(grad_out, i, c) * value(*permuted_tokens, s, c);
-        dot.add(term);
+        lane[c % kDotLanes] = lane[c % kDotLanes] + term;
       }
-      store(probs->dtype, r.grad_probs.data(), j, dot.total);
+      for (int64_t w = kDotLanes / 2; w >= 1; w /= 2)
+        for (int64_t l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
+      store(probs->dtype, r.grad_probs.data(), j, lane[0]);
     }
   }
   return r;

@@ -11,10 +11,18 @@
 //   to be distinct (checked with an O(M) bitmap, always on); permute_grad allows repeats.
 // - topK >= 1 (indices.shape[1], probs.shape[1], num_topk); M = N*topK may not exceed 2^31.
 // - probs is (N, topK) bf16, fp16 or fp32, any strides; grad_probs comes back in probs' dtype.
-// - All sums are accumulated in fp32 in the order the SPEC states: the first present term starts
+// - Sums over k are accumulated in fp32 in the order the SPEC states: the first present term starts
 //   the sum (the empty sum is +0, a single term is returned unchanged), each product is rounded
 //   to fp32 before it is added (no FMA), and the sum is rounded once to nearest even in the output
 //   dtype, so results do not depend on the thread count.
+// - grad_probs' dot products (unpermute_grad, unpermute_grad_v2) are the one sum along H. SPEC
+//   §4.3 asks only for fp32; moe-ep fixes an order made for SIMD, the same on every CPU target and
+//   in ref/ and python/tests/reference.py, so they too are deterministic and bitwise reproducible:
+//   16 partial sums, lane l (0..15) summing from +0, in increasing h, the fp32 products
+//   grad_out[i,h] * permuted[s,h] (each rounded to fp32, no FMA) for h = l, l+16, l+32, ... < H;
+//   then acc[l] = acc[l] + acc[l+w] for l < w, for w = 8, 4, 2, 1; the dot product is acc[0]
+//   (+0 for H = 0). Earlier moe-ep summed in plain h order, which vectors cannot follow and which
+//   kept unpermute_grad at about a third of memcpy's bandwidth (docs/performance.md).
 // - Gradient inputs have the dtype of the tensor whose gradient they are (grad_permuted_tokens:
 //   tokens'; grad_out: permuted_tokens'); the _v2 dtype arguments must agree with them.
 // - Row offsets are 64-bit: rows * H may exceed 2^31.
@@ -107,8 +115,9 @@ struct UnpermuteGradResult {
   // (P, H): grad_permuted[S[j]] = grad_out[j / topK] * probs[j / topK, j % topK] (fp32 product,
   // one rounding; without probs a bit copy of grad_out[j]); rows nothing refers to are 0.
   Tensor grad_permuted_tokens;
-  // (N, topK) in probs' dtype: dot(grad_out[i], permuted[S[i*topK+k]]) in fp32, h order, 0 for
-  // dropped entries. Undefined (defined() == false) when probs is absent.
+  // (N, topK) in probs' dtype: dot(grad_out[i], permuted[S[i*topK+k]]) in fp32, in the blocked
+  // order of the common rules above (16 lanes, then a tree), 0 for dropped entries. Undefined
+  // (defined() == false) when probs is absent.
   Tensor grad_probs;
 };
 MOE_EP_API UnpermuteGradResult unpermute_grad(const UnpermuteGradArgs& args);

@@ -5,11 +5,14 @@ Megatron-LM's formulas (megatron/core/transformer/moe/moe_utils.py, permute / un
 two differences that SPEC §4 makes:
 - sorted_indices is the *inverse* of Megatron's: sorted_indices[j] is the row of permuted_tokens
   that holds entry j (j = token * topK + k), int32.
-- Every reduction has a fixed order, so results are exact: fp32 accumulation in k order (h order
-  for the grad_probs dot products), each product rounded to fp32 before it is added (no FMA), the
-  first present term starting the sum (the empty sum is +0), one rounding to the output dtype.
-  The reference loops over k (and h) explicitly, so each torch op below is one elementwise IEEE
-  operation whose rounding does not depend on how torch vectorises it.
+- Every reduction has a fixed order, so results are exact: fp32 accumulation in k order, each
+  product rounded to fp32 before it is added (no FMA), the first present term starting the sum
+  (the empty sum is +0), one rounding to the output dtype. The grad_probs dot products use the
+  blocked order moe-ep fixes for them (include/moe_ep/permute.h; SPEC §4.3 asks only for fp32):
+  16 partial sums from +0, lane l adding the products of h = l, l+16, ... in increasing h, then
+  lane[l] += lane[l + w] for l < w, w = 8, 4, 2, 1; the result is lane 0.
+  The reference loops over k (and over blocks of 16 along h) explicitly, so each torch op below
+  is one elementwise IEEE operation whose rounding does not depend on how torch vectorises it.
 
 The forward functions are differentiable torch code (gather, multiply, add), so autograd through
 them gives an independent gradient oracle; with fp64 inputs they accumulate in fp64.
@@ -134,7 +137,8 @@ def unpermute_grad(
     dtype or None without probs).
     - grad_permuted[S[j]] = grad_out[j / topK] * probs[j / topK, j % topK] (fp32 product, one
       rounding; without probs a copy of grad_out[j]) for S[j] < P; rows nothing refers to are 0.
-    - grad_probs[i, k] = dot(grad_out[i], permuted[S[i*topK+k]]) in fp32, h order; 0 if dropped.
+    - grad_probs[i, k] = dot(grad_out[i], permuted[S[i*topK+k]]) in fp32, in the blocked order
+      (16 lanes, then a tree: _blocked_dot); 0 if dropped.
     """
     n, h = grad_out.shape
     topk = 1 if probs is None else probs.shape[1]
@@ -149,12 +153,25 @@ def unpermute_grad(
     g = grad_out.to(acc)
     w = probs.to(acc).reshape(-1)
     grad_permuted[s[present]] = (g[j // topk] * w[j][:, None]).to(permuted_dtype)
-    # grad_probs: one dot product per entry, accumulated over h in order.
-    x = permuted_tokens.to(acc)
-    rows = x[s.clamp(max=max(permuted_rows - 1, 0))] if permuted_rows > 0 else None
-    gi = g.repeat_interleave(topk, dim=0)  # grad_out[j / topK]
-    dot = _RunningSum((n * topk,), acc)
-    for c in range(h):  # SPEC: h order
-        term = gi[:, c] * rows[:, c] if rows is not None else gi[:, c] * 0
-        dot.add(term, present)
-    return grad_permuted, dot.total.to(probs.dtype).view(n, topk)
+    # grad_probs: one dot product per entry, in the blocked order; dropped entries are +0.
+    dot = torch.zeros(n * topk, dtype=acc)
+    if permuted_rows > 0:
+        rows = permuted_tokens.to(acc)[s.clamp(max=permuted_rows - 1)]
+        gi = g.repeat_interleave(topk, dim=0)  # grad_out[j / topK]
+        dot = torch.where(present, _blocked_dot(gi, rows), dot)
+    return grad_permuted, dot.to(probs.dtype).view(n, topk)
+
+
+def _blocked_dot(a: Tensor, b: Tensor) -> Tensor:
+    """Row-wise dot products of a and b (M, H) in moe-ep's order for grad_probs: lane l (0..15)
+    starts at +0 and adds a[:, c] * b[:, c] (one rounded product, one add) for c = l, l+16, ...
+    in increasing c; only real products are added (a partial block touches its first lanes only).
+    Then lane[l] = lane[l] + lane[l + w] for l < w, for w = 8, 4, 2, 1; the result is lane 0."""
+    m, h = a.shape
+    lanes = torch.zeros((m, 16), dtype=a.dtype)
+    for c0 in range(0, h, 16):
+        w = min(16, h - c0)
+        lanes[:, :w] = lanes[:, :w] + a[:, c0 : c0 + w] * b[:, c0 : c0 + w]
+    for w in (8, 4, 2, 1):
+        lanes[:, :w] = lanes[:, :w] + lanes[:, w : 2 * w]
+    return lanes[:, 0]

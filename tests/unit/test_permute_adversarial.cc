@@ -204,8 +204,9 @@ TEST(PermuteAdversarialHand, NegativeZeroAndEmptySums) {
   g.sorted_indices = TensorView::contiguous(s, DType::kI32, {2});
   EXPECT_EQ(f32_bits(permute_grad(g).ptr<float>()[0]), 0x80000000u);
 
-  // grad_probs = dot(grad_out, permuted) = 1 * (-0) = -0 in every probs dtype; the dropped entry
-  // is +0. grad_permuted[0] = grad_out * probs = 1 * (-1) = -1.
+  // grad_probs = dot(grad_out, permuted): the only product, 1 * (-0) = -0, is added to a lane
+  // that starts at +0 (the order of permute.h), so the dot product is +0 in every probs dtype, as
+  // is the dropped entry's. grad_permuted[0] = grad_out * probs = 1 * (-1) = -1.
   float gout[1] = {1.0f};
   float xneg[1] = {-0.0f};
   for (DType pd : {DType::kF32, DType::kBF16, DType::kF16}) {
@@ -223,7 +224,7 @@ TEST(PermuteAdversarialHand, NegativeZeroAndEmptySums) {
     const float gp0 = ref::load(pd, r.grad_probs.data(), 0);
     const float gp1 = ref::load(pd, r.grad_probs.data(), 1);
     EXPECT_EQ(gp0, 0.0f);
-    EXPECT_TRUE(std::signbit(gp0)) << "grad_probs[0,0] should be -0";
+    EXPECT_FALSE(std::signbit(gp0)) << "grad_probs[0,0] should be +0 (+0 + -0)";
     EXPECT_EQ(gp1, 0.0f);
     EXPECT_FALSE(std::signbit(gp1)) << "grad_probs[0,1] (dropped) should be +0";
     EXPECT_EQ(to_floats(r.grad_permuted_tokens), std::vector<float>{-1.0f});

@@ -4,7 +4,7 @@
 // to ties, every fp16 value and a dense sample of fp32 values.
 //
 // NaN payloads: single operations (conversions, scale, axpy, add) are compared bit for bit,
-// NaNs included. In the chains of sum_rows and dot_rows two different NaNs can meet (an input
+// NaNs included. In the chains of sum_rows and dot_row two different NaNs can meet (an input
 // NaN and the default NaN of Inf * 0 or Inf - Inf); x86 then returns the payload of the first
 // operand, and C++ leaves the operand order of a commutative add or multiply to the compiler, so
 // the payload has no defined value even in scalar code. There a NaN must match a NaN (any
@@ -248,40 +248,106 @@ TEST(Simd, SumRowsMatchesScalarInRowOrder) {
   });
 }
 
-TEST(Simd, DotRowsKeepElementOrder) {
+// grad_probs' dot product by its definition (convert.h, include/moe_ep/permute.h): 16 partial
+// sums from +0, lane l adding the products of elements l, l+16, ... in order, then the tree.
+float blocked_dot(const float* g, const void* x, DType dtype, int64_t n) {
+  float lane[16] = {};
+  for (int64_t i = 0; i < n; ++i)
+    lane[i % 16] = lane[i % 16] + g[i] * detail::load_f32(x, dtype, i);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
+  return lane[0];
+}
+
+TEST(Simd, DotRowFollowsTheBlockedOrder) {
   for_each_target([] {
     std::mt19937_64 rng(13);
     for (DType dtype : kFloatDTypes)
-      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{31}, int64_t{513},
-                        int64_t{1030}, int64_t{7171}})
-        for (int64_t count : {0, 1, 2, 3, 5, 8, 15, 16, 17, 33}) {
+      for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 47, 64, 85, 111, 513, 1030, 7171})
+        for (int kind = 0; kind < 3; ++kind) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
-                       " count=" + std::to_string(count));
-          // Three grad rows shared round-robin, as a token's rows share its grad_out row.
-          std::vector<std::vector<float>> g;
-          for (int k = 0; k < 3; ++k) g.push_back(f32_row(rng, n, true));
-          std::vector<std::vector<uint16_t>> rows;
-          std::vector<const void*> ptrs;
-          std::vector<const float*> gs;
-          for (int64_t r = 0; r < count; ++r) {
-            rows.push_back(make_row(rng, dtype, n, false));
-            gs.push_back(g[static_cast<std::size_t>(r % 3)].data());
+                       " kind=" + std::to_string(kind));
+          // kind 0: awkward values, NaN included; 1: no NaN; 2: signed zeros and small values,
+          // where the sign of a zero partial sum shows whether the tail added anything.
+          std::vector<float> g = f32_row(rng, n, kind == 0);
+          // Nine rows sharing g, as a token's entries share its grad_out row.
+          constexpr int kMaxRows = 9;
+          std::vector<std::vector<uint16_t>> x;
+          std::vector<const void*> xp;
+          std::vector<float> w;
+          for (int r = 0; r < kMaxRows; ++r) {
+            x.push_back(make_row(rng, dtype, n, false));
+            w.push_back(awkward(rng, false));
           }
-          for (auto& r : rows) ptrs.push_back(r.data());
-          std::vector<float> got(static_cast<std::size_t>(count) + 1, 2.0f);
-          detail::dot_rows_f32(got.data(), gs.data(), ptrs.data(), count, dtype, n);
-          for (int64_t r = 0; r < count; ++r) {
-            const float* gr = gs[static_cast<std::size_t>(r)];
-            float dot = 0.0f;
+          if (kind == 2)
             for (int64_t i = 0; i < n; ++i) {
-              const float t = gr[i] * detail::load_f32(ptrs[static_cast<std::size_t>(r)], dtype, i);
-              dot = i == 0 ? t : dot + t;
+              const std::size_t ui = static_cast<std::size_t>(i);
+              g[ui] = rng() % 4 == 0 ? 0.5f : -1.0f;
+              for (auto& row : x) detail::store_f32(row.data(), dtype, i, rng() % 3 ? -0.0f : 0.0f);
             }
-            SCOPED_TRACE("row " + std::to_string(r));
-            expect_same_or_nan(DType::kF32, &got[static_cast<std::size_t>(r)], &dot, 1);
+          std::vector<float> want;
+          for (auto& row : x) {
+            xp.push_back(row.data());
+            want.push_back(blocked_dot(g.data(), row.data(), dtype, n));
           }
-          EXPECT_EQ(got[static_cast<std::size_t>(count)], 2.0f);  // nothing past `count`
+          const float got = detail::dot_row_f32(g.data(), xp[0], dtype, n);
+          expect_same_or_nan(DType::kF32, &got, &want[0], 1);
+          // The fused pass over 1..9 rows (whole and partial groups of four): the same dot
+          // products, each row of scale_row_f32, nothing past the ends.
+          for (DType out : kFloatDTypes)
+            for (int count : {1, 3, 4, 5, 9}) {
+              SCOPED_TRACE(std::string("scaled to ") + dtype_name(out) +
+                           " count=" + std::to_string(count));
+              const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
+              std::vector<std::vector<uint8_t>> a, b;
+              std::vector<void*> ap;
+              for (int r = 0; r < count; ++r) {
+                a.emplace_back(ob + 8, 0xa5);
+                b.emplace_back(ob + 8, 0xa5);
+                ap.push_back(a.back().data());
+                for (int64_t i = 0; i < n; ++i)
+                  detail::store_f32(
+                      b.back().data(), out, i,
+                      g[static_cast<std::size_t>(i)] * w[static_cast<std::size_t>(r)]);
+              }
+              std::vector<float> dots(static_cast<std::size_t>(count) + 1, 2.0f);
+              detail::scale_dot_rows_f32(dots.data(), ap.data(), out, g.data(), w.data(), xp.data(),
+                                         dtype, count, n);
+              for (int r = 0; r < count; ++r) {
+                SCOPED_TRACE("row " + std::to_string(r));
+                const std::size_t ur = static_cast<std::size_t>(r);
+                expect_same_or_nan(DType::kF32, &dots[ur], &want[ur], 1);
+                expect_same_or_nan(out, a[ur].data(), b[ur].data(), n);
+                expect_same_bytes(a[ur].data() + ob, b[ur].data() + ob, 8);
+              }
+              EXPECT_EQ(dots[static_cast<std::size_t>(count)], 2.0f);  // nothing past `count`
+            }
         }
+  });
+}
+
+// Values that only the chosen order gives, on every target. g = 1, so the products are x.
+// Lanes 1 and 3 hold 1 each and lane 0 holds 2^24: the tree adds lane 3 to lane 1 (w = 2),
+// giving 2, and then lane 1 to lane 0 (w = 1): 2^24 + 2. In plain h order each 1 is absorbed by
+// 2^24 (ties to even) and the result is 2^24; so it is with the adjacent-pairs tree
+// ((l0 + l1) + (l2 + l3)) and with a lane-by-lane sum. Lane 5 holds 2^24, 1, -2^24 at elements
+// 5, 21, 37: summed in order within the lane the 1 is absorbed and the lane is 0; two
+// accumulators per lane (32 lanes) would keep the 1.
+TEST(Simd, DotRowOrderIsFixed) {
+  std::vector<float> g(64, 1.0f), x(64, 0.0f);
+  x[0] = 0x1p24f;
+  x[1] = 1.0f;
+  x[3] = 1.0f;
+  x[5] = 0x1p24f;
+  x[21] = 1.0f;
+  x[37] = -0x1p24f;
+  // All products -0: every lane starts at +0, so the dot product is +0 (h order starting with
+  // the first product would give -0).
+  std::vector<float> neg(40, -1.0f), zeros(40, 0.0f);
+  for_each_target([&] {
+    EXPECT_EQ(detail::dot_row_f32(g.data(), x.data(), DType::kF32, 64), 0x1p24f + 2.0f);
+    const float z = detail::dot_row_f32(neg.data(), zeros.data(), DType::kF32, 40);
+    EXPECT_EQ(bits(z), 0u) << z;
   });
 }
 
@@ -357,22 +423,6 @@ TEST(Simd, QuantMatchesReferenceOnEveryTarget) {
             expect_same_or_nan(DType::kF32, ak.data(), ar.data(), n + 1);
           }
         }
-  });
-}
-
-// A dot product whose value depends on the order: in h order the 1 is absorbed by 2^24 and the
-// result is 0; a tree reduction would give 1 or 2.
-TEST(Simd, DotRowsIsSequential) {
-  std::vector<float> g(64, 1.0f), x(64, 0.0f);
-  x[0] = 0x1p24f;
-  for (int i = 1; i < 17; ++i) x[i] = 1.0f;
-  x[17] = -0x1p24f;
-  const void* row = x.data();
-  for_each_target([&] {
-    float out = -1.0f;
-    const float* gp = g.data();
-    detail::dot_rows_f32(&out, &gp, &row, 1, DType::kF32, 64);
-    EXPECT_EQ(out, 0.0f);
   });
 }
 

@@ -6,9 +6,10 @@
 // operations the scalar definition gives it, in the same order: an fp32 product is rounded
 // before it is added (Mul then Add, never MulAdd; -ffp-contract=off keeps the compiler from
 // fusing them), sums run in the row (k) order, and one rounding to nearest even ends them. The
-// bits are therefore those of the scalar code and of ref/, on every target. dot_rows is the
-// exception that proves the rule: its sum runs along the elements, so only its products are
-// vectorised and the sums stay sequential (up to 16 rows at once, one lane each: DotQuads).
+// bits are therefore those of the scalar code and of ref/, on every target. The one sum along the
+// elements, grad_probs' dot product, has an order made for vectors (16 partial sums, one per
+// lane, then a fixed tree: convert.h), the same on every target, the 16 lanes being one, two or
+// four vectors (16 scalars in the fallback).
 //
 // bf16 rounding uses integer operations, not Highway's DemoteTo (which truncates) nor AVX-512
 // BF16's vcvtneps2bf16 (which flushes subnormals): round to nearest even, NaN made quiet by
@@ -120,101 +121,103 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
   }
 }
 
-// out[r] = g_r[0]*x_r[0] + g_r[1]*x_r[1] + ... in element order, for up to 4*kQuads rows at once.
-// The sums are sequential, so the only parallelism is across rows: the products of a block of
-// columns are computed a vector at a time and stored interleaved by groups of four rows
-// (buf[q][c][j] = product of row 4q+j at column c), and then kQuads four-lane vectors, one lane
-// per row, accumulate column after column: kQuads independent chains of one add per column.
-template <DType kT, int kQuads>
-void DotQuads(float* out, const float* const* g, const void* const* rows, int64_t count,
-              int64_t n) {
-  constexpr int kRows = 4 * kQuads;
-  constexpr int64_t kCols = 256;
-  const DF df;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
-  const float* gp[kRows];
-  const void* xp[kRows];
-  for (int r = 0; r < kRows; ++r) {  // padding rows repeat row 0; their results are dropped
-    gp[r] = g[r < count ? r : 0];
-    xp[r] = rows[r < count ? r : 0];
-  }
-  HWY_ALIGN float buf[kQuads][kCols * 4];
-#if HWY_TARGET == HWY_SCALAR
-  float acc[kQuads][4] = {};
-#else
-  const hn::FixedTag<float, 4> d4;
-  hn::Vec<decltype(d4)> acc[kQuads];
-  for (int q = 0; q < kQuads; ++q) acc[q] = hn::Zero(d4);
-#endif
-  for (int64_t c0 = 0; c0 < n; c0 += kCols) {
-    const int64_t len = n - c0 < kCols ? n - c0 : kCols;
-    for (int q = 0; q < kQuads; ++q) {
-      const float* const* gq = gp + 4 * q;
-      const void* const* xq = xp + 4 * q;
-      int64_t c = 0;
-      for (; c + lanes <= len; c += lanes) {
-        const int64_t at = c0 + c;
-        hn::StoreInterleaved4(hn::Mul(hn::LoadU(df, gq[0] + at), LoadF32<kT>(df, xq[0], at)),
-                              hn::Mul(hn::LoadU(df, gq[1] + at), LoadF32<kT>(df, xq[1], at)),
-                              hn::Mul(hn::LoadU(df, gq[2] + at), LoadF32<kT>(df, xq[2], at)),
-                              hn::Mul(hn::LoadU(df, gq[3] + at), LoadF32<kT>(df, xq[3], at)), df,
-                              buf[q] + 4 * c);
-      }
-      if (c < len) {
-        const size_t rest = static_cast<size_t>(len - c);
-        VF p[4];
-        for (int j = 0; j < 4; ++j) {
-          const VF gt = Tail<DType::kF32>(gq[j], c0 + c, rest).load(df);
-          p[j] = hn::Mul(gt, Tail<kT>(xq[j], c0 + c, rest).load(df));
-        }
-        HWY_ALIGN float tmp[4 * hn::MaxLanes(df)];
-        hn::StoreInterleaved4(p[0], p[1], p[2], p[3], df, tmp);
-        std::memcpy(buf[q] + 4 * c, tmp, 4 * rest * sizeof(float));
-      }
-    }
-    int64_t c = 0;
-#if HWY_TARGET == HWY_SCALAR
-    if (c0 == 0) {  // the first product starts each sum (an empty sum would be +0, not -0)
-      for (int q = 0; q < kQuads; ++q)
-        for (int j = 0; j < 4; ++j) acc[q][j] = buf[q][j];
-      c = 1;
-    }
-    for (; c < len; ++c)
-      for (int q = 0; q < kQuads; ++q)
-        for (int j = 0; j < 4; ++j) acc[q][j] += buf[q][4 * c + j];
-  }
-  for (int r = 0; r < count; ++r) out[r] = n > 0 ? acc[r / 4][r % 4] : 0.0f;
-#else
-    if (c0 == 0) {  // the first product starts each sum (an empty sum would be +0, not -0)
-      for (int q = 0; q < kQuads; ++q) acc[q] = hn::Load(d4, buf[q]);
-      c = 1;
-    }
-    for (; c < len; ++c)
-      for (int q = 0; q < kQuads; ++q) acc[q] = hn::Add(acc[q], hn::Load(d4, buf[q] + 4 * c));
-  }
-  HWY_ALIGN float res[kRows];
-  for (int q = 0; q < kQuads; ++q) hn::Store(acc[q], d4, res + 4 * q);
-  for (int r = 0; r < count; ++r) out[r] = n > 0 ? res[r] : 0.0f;
-#endif
+// grad_probs' dot products in the blocked order of convert.h (dot_row_f32): lane l of the
+// kDotLanes partial sums is lane l % Lanes of vector l / Lanes, so each lane is one chain of adds
+// along the row and the vectors of a group of kDotLanes elements go to kDotLanes / Lanes
+// independent chains. kRows rows share g and are walked side by side, kDotBlock elements of each
+// in turn: several rows in flight keep more memory requests outstanding than one, and each row's
+// block of output is whole cache lines. With kScale the same pass writes dst[r] = round(g * w[r])
+// (scale_row_f32), so each row of x is read once and g (fp32, in cache) is loaded once per use.
+constexpr size_t kDotLanes = 16;
+constexpr int64_t kDotBlock = 4 * kDotLanes;  // 128 bytes of a bf16 row
+constexpr int kMaxDotRows = 4;
+
+// acc + g[at..] * x[at..] for one vector; with kScale also dst[at..] = round(g[at..] * w).
+template <DType kX, DType kOut, bool kScale>
+HWY_INLINE VF DotStep(DF df, VF acc, const float* g, VF w, const void* x, void* dst, int64_t at,
+                      bool stream) {
+  const VF gv = hn::LoadU(df, g + at);
+  if constexpr (kScale) StoreF32<kOut>(df, hn::Mul(gv, w), dst, at, stream);
+  return hn::Add(acc, hn::Mul(gv, LoadF32<kX>(df, x, at)));  // the product rounded first
 }
 
-template <DType kT>
-void DotRowsT(float* out, const float* const* g, const void* const* rows, int64_t count,
-              int64_t n) {
-  for (int64_t r = 0; r < count; r += 16) {
-    const int64_t c = count - r < 16 ? count - r : 16;
-    switch ((c + 3) / 4) {
+template <DType kX, DType kOut, bool kScale, int kRows>
+void ScaleDotT(float* out, void* const* dst, const float* g, const float* w, const void* const* x,
+               int64_t n, bool stream) {
+  const DF df;
+  constexpr size_t kLanes = hn::MaxLanes(DF());
+  static_assert(kDotLanes % kLanes == 0, "dot_row_f32's 16 lanes must fill whole vectors");
+  constexpr size_t kVecs = kDotLanes / kLanes;
+  constexpr int64_t lanes = static_cast<int64_t>(kLanes);
+  VF vw[kRows];
+  VF acc[kRows][kVecs];
+  for (int r = 0; r < kRows; ++r) {
+    vw[r] = hn::Set(df, kScale ? w[r] : 0.0f);
+    for (size_t v = 0; v < kVecs; ++v) acc[r][v] = hn::Zero(df);  // +0
+  }
+  void* d[kRows] = {};
+  if constexpr (kScale)
+    for (int r = 0; r < kRows; ++r) d[r] = dst[r];
+  // Element i + c (i a multiple of 16) belongs to lane (i + c) % 16, held by vector
+  // (c / Lanes) % kVecs, and reaches it after the elements of that lane before it.
+  int64_t i = 0;
+  for (; i + kDotBlock <= n; i += kDotBlock)
+    for (int r = 0; r < kRows; ++r)
+      for (int64_t c = 0; c < kDotBlock; c += lanes) {
+        VF& a = acc[r][static_cast<size_t>(c / lanes) % kVecs];
+        a = DotStep<kX, kOut, kScale>(df, a, g, vw[r], x[r], d[r], i + c, stream);
+      }
+  for (; i + static_cast<int64_t>(kDotLanes) <= n; i += kDotLanes)
+    for (int r = 0; r < kRows; ++r)
+      for (size_t v = 0; v < kVecs; ++v)
+        acc[r][v] = DotStep<kX, kOut, kScale>(df, acc[r][v], g, vw[r], x[r], d[r],
+                                              i + static_cast<int64_t>(v) * lanes, stream);
+  // The last n - i < 16 elements. A partial vector is padded with zeros, whose products (+0)
+  // leave every lane unchanged: a lane starts at +0 and a sum rounded to nearest is -0 only when
+  // both addends are -0, so no lane ever holds -0, and x + (+0) == x for every other x, NaN
+  // included. The missing elements are thus absent from their lanes, as the order says.
+  for (size_t v = 0; v < kVecs; ++v) {
+    const int64_t at = i + static_cast<int64_t>(v) * lanes;
+    if (at >= n) break;
+    if (at + lanes <= n) {
+      for (int r = 0; r < kRows; ++r)
+        acc[r][v] = DotStep<kX, kOut, kScale>(df, acc[r][v], g, vw[r], x[r], d[r], at, stream);
+      continue;
+    }
+    const size_t rest = static_cast<size_t>(n - at);
+    const VF gv = Tail<DType::kF32>(g, at, rest).load(df);
+    for (int r = 0; r < kRows; ++r) {
+      acc[r][v] = hn::Add(acc[r][v], hn::Mul(gv, Tail<kX>(x[r], at, rest).load(df)));
+      if constexpr (kScale) StoreTail<kOut>(df, hn::Mul(gv, vw[r]), d[r], at, rest);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    HWY_ALIGN float part[kDotLanes];
+    for (size_t v = 0; v < kVecs; ++v) hn::Store(acc[r][v], df, part + v * kLanes);
+    for (size_t width = kDotLanes / 2; width >= 1; width /= 2)  // the fixed tree: 8, 4, 2, 1
+      for (size_t l = 0; l < width; ++l) part[l] = part[l] + part[l + width];
+    out[r] = part[0];
+  }
+}
+
+template <DType kX, DType kOut, bool kScale>
+void ScaleDotRowsT(float* out, void* const* dst, const float* g, const float* w,
+                   const void* const* x, int64_t count, int64_t n, bool stream) {
+  for (int64_t r = 0; r < count; r += kMaxDotRows) {
+    void* const* dr = kScale ? dst + r : dst;
+    const float* wr = kScale ? w + r : w;
+    switch (count - r < kMaxDotRows ? count - r : kMaxDotRows) {
       case 1:
-        DotQuads<kT, 1>(out + r, g + r, rows + r, c, n);
+        ScaleDotT<kX, kOut, kScale, 1>(out + r, dr, g, wr, x + r, n, stream);
         break;
       case 2:
-        DotQuads<kT, 2>(out + r, g + r, rows + r, c, n);
+        ScaleDotT<kX, kOut, kScale, 2>(out + r, dr, g, wr, x + r, n, stream);
         break;
       case 3:
-        DotQuads<kT, 3>(out + r, g + r, rows + r, c, n);
+        ScaleDotT<kX, kOut, kScale, 3>(out + r, dr, g, wr, x + r, n, stream);
         break;
       default:
-        DotQuads<kT, 4>(out + r, g + r, rows + r, c, n);
+        ScaleDotT<kX, kOut, kScale, 4>(out + r, dr, g, wr, x + r, n, stream);
         break;
     }
   }
@@ -255,12 +258,19 @@ template <DType kT>
 struct AddRowF {
   static void run(float* acc, const void* src, int64_t n) { AddRowT<kT>(acc, src, n); }
 };
-template <DType kT>
-struct DotRowsF {
-  static void run(float* out, const float* const* g, const void* const* rows, int64_t count,
-                  int64_t n) {
-    DotRowsT<kT>(out, g, rows, count, n);
-  }
+template <DType kX>
+struct ScaleDotF {
+  template <DType kOut>
+  struct To {
+    static void run(float* out, void* const* dst, const float* g, const float* w,
+                    const void* const* x, int64_t count, int64_t n, bool stream) {
+      if (dst != nullptr) {
+        ScaleDotRowsT<kX, kOut, true>(out, dst, g, w, x, count, n, stream);
+      } else {
+        ScaleDotRowsT<kX, kOut, false>(out, dst, g, w, x, count, n, stream);
+      }
+    }
+  };
 };
 template <DType kIn>
 struct SumRowsF {
@@ -311,9 +321,21 @@ void AxpyRow(float* acc, float w, const void* src, DType dtype, int64_t n) {
 void AddRow(float* acc, const void* src, DType dtype, int64_t n) {
   ByDType<AddRowF>(dtype, acc, src, n);
 }
-void DotRows(float* out, const float* const* g, const void* const* rows, int64_t count, DType dtype,
-             int64_t n) {
-  ByDType<DotRowsF>(dtype, out, g, rows, count, n);
+// dst == null: dot products only (dst_dtype and w unused).
+void ScaleDot(float* out, void* const* dst, DType dst_dtype, const float* g, const float* w,
+              const void* const* x, DType x_dtype, int64_t count, int64_t n, bool stream) {
+  switch (x_dtype) {
+    case DType::kBF16:
+      ByDType<ScaleDotF<DType::kBF16>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
+      break;
+    case DType::kF16:
+      ByDType<ScaleDotF<DType::kF16>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
+      break;
+    default:
+      ByDType<ScaleDotF<DType::kF32>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
+      break;
+  }
+  if (stream) hwy::FlushStream();
 }
 void SumRows(void* dst, DType dst_dtype, const void* const* rows, const float* w, int64_t count,
              DType src_dtype, int64_t n, bool stream) {
@@ -344,7 +366,7 @@ HWY_EXPORT(StoreRow);
 HWY_EXPORT(ScaleRow);
 HWY_EXPORT(AxpyRow);
 HWY_EXPORT(AddRow);
-HWY_EXPORT(DotRows);
+HWY_EXPORT(ScaleDot);
 HWY_EXPORT(SumRows);
 HWY_EXPORT(CopyRow);
 
@@ -374,9 +396,16 @@ void axpy_row_f32(float* acc, float w, const void* src, DType dtype, int64_t n) 
 void add_row_f32(float* acc, const void* src, DType dtype, int64_t n) {
   HWY_DYNAMIC_DISPATCH(AddRow)(acc, src, dtype, n);
 }
-void dot_rows_f32(float* out, const float* const* g, const void* const* rows, int64_t count,
-                  DType dtype, int64_t n) {
-  HWY_DYNAMIC_DISPATCH(DotRows)(out, g, rows, count, dtype, n);
+float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n) {
+  float out;
+  HWY_DYNAMIC_DISPATCH(ScaleDot)(&out, nullptr, DType::kF32, g, nullptr, &x, dtype, 1, n, false);
+  return out;
+}
+void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const float* g,
+                        const float* w, const void* const* x, DType x_dtype, int64_t count,
+                        int64_t n, bool stream) {
+  for (int64_t r = 0; r < count && stream; ++r) stream = can_stream(dst[r], stream);
+  HWY_DYNAMIC_DISPATCH(ScaleDot)(out, dst, dst_dtype, g, w, x, x_dtype, count, n, stream);
 }
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
               int64_t count, DType src_dtype, int64_t n, bool stream) {

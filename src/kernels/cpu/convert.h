@@ -91,11 +91,19 @@ void copy_row(void* dst, const void* src, std::size_t bytes, bool stream = false
 // row is read once (the accumulators stay in registers), so this is one pass over the inputs.
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
               int64_t count, DType src_dtype, int64_t n, bool stream = false);
-// out[r] = g[r][0]*x[0] + g[r][1]*x[1] + ... + g[r][n-1]*x[n-1] for x = fp32(rows[r]), r < count
-// (g[r]: n fp32 values; rows may share them): products rounded to fp32, summed sequentially in
-// element order starting from the first product (0 when n == 0). The sums keep their order:
-// rows, not elements, share the vectors, so pass many rows at once (16 fill an AVX-512 pass).
-void dot_rows_f32(float* out, const float* const* g, const void* const* rows, int64_t count,
-                  DType dtype, int64_t n);
+// The fp32 dot product of grad_probs (SPEC §4.3), in the order include/moe_ep/permute.h fixes
+// for it: 16 partial sums, lane l (0..15) the sum from +0, in increasing element order, of the
+// products g[c] * fp32(x[c]) for c = l, l+16, l+32, ... < n, each product rounded to fp32 before
+// it is added; then acc[l] = acc[l] + acc[l+w] for l < w, for w = 8, 4, 2, 1; the result is
+// acc[0] (+0 when n == 0). The lanes are vector lanes on every target (one AVX-512 vector, two
+// AVX2 or four SSE vectors, 16 scalars in the fallback), so the sum is one pass along the row.
+float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n);
+// The entries of a token in unpermute_grad, in one pass: for r < count, out[r] =
+// dot_row_f32(g, x[r], x_dtype, n) and dst[r][0..n) = round(g[0..n) * w[r]) in dst_dtype, as
+// scale_row_f32(dst[r], dst_dtype, g, w[r], n, stream). Each row of x is read once; up to four
+// rows are walked side by side. The dst rows must not overlap g or the rows of x.
+void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const float* g,
+                        const float* w, const void* const* x, DType x_dtype, int64_t count,
+                        int64_t n, bool stream = false);
 
 }  // namespace moe_ep::detail

@@ -356,40 +356,36 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   const TensorView& probs = *q.probs;
   const TensorView& x = *q.permuted_tokens;
   void* const gprobs = res.grad_probs.data();
-  // Two tokens at a time: grad_out's rows in fp32 once, then for each present entry its scaled
-  // copy (grad_permuted) and, for all entries of both tokens together, the dot products with
-  // their permuted rows: detail::dot_rows_f32 keeps each sum in h order and runs the 2*topK sums
-  // side by side.
+  // One token at a time: grad_out's row in fp32 once (it stays in L1/L2), then one pass over
+  // the token's present entries that reads each permuted row once, writes its scaled copy
+  // (grad_permuted) and computes its dot product (detail::scale_dot_rows_f32, in the order
+  // permute.h fixes).
 #pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
   {
-    std::vector<float> gbuf(2 * static_cast<std::size_t>(h));
-    std::vector<float> dots(2 * static_cast<std::size_t>(topk));
-    std::vector<const float*> gs(2 * static_cast<std::size_t>(topk));
-    std::vector<const void*> rows(2 * static_cast<std::size_t>(topk));
-    std::vector<int64_t> entry(2 * static_cast<std::size_t>(topk));
+    const std::size_t ut = static_cast<std::size_t>(topk);
+    std::vector<float> gbuf(static_cast<std::size_t>(h)), w(ut), dots(ut);
+    std::vector<void*> dst(ut);
+    std::vector<const void*> rows(ut);
+    std::vector<int64_t> entry(ut);
 #pragma omp for schedule(static)
-    for (int64_t pair = 0; pair < (n + 1) / 2; ++pair) {
+    for (int64_t i = 0; i < n; ++i) {
       std::size_t count = 0;
-      for (int64_t i = 2 * pair; i < std::min(n, 2 * pair + 2); ++i) {
-        float* gi = gbuf.data() + (i - 2 * pair) * h;
-        if (h > 0) detail::load_row_f32(gi, row_ptr(g, i), g.dtype, h);
-        for (int64_t k = 0; k < topk; ++k) {
-          const int64_t j = i * topk + k;
-          const int64_t s = sorted_at(si, j);
-          if (s >= p) {
-            detail::store_f32(gprobs, probs.dtype, j, 0.0f);
-            continue;
-          }
-          if (h > 0)
-            detail::scale_row_f32(gp + s * row_bytes, q.dtype, gi, float_at(probs, i, k), h,
-                                  stream);
-          gs[count] = gi;
-          rows[count] = row_ptr(x, s);
-          entry[count++] = j;
+      for (int64_t k = 0; k < topk; ++k) {
+        const int64_t j = i * topk + k;
+        const int64_t s = sorted_at(si, j);
+        if (s >= p) {
+          detail::store_f32(gprobs, probs.dtype, j, 0.0f);
+          continue;
         }
+        dst[count] = gp + s * row_bytes;
+        w[count] = float_at(probs, i, k);
+        rows[count] = row_ptr(x, s);
+        entry[count++] = j;
       }
-      detail::dot_rows_f32(dots.data(), gs.data(), rows.data(), static_cast<int64_t>(count),
-                           x.dtype, h);
+      if (count == 0) continue;
+      if (h > 0) detail::load_row_f32(gbuf.data(), row_ptr(g, i), g.dtype, h);
+      detail::scale_dot_rows_f32(dots.data(), dst.data(), q.dtype, gbuf.data(), w.data(),
+                                 rows.data(), x.dtype, static_cast<int64_t>(count), h, stream);
       for (std::size_t c = 0; c < count; ++c)
         detail::store_f32(gprobs, probs.dtype, entry[c], dots[c]);
     }
