@@ -14,7 +14,11 @@ seeds and computes in plain torch
     (source rank, token, slot) triples of assist_info_for_combine and expand_scales;
   - SPEC §2.3's weighted sum for this rank's tokens: fp32, entries in k order, each product
     rounded to fp32 before it is added, then the shared experts, one rounding to the output dtype
-    (each torch op below is one elementwise IEEE operation, so the result is exact).
+    (each torch op below is one elementwise IEEE operation, so the result is exact); with §2.2's
+    zero / copy / const experts in their slots, with comm_quant_mode 2's dequantised rows (and
+    dispatch.h's bound against the unquantised sum), with tp_world_size 2's partial expert
+    outputs summed in fp32 and rounded once; under elastic_info scale-in, the oracle of the
+    smaller world.
 Experts are elementwise (expert e multiplies its rows by coef(e), 1 for some: identity), so the
 expected combine output is bitwise determined; the comparisons are of bit patterns.
 
@@ -59,6 +63,14 @@ class Spec:
     global_bs: int = 0
     smooth: bool = False  # quant_mode 2 smoothing scales
     strided: bool = False  # x every other row of a wider buffer; expert_ids, weights transposed
+    z: int = 0  # zero_expert_num: ids [E, E+Z)
+    c: int = 0  # copy_expert_num: ids [E+Z, E+Z+C)
+    q: int = 0  # const_expert_num: ids [E+Z+C, E+Z+C+Q)
+
+    @property
+    def n_ids(self) -> int:
+        """Every expert id a token may pick: MoE and special experts (SPEC §1.3)."""
+        return self.e + self.z + self.c + self.q
 
 
 @dataclass
@@ -67,6 +79,7 @@ class Inputs:
     ids: Tensor  # (BS, K) int32
     w: Tensor  # (BS, K) fp32 expert_scales
     mask: Optional[Tensor]  # x_active_mask or None
+    ori_x: Optional[Tensor] = None  # (BS, H) combine_v2's ori_x, with copy or const experts
 
     def entry_active(self, i: int, k: int) -> bool:
         if int(self.ids[i, k]) < 0:
@@ -81,7 +94,8 @@ class Inputs:
 
 def make_inputs(spec: Spec, rank: int) -> Inputs:
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
-    bs, k, e = spec.bs[rank], spec.k, spec.e
+    bs, k, e = spec.bs[rank], spec.k, spec.n_ids
+    assert not (spec.skew and spec.n_ids != spec.e), "skew is for MoE experts only"
     x = torch.randn(bs, spec.h, generator=g).to(spec.dtype)
     ids = torch.empty(bs, k, dtype=torch.int32)
     for i in range(bs):
@@ -101,12 +115,43 @@ def make_inputs(spec: Spec, rank: int) -> Inputs:
         mask = torch.rand(bs, k, generator=g) < 0.6
         if bs:
             mask[0] = False  # a token sent nowhere, not even to shared experts
+    # ori_x (SPEC §2.1, "the tokens before the experts"): values of its own, not x's, so that a
+    # copy/const expert reading the wrong tensor cannot look right; drawn last, so the other
+    # inputs of a spec without special experts are unchanged
+    ori_x = torch.randn(bs, spec.h, generator=g).to(spec.dtype) if spec.c or spec.q else None
     if spec.strided:  # the same values in non-contiguous tensors
-        buf = torch.full((2 * bs, spec.h + 3), float("nan"), dtype=spec.dtype)
-        buf[::2, : spec.h] = x
-        x = buf[::2, : spec.h]
+        def strided(t):
+            buf = torch.full((2 * bs, spec.h + 3), float("nan"), dtype=spec.dtype)
+            buf[::2, : spec.h] = t
+            return buf[::2, : spec.h]
+
+        x = strided(x)
+        ori_x = strided(ori_x) if ori_x is not None else None
         ids, w = ids.t().contiguous().t(), w.t().contiguous().t()
-    return Inputs(x, ids, w, mask)
+    return Inputs(x, ids, w, mask, ori_x)
+
+
+def const_params(spec: Spec) -> Tuple[Tensor, Tensor, Tensor]:
+    """const_expert_alpha_1, const_expert_alpha_2, const_expert_v: (Q, H) each, expand_x's dtype,
+    the same on every rank."""
+    g = torch.Generator().manual_seed(spec.seed + 77)
+    return tuple(torch.randn(spec.q, spec.h, generator=g).to(spec.dtype) for _ in range(3))
+
+
+def special_kwargs(spec: Spec) -> dict:
+    """zero/copy/const_expert_num, for both ops."""
+    return dict(zero_expert_num=spec.z, copy_expert_num=spec.c, const_expert_num=spec.q)
+
+
+def special_combine_kwargs(spec: Spec, inp: Inputs) -> dict:
+    """combine_v2's ori_x and const expert tensors (only those the spec needs)."""
+    kw = {}
+    if spec.c or spec.q:
+        kw["ori_x"] = inp.ori_x
+    if spec.q:
+        a1, a2, v = const_params(spec)
+        kw.update(const_expert_alpha_1=a1, const_expert_alpha_2=a2, const_expert_v=v)
+    return kw
 
 
 def smooth_scales(spec: Spec) -> Tensor:
@@ -204,25 +249,99 @@ def expert_row(spec: Spec, row: Row, x_row: Tensor, quant: bool, smooth: Optiona
     return x_row * c
 
 
-def ref_combine(spec: Spec, inp: Inputs, quant=False, smooth=None) -> Tensor:
-    """SPEC §2.3 for one rank's tokens."""
+def ref_travel(y: Tensor, comm_quant: bool) -> Tensor:
+    """An expert output row as combine_v2 adds it, fp32: y itself, or with comm_quant_mode 2 (SPEC
+    §2.1, §2.3) its SPEC §1.5 int8 copy dequantised, fl(q * scale) (no smoothing)."""
+    if not comm_quant:
+        return y.float()
+    q, ds = ref_quant(y.float())
+    return q.float() * ds
+
+
+def ref_combine(spec: Spec, inp: Inputs, quant=False, smooth=None, comm_quant=False,
+                expert: Optional[Callable[[Row, Tensor], Tensor]] = None) -> Tensor:
+    """SPEC §2.3 with §2.2's special experts for one rank's tokens. expert(row, x_row): the
+    output row of a MoE or shared expert (default expert_row: coef, after quant_mode 2)."""
+    if expert is None:
+        expert = lambda row, x_row: expert_row(spec, row, x_row, quant, smooth)  # noqa: E731
     bs, k = inp.ids.shape
+    E, Z, C = spec.e, spec.z, spec.c
+    a1, a2, v = const_params(spec) if spec.q else (None, None, None)
     out = torch.zeros(bs, spec.h, dtype=spec.dtype)
     for i in range(bs):
         if not inp.token_active(i):
             continue
         acc = torch.zeros(spec.h, dtype=torch.float32)
         for kk in range(k):
-            if inp.entry_active(i, kk):
-                e = int(inp.ids[i, kk])
-                y = expert_row(spec, Row(-1, i, kk, 0, e), inp.x[i], quant, smooth)
-                acc = acc + inp.w[i, kk] * y.float()
+            if not inp.entry_active(i, kk):
+                continue
+            e, w = int(inp.ids[i, kk]), inp.w[i, kk]
+            if e < E:  # MoE expert
+                y = expert(Row(-1, i, kk, 0, e), inp.x[i])
+                acc = acc + w * ref_travel(y, comm_quant)
+            elif e < E + Z:  # zero expert: nothing
+                pass
+            elif e < E + Z + C:  # copy expert: w * ori_x[i]
+                acc = acc + w * inp.ori_x[i].float()
+            else:  # const expert q: w * (alpha_1[q] * ori_x[i] + alpha_2[q] * v[q])
+                q = e - (E + Z + C)
+                c = a1[q].float() * inp.ori_x[i].float() + a2[q].float() * v[q].float()
+                acc = acc + w * c
         if spec.s:
             for s in range(spec.ns):
-                y = expert_row(spec, Row(-1, i, k + s, 0, -1 - s), inp.x[i], quant, smooth)
-                acc = acc + y.float()
+                y = expert(Row(-1, i, k + s, 0, -1 - s), inp.x[i])
+                acc = acc + ref_travel(y, comm_quant)
         out[i] = acc.to(spec.dtype)
     return out
+
+
+def comm_quant_bounds(spec: Spec, inp: Inputs, quant=False, smooth=None) -> List[float]:
+    """Per token, how far combine_v2 with comm_quant_mode 2 may be from the unquantised SPEC §2.3
+    sum (include/moe_ep/dispatch.h, comm_quant_mode): sum over the travelling rows (MoE entries
+    with their |w|, shared experts with 1) of |w| (max|y| / 254 (1 + 2^-14) + 2^-143), plus the
+    fp32 rounding of both sums (n + 1 rounded products and adds per element, each within 2^-24 of
+    the running magnitude, bounded by `mass`, on each side), plus the final rounding of both
+    sides to the output dtype (half an ulp: 2^-8 bf16, 2^-11 fp16 relative, with fp16's
+    subnormal half step; fp32 is stored as computed)."""
+    u, tiny = {torch.float32: (0.0, 0.0), torch.bfloat16: (2.0**-8, 2.0**-134),
+               torch.float16: (2.0**-11, 2.0**-25)}[spec.dtype]
+    E, Z, C = spec.e, spec.z, spec.c
+    a1, a2, v = const_params(spec) if spec.q else (None, None, None)
+    bounds = []
+    for i in range(inp.ids.shape[0]):
+        if not inp.token_active(i):
+            bounds.append(0.0)
+            continue
+        quant_err = mass = 0.0
+        n = 0
+        terms = []  # (|w|, max|row|, travels)
+        for kk in range(spec.k):
+            if not inp.entry_active(i, kk):
+                continue
+            e, w = int(inp.ids[i, kk]), abs(float(inp.w[i, kk]))
+            if e < E:
+                y = expert_row(spec, Row(-1, i, kk, 0, e), inp.x[i], quant, smooth)
+                terms.append((w, float(y.float().abs().max()), True))
+            elif e < E + Z:
+                pass
+            elif e < E + Z + C:
+                terms.append((w, float(inp.ori_x[i].float().abs().max()), False))
+            else:
+                q = e - (E + Z + C)
+                c = a1[q].float() * inp.ori_x[i].float() + a2[q].float() * v[q].float()
+                terms.append((w, float(c.abs().max()), False))
+        for s in range(spec.ns if spec.s else 0):
+            y = expert_row(spec, Row(-1, i, spec.k + s, 0, -1 - s), inp.x[i], quant, smooth)
+            terms.append((1.0, float(y.float().abs().max()), True))
+        for w, ymax, travels in terms:
+            if travels:
+                quant_err += w * (ymax / 254 * (1 + 2.0**-14) + 2.0**-143)
+            mass += w * ymax * (1 + 2.0**-7)  # a dequantised row is at most ymax (1 + 1/254)
+            n += 1
+        b = quant_err + 2 * (n + 1) * 2.0**-24 * mass
+        b += 2 * (u * (mass + b) + tiny)
+        bounds.append(b)
+    return bounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,8 +490,11 @@ def run_experts(spec, world, rank, expand_x, etn, etn_type=1, dyn=None) -> Tenso
     return out
 
 
-def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True):
-    """dispatch_v2 -> experts -> combine_v2 on this rank's inputs of `spec`, everything checked."""
+def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True,
+               comm_quant=False):
+    """dispatch_v2 -> experts -> combine_v2 on this rank's inputs of `spec`, everything checked.
+    comm_quant: combine_v2 with comm_quant_mode 2, checked bitwise against SPEC §2.3 on the
+    dequantised rows and within dispatch.h's bound of the unquantised sum."""
     world, rank = ctx.world, ctx.rank
     all_in = [make_inputs(spec, r) for r in range(world)]
     mine = all_in[rank]
@@ -383,13 +505,15 @@ def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True
         shared_expert_num=spec.ns,
         shared_expert_rank_num=spec.s,
         global_bs=spec.global_bs,
+        **special_kwargs(spec),
     )
     kw.update(expert_token_nums_type=etn_type, quant_mode=2 if quant else 0, scales=smooth)
     out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, **kw)
     y = run_experts(spec, world, rank, out[0], out[3], etn_type, out[1] if quant else None)
     ckw = dict(
         x_active_mask=mine.mask, shared_expert_num=spec.ns, shared_expert_rank_num=spec.s,
-        global_bs=spec.global_bs,
+        global_bs=spec.global_bs, comm_quant_mode=2 if comm_quant else 0,
+        **special_kwargs(spec), **special_combine_kwargs(spec, mine),
     )
     got = mt.combine_v2(
         y, mine.ids, out[2], out[4], mine.w, ctx.comm, moe_expert_num=spec.e, **ckw
@@ -408,7 +532,14 @@ def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True
         check_fake("dispatch_v2", fake_d, out)
         check_fake("combine_v2", fake_c, (got,))
         check_dispatch(spec, world, rank, all_in, out, etn_type, quant, smooth)
-        check_bitwise("combine_v2 output", got, ref_combine(spec, mine, quant, smooth))
+        check_bitwise("combine_v2 output", got, ref_combine(spec, mine, quant, smooth, comm_quant))
+        if comm_quant:
+            want = ref_combine(spec, mine, quant, smooth).double()
+            err = (got.double() - want).abs()
+            for i, b in enumerate(comm_quant_bounds(spec, mine, quant, smooth)):
+                worst = float(err[i].max()) if err.shape[1] else 0.0
+                check(worst <= b, f"comm_quant_mode 2: token {i} is {worst} from the unquantised "
+                      f"sum, over the bound {b}")
 
     agreed(ctx, checks)
     return out, got
@@ -549,6 +680,260 @@ def two_shared_expert_ranks(ctx):
     w = ctx.world
     round_trip(ctx, Spec(32, bs_all(ctx, 5), k=1, e=w - 2, s=2, ns=2))
     round_trip(ctx, Spec(34, bs_all(ctx, 3), k=2, e=2 * (w - 2), s=2, ns=1, p_off=0.2))
+
+
+@case()
+def comm_quant_mode_2(ctx):
+    """combine_v2 with comm_quant_mode 2 (SPEC §2.1, §2.3): the expert output rows travel back as
+    int8 with an fp32 scale. Bitwise against SPEC §2.3 on the rows quantised as §1.5 says and
+    dequantised as fl(q * scale), and within dispatch.h's bound of the unquantised sum."""
+    w = ctx.world
+    round_trip(ctx, Spec(100, bs_all(ctx, 5), k=2, e=2 * w, dtype=torch.bfloat16, p_off=0.2),
+               comm_quant=True)
+    round_trip(ctx, Spec(101, bs_all(ctx, 4), k=3, e=3 * w, mask="2d"), comm_quant=True)
+    # int8 both ways: quant_mode 2 in dispatch_v2 (smoothed), comm_quant_mode 2 in combine_v2
+    round_trip(ctx, Spec(102, bs_all(ctx, 4), k=2, e=2 * w, dtype=torch.float16, smooth=True),
+               quant=True, comm_quant=True)
+    if w >= 2:  # the shared expert's rows travel quantised too
+        round_trip(ctx, Spec(103, bs_all(ctx, 4), k=2, e=2 * (w - 1), s=1, ns=1), comm_quant=True)
+
+
+def check_special_coverage(spec: Spec, world: int, all_special_token=False) -> None:
+    """The inputs of `spec` over all ranks hold active entries of every kind of special expert
+    the spec has, and (all_special_token) a token whose active entries are all special (nothing
+    to receive from a MoE expert, yet active): otherwise a case would not test what it says."""
+    kinds, all_special = set(), False
+    bounds = [(spec.e, "moe"), (spec.e + spec.z, "zero"), (spec.e + spec.z + spec.c, "copy"),
+              (spec.n_ids, "const")]
+    for r in range(world):
+        inp = make_inputs(spec, r)
+        for i in range(inp.ids.shape[0]):
+            seen = [next(n for b, n in bounds if int(inp.ids[i, k]) < b)
+                    for k in range(spec.k) if inp.entry_active(i, k)]
+            kinds.update(seen)
+            all_special |= bool(seen) and "moe" not in seen
+    want = {n for n, num in (("zero", spec.z), ("copy", spec.c), ("const", spec.q)) if num}
+    check(want <= kinds, f"inputs of seed {spec.seed} lack special experts {want - kinds}")
+    check(all_special or not all_special_token,
+          f"inputs of seed {spec.seed}: no token with only special entries")
+
+
+@case()
+def special_experts(ctx):
+    """zero / copy / const experts (SPEC §2.2) through dispatch_v2 (never sent: the layout checks
+    see only MoE rows) and combine_v2 (zero: nothing; copy: w * ori_x[i]; const q: w *
+    (fl(alpha_1[q] * ori_x[i]) + fl(alpha_2[q] * v[q])), in slot order among the MoE terms),
+    bitwise. ori_x holds values of its own (not x's)."""
+    w = ctx.world
+    specs = [
+        Spec(110, bs_all(ctx, 6), k=3, e=2 * w, z=1, c=1, q=2, dtype=torch.bfloat16, p_off=0.15),
+        # more special ids than MoE ones: tokens with no MoE entry at all; a 2-D mask
+        Spec(111, bs_all(ctx, 6), k=4, e=w, z=2, c=2, q=3, mask="2d"),
+    ]
+    for n, spec in enumerate(specs):
+        check_special_coverage(spec, w, all_special_token=n == 1)
+        round_trip(ctx, spec)
+    # strided ori_x (and x), fp16, comm_quant_mode 2: only the MoE rows travel quantised, the
+    # special terms are evaluated on the token's own rank as they are
+    spec = Spec(112, bs_all(ctx, 5), k=3, e=2 * w, z=1, c=2, q=1, dtype=torch.float16,
+                strided=True)
+    check_special_coverage(spec, w)
+    check(not make_inputs(spec, ctx.rank).ori_x.is_contiguous(), "ori_x is contiguous")
+    round_trip(ctx, spec, comm_quant=True)
+    if w >= 2:  # a shared-expert rank: a token whose entries are all special still goes to it
+        spec = Spec(113, bs_all(ctx, 5), k=2, e=w - 1, z=1, c=1, q=1, s=1, ns=1)
+        check_special_coverage(spec, w, all_special_token=True)
+        round_trip(ctx, spec)
+
+
+def scale_in_table(world: int, removed: int, new_s: int, new_e: int) -> Tensor:
+    """SPEC §1.7's elastic_info: rank `removed` leaves, the others keep their order."""
+    old_to_new, new_to_old = [], []
+    for o in range(world):
+        old_to_new.append(-1 if o == removed else len(new_to_old))
+        if o != removed:
+            new_to_old.append(o)
+    new_to_old += [-1] * (world - len(new_to_old))
+    return torch.tensor([1, world - 1, new_s, new_e] + old_to_new + new_to_old, dtype=torch.int32)
+
+
+def scale_in_round_trip(ctx, spec: Spec, removed: int, quant=False) -> None:
+    """dispatch_v2 -> experts -> combine_v2 with elastic_info removing rank `removed` (SPEC §1.7,
+    dispatch.h "Scale-in"). spec is the smaller world's (W - 1 ranks, its S and E, which the table
+    carries; moe_expert_num and shared_expert_rank_num stay the old world's: 2 W, 0, so the new
+    E differs from the old and placement must use the table's): each survivor's outputs must be
+    those of a fresh run of that world at its new rank, checked against the oracle of that
+    world; the removed rank gets empty outputs, tp_recv_counts [0] and combine zeros (BS, H)."""
+    world, rank, small = ctx.world, ctx.rank, ctx.world - 1
+    assert len(spec.bs) == small
+    table = scale_in_table(world, removed, spec.s, spec.e)
+    old_e = 2 * world
+    nr = int(table[4 + rank])
+    all_in = [make_inputs(spec, r) for r in range(small)]
+    # the removed rank passes tokens of its own (as many as the others, valid for the new E);
+    # they go nowhere
+    mine = all_in[nr] if nr >= 0 else make_inputs(replace(spec, seed=spec.seed + 1), 0)
+    smooth = smooth_scales(spec) if spec.smooth else None
+    common = dict(x_active_mask=mine.mask, shared_expert_num=spec.ns, shared_expert_rank_num=0,
+                  global_bs=spec.global_bs, elastic_info=table)
+    kw = dict(common, expert_scales=mine.w, quant_mode=2 if quant else 0, scales=smooth)
+    out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=old_e, **kw)
+    if nr >= 0:
+        y = run_experts(spec, small, nr, out[0], out[3], dyn=out[1] if quant else None)
+    else:
+        y = out[0] if not quant else torch.zeros(out[0].shape, dtype=spec.dtype)
+    got = mt.combine_v2(y, mine.ids, out[2], out[4], mine.w, ctx.comm, moe_expert_num=old_e,
+                        **common)
+    gid = mt.group_id(ctx.comm)
+    try:  # the dispatch fake cannot know the shapes: it refuses (eager only)
+        fake_run(torch.ops.moe_ep.dispatch_v2, (mine.x, mine.ids, gid, world, rank, old_e), kw)
+        fake_err = None
+    except moe_ep.Error as err:
+        fake_err = err
+    fake_c = fake_run(torch.ops.moe_ep.combine_v2,
+                      (y, mine.ids, out[2], out[4], mine.w, gid, world, rank, old_e), common)
+
+    def checks():
+        check(isinstance(fake_err, moe_ep.UnsupportedError)
+              and "elastic_info cannot be traced" in str(fake_err),
+              f"dispatch_v2's fake with elastic_info: {fake_err!r}")
+        check_fake("combine_v2", fake_c, (got,))
+        if nr >= 0:
+            check_dispatch(spec, small, nr, all_in, out, quant=quant, smooth=smooth)
+            check_bitwise("combine_v2 output", got, ref_combine(spec, mine, quant, smooth))
+            return
+        expand_x, dyn, assist, etn, recv, tp_recv, exp_scales = out
+        check(tuple(expand_x.shape) == (0, spec.h), f"removed rank: expand_x {expand_x.shape}")
+        for name, t in (("dynamic_scales", dyn), ("assist_info_for_combine", assist),
+                        ("expert_token_nums", etn), ("ep_recv_counts", recv),
+                        ("expand_scales", exp_scales)):
+            check(t.numel() == 0, f"removed rank: {name} {tuple(t.shape)} is not empty")
+        check_bitwise("removed rank: tp_recv_counts", tp_recv, torch.zeros(1, dtype=torch.int32))
+        check_bitwise("removed rank: combine_v2 output", got,
+                      torch.zeros(tuple(mine.x.shape), dtype=spec.dtype))
+
+    agreed(ctx, checks)
+
+
+@case(min_world=2)
+def elastic_scale_in(ctx):
+    """elastic_info scale-in (SPEC §1.7): one rank removed (a middle one, the first, the last);
+    the survivors renumbered get a fresh run of the smaller world, bitwise; the removed rank
+    empty outputs. Eager only (dispatch_v2's fake refuses elastic_info)."""
+    w = ctx.world
+    small = lambda n: (n,) * (w - 1)  # noqa: E731
+    scale_in_round_trip(ctx, Spec(120, small(5), k=2, e=2 * (w - 1), p_off=0.2), removed=1)
+    scale_in_round_trip(ctx, Spec(121, small(4), k=3, e=3 * (w - 1), mask="2d",
+                                  dtype=torch.bfloat16), removed=0, quant=True)
+    if w >= 3:  # the new world has a shared-expert rank (new S = 1), the old one none
+        scale_in_round_trip(ctx, Spec(122, small(4), k=2, e=2 * (w - 2), s=1, ns=1),
+                            removed=w - 1)
+
+
+def tp_partial(tp_rank: int, e: int, rows: Tensor) -> Tensor:
+    """TP rank t's partial output of MoE expert e (x's dtype): coef(e) * x on TP rank 0,
+    (0.375 - 0.125 e) * x on TP rank 1 (both round in bf16)."""
+    return rows * (coef(e) if tp_rank == 0 else 0.375 - 0.125 * e)
+
+
+def tp_round_trip(ctx, grouping: str, seed: int, bs: Tuple[int, int], global_bs_m: int, k: int,
+                  p_off: float = 0.0) -> None:
+    """tp_world_size 2 at 4 ranks (dispatch.h "Tensor parallelism"): two EP groups of 2 ranks
+    (L = 1, E = 2), TP pairs of the same EP rank; grouping "seed": EP rank r // 2, TP rank
+    r % 2; "halves": EP rank r % 2, TP rank r // 2. EP group t (the ranks of TP rank t) has its
+    own batch (bs[t] tokens per rank). dispatch_v2: this rank's EP rows, then the TP peer's,
+    packed; combine_v2 with each TP rank's partial expert outputs: every token gets
+    bf16(fp32(partial 0) + fp32(partial 1)) as its expert row."""
+    r, w = ctx.rank, 2
+    ep_rank, tp_rank = (r // 2, r % 2) if grouping == "seed" else (r % 2, r // 2)
+    ep = ctx.comm.Split(tp_rank, ep_rank)
+    tp = ctx.comm.Split(ep_rank, tp_rank)
+    gid_ep, gid_tp = mt.group_id(ep), mt.group_id(tp)  # both collective: the same order everywhere
+    gbs = w * global_bs_m
+    specs = [Spec(seed + t, (bs[t],) * w, k=k, e=w, dtype=torch.bfloat16, h=16, p_off=p_off,
+                  global_bs=gbs) for t in (0, 1)]
+    spec, peer_spec = specs[tp_rank], specs[1 - tp_rank]
+    all_in = [[make_inputs(specs[t], p) for p in range(w)] for t in (0, 1)]
+    mine = all_in[tp_rank][ep_rank]
+    tpkw = dict(tp_world_size=2, tp_rank_id=tp_rank, global_bs=gbs)
+    out = mt.dispatch_v2(mine.x, mine.ids, ep, moe_expert_num=w, group_tp=tp,
+                         expert_scales=mine.w, **tpkw)
+    expand_x, dyn, assist, etn, recv, tp_recv, exp_scales = out
+    own_rows = expected_rows(spec, w, ep_rank, all_in[tp_rank])
+    peer_rows = expected_rows(peer_spec, w, ep_rank, all_in[1 - tp_rank])
+    own, peer = len(own_rows), len(peer_rows)
+    valid = own + peer
+    # this TP rank's partial on every valid row, its own EP group's and the peer's alike
+    y = torch.zeros(expand_x.shape, dtype=spec.dtype)
+    y[:valid] = tp_partial(tp_rank, ep_rank, expand_x[:valid])
+    got = mt.combine_v2(y, mine.ids, assist, recv, mine.w, ep, moe_expert_num=w, group_tp=tp,
+                        tp_send_counts=tp_recv, **tpkw)
+    fake_d = fake_run(torch.ops.moe_ep.dispatch_v2, (mine.x, mine.ids, gid_ep, w, ep_rank, w),
+                      dict(tpkw, group_tp=gid_tp, expert_scales=mine.w))
+    fake_c = fake_run(torch.ops.moe_ep.combine_v2,
+                      (y, mine.ids, assist, recv, mine.w, gid_ep, w, ep_rank, w),
+                      dict(tpkw, group_tp=gid_tp, tp_send_counts=tp_recv))
+
+    def checks():
+        check_fake("dispatch_v2", fake_d, out)
+        check_fake("combine_v2", fake_c, (got,))
+        a = capacity(spec, w, ep_rank)
+        check(a == capacity(peer_spec, w, ep_rank), "the TP pair's A differ")
+        h = spec.h
+        check(tuple(expand_x.shape) == (2 * a, h) and expand_x.dtype == spec.dtype,
+              f"expand_x {tuple(expand_x.shape)} {expand_x.dtype}, want (2A={2 * a}, {h})")
+        check(tuple(dyn.shape) == (0,), f"dynamic_scales {tuple(dyn.shape)}")
+        bsk = mine.ids.shape[0] * spec.k
+        check(tuple(assist.shape) == (max(bsk, a * 128),) and assist.dtype == torch.int32,
+              f"assist_info_for_combine {tuple(assist.shape)}")
+        check(tuple(exp_scales.shape) == (2 * a,), f"expand_scales {tuple(exp_scales.shape)}")
+        want_tp = torch.zeros(2, dtype=torch.int32)
+        want_tp[tp_rank], want_tp[1 - tp_rank] = own, peer
+        check_bitwise("tp_recv_counts", tp_recv, want_tp)
+        check_bitwise("expert_token_nums", etn, torch.tensor([valid], dtype=torch.int64))
+
+        def blocks(rows):  # per source rank, L = 1
+            n = torch.zeros(w, dtype=torch.int64)
+            for row in rows:
+                n[row.src] += 1
+            return n
+
+        want_recv = torch.cat([blocks(own_rows), blocks(peer_rows)]).cumsum(0).to(torch.int32)
+        check_bitwise("ep_recv_counts (own blocks, then the peer's)", recv, want_recv)
+        src = [(all_in[tp_rank], row) for row in own_rows]
+        src += [(all_in[1 - tp_rank], row) for row in peer_rows]
+        want_meta = torch.tensor([[row.src, row.token, row.slot] for _, row in src],
+                                 dtype=torch.int32).view(valid, 3)
+        check_bitwise("assist_info_for_combine (own rows, then the peer's)",
+                      assist[: 3 * valid].view(valid, 3), want_meta)
+        if valid:
+            check_bitwise("expand_x rows (own, then the peer's)", expand_x[:valid],
+                          torch.stack([g[row.src].x[row.token] for g, row in src]))
+            check_bitwise("expand_scales", exp_scales[:valid],
+                          torch.stack([g[row.src].w[row.token, row.slot] for g, row in src]))
+
+        def tp_sum(row, x_row):  # SPEC §2: partials summed in fp32, TP-rank order, rounded once
+            parts = [tp_partial(t, row.expert, x_row).float() for t in (0, 1)]
+            return (parts[0] + parts[1]).to(spec.dtype)
+
+        check_bitwise("combine_v2 output", got, ref_combine(spec, mine, expert=tp_sum))
+
+    try:
+        agreed(ctx, checks)
+    finally:
+        for c in (ep, tp):
+            mt.release_group(c)
+            c.Free()
+
+
+@case(only=4)
+def tensor_parallel_pairs(ctx):
+    """tp_world_size 2 with group_tp (an mpi4py Split communicator): two EP groups of 2, each
+    rank's TP peer the same EP rank of the other group, in both rank groupings."""
+    # EP groups of different BS (5 and 3 tokens, global_bs = W * 5 on both: the same A)
+    tp_round_trip(ctx, "seed", 130, (5, 3), 5, k=1)
+    # top-2 of 2 experts with inactive entries
+    tp_round_trip(ctx, "halves", 132, (4, 4), 4, k=2, p_off=0.25)
 
 
 @case()

@@ -4,7 +4,8 @@ Each world size is one mpirun launch of mpi_dispatch_cases.py, which runs every 
 (starting the ranks and importing torch costs seconds; the cases take milliseconds); the tests
 below read its per-rank report, one test per (world size, case). The oracle (in the helper) is an
 independent pure-torch reference: SPEC §1.4's row order, counts and assist triples, §1.5's int8
-quantisation, and §2.3's weighted sum, bitwise. examples/python/moe_layer.py runs in the 4-rank
+quantisation, and §2.3's weighted sum, bitwise (also with §2.2's special experts, comm_quant_mode
+2, elastic_info scale-in and tp_world_size 2). examples/python/moe_layer.py runs in the 4-rank
 launch too (as __main__, with its default arguments).
 
 Needs mpirun (Open MPI or MPICH) and mpi4py; skipped without them.
@@ -106,10 +107,13 @@ def test_every_world_size_has_the_core_cases():
     for w in WORLD_SIZES:
         names = mpi_dispatch_cases.case_names(w)
         assert {"round_trip_fp32", "quant_mode_2", "bad_expert_id_on_one_rank"} <= set(names)
+        assert {"comm_quant_mode_2", "special_experts"} <= set(names)
+        assert ("elastic_scale_in" in names) == (w >= 2)
     assert "shared_expert_rank" in mpi_dispatch_cases.case_names(2)
     assert "compile_fullgraph" in mpi_dispatch_cases.case_names(2)
     assert "opcheck_dispatch_combine" in mpi_dispatch_cases.case_names(2)
     assert "moe_layer_example" in mpi_dispatch_cases.case_names(4)
+    assert "tensor_parallel_pairs" in mpi_dispatch_cases.case_names(4)
 
 
 def test_moe_layer_example():
