@@ -481,7 +481,8 @@ add_test(NAME cli.bench.transport_mpi
          COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --transport mpi --tokens 8,16
                  --hidden 64 --iters 2 --warmup 0 --compare)
 set_tests_properties(cli.bench.transport_mpi PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
-  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  --compare\n.*verified\n.*verified\n")
+  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  --compare\n.*verified\n.*verified\n"
+  FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
 cli_expect_error(bench_bad_transport "--transport: tcp not in \\{mpi,shm\\}"
                  "${_mpi} -n 1 ${_exe} bench --transport tcp")
 # The verification can fail: a corrupted baseline row stops the run before timing, exit 1.

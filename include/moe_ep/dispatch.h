@@ -155,9 +155,8 @@ struct DispatchInputs {
   // fl(q * scale) is within max|xf| / 254 * (1 + 2^-14) + 2^-143 of xf per element
   // (src/kernels/cpu/quant.h). Must be equal on all ranks (kInvalidArgument on every rank).
   int64_t quant_mode = 0;
-  int64_t expert_token_nums_type =
-      1;  // 0 = running sum, 1 = per-expert count  // A bad argument the caller found before the
-          // call, e.g. a binding that could not convert a
+  int64_t expert_token_nums_type = 1;  // 0 = running sum, 1 = per-expert count
+  // A bad argument the caller found before the call, e.g. a binding that could not convert a
   // tensor: the op reports it on this rank before any other check, exactly like its own checks
   // (this rank throws it, the others Error(kRemote) naming this rank), instead of this rank
   // leaving and its peers waiting until their deadline. The other fields may be unset.
@@ -168,7 +167,9 @@ struct DispatchInputs {
 // rank, with G = global_bs, or BS * W when global_bs is 0; L = local experts of this rank
 // (E / (W - S) on a MoE rank, 1 on a shared-expert rank). On a shared-expert rank the rows form
 // one block per source rank, in rank order, holding that sender's active tokens in order.
-// All outputs are newly allocated, contiguous and owned by the returned Tensors.
+// All outputs are contiguous and owned by the returned Tensors (they live as long as any copy).
+// expand_x may be a reused slot of the shared-memory window and the others reused blocks of
+// Tensor::empty's cache, so what lies past the valid rows is left over from earlier calls.
 struct DispatchOutputs {
   Tensor expand_x;  // (max(1,T)*A, H) (T == 2: see "Tensor parallelism"), x's dtype (int8 with
                     // quant_mode 2); the first ep_recv_counts[W*L-1] rows are valid, in the SPEC
@@ -268,20 +269,27 @@ struct DispatchWorkspace {
   // expand_scales and dynamic_scales (max(1,T)*A x 4 each), ep_recv_counts, tp_recv_counts and
   // expert_token_nums.
   int64_t other_outputs_bytes = 0;
-  // Shared-memory transport: the part of this rank's window segment one dispatch_v2 output holds
-  // while any copy of its expand_x lives (expand_x_bytes rounded up to 4 KiB). A combine_v2 whose
-  // expand_x is not that slot (the experts wrote elsewhere) also holds, during the call, a
-  // staging slot of at most the same size. 0 when the calls use MPI only (transport "mpi",
-  // tp_world_size 2).
+  // Shared-memory transport (0 when the calls use MPI only: transport "mpi", tp_world_size 2):
+  // shm_slot_bytes: the part of this rank's window segment one dispatch_v2 output holds while any
+  // copy of its expand_x lives (expand_x_bytes rounded up to 4 KiB). shm_stage_bytes: what a
+  // combine_v2 holds during the call when its expand_x is not such a slot (the experts wrote
+  // their outputs elsewhere) or comm_quant_mode is 2: its valid rows staged, at most A rows of
+  // H x (1 with comm_quant_mode 2, else x's element size: the experts' outputs in x's dtype).
+  // A window of n x shm_slot_bytes + shm_stage_bytes (CommOptions::shm_window_bytes) holds n
+  // live dispatch_v2 outputs and the combine_v2 of any of them without growing; when a call
+  // finds no room in a window that is big enough, it uses MPI for that call (slower, same bits).
   int64_t shm_slot_bytes = 0;
+  int64_t shm_stage_bytes = 0;
   int64_t combine_output_bytes = 0;  // combine_v2's x: BS x H x x's element size
 };
 
 // Local (no communication). cfg as for dispatch_v2 (group_ep set, the same checks and errors:
 // kInvalidArgument, kUnsupported), without elastic_info (a scale-in changes W and A; query with
 // the new world's cfg). bs: tokens on this rank (x.shape[0], >= 0), hidden: H (>= 1), top_k: K
-// (expert_ids.shape[1], >= 1), dtype: x's (bf16, fp16, fp32), quant_mode: 0 or 2.
+// (expert_ids.shape[1], >= 1), dtype: x's (bf16, fp16, fp32), quant_mode: dispatch_v2's (0 or
+// 2), comm_quant_mode: combine_v2's (0 or 2).
 MOE_EP_API DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hidden,
-                                                int64_t top_k, DType dtype, int64_t quant_mode = 0);
+                                                int64_t top_k, DType dtype, int64_t quant_mode = 0,
+                                                int64_t comm_quant_mode = 0);
 
 }  // namespace moe_ep

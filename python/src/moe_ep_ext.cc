@@ -442,7 +442,7 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
     if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
   } catch (const moe_ep::Error& e) {
     in = moe_ep::DispatchInputs{};
-    in.caller_error = e;
+    in.caller_error = moe_ep::Error(e.kind(), std::string("dispatch_v2: ") + e.what());
   }
   in.quant_mode = quant_mode;
   in.expert_token_nums_type = expert_token_nums_type;
@@ -497,7 +497,7 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
     if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
   } catch (const moe_ep::Error& e) {
     in = moe_ep::CombineInputs{};
-    in.caller_error = e;
+    in.caller_error = moe_ep::Error(e.kind(), std::string("combine_v2: ") + e.what());
   }
   in.comm_quant_mode = comm_quant_mode;
   InUse ep_guard(&group_ep, "combine_v2", "group_ep");

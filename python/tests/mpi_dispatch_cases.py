@@ -1095,7 +1095,8 @@ def unconvertible_tensor_on_one_rank(ctx):
 
     def dispatch_checks():
         check(type(seen) is want, f"dispatch_v2: rank {rank} raised {seen!r}, want {want.__name__}")
-        check("x dtype" in str(seen), f"message does not name x's dtype: {seen}")
+        check("dispatch_v2" in str(seen) and "x dtype" in str(seen),
+              f"message does not name the op and x's dtype: {seen}")
         check(took < 20, f"dispatch_v2 took {took:.1f} s to fail: a timeout, not the error")
 
     agreed(ctx, dispatch_checks)
@@ -1110,7 +1111,8 @@ def unconvertible_tensor_on_one_rank(ctx):
 
     def combine_checks():
         check(type(seen) is want, f"combine_v2: rank {rank} raised {seen!r}, want {want.__name__}")
-        check("expand_x dtype" in str(seen), f"message does not name expand_x's dtype: {seen}")
+        check("combine_v2" in str(seen) and "expand_x dtype" in str(seen),
+              f"message does not name the op and expand_x's dtype: {seen}")
         check(took < 20, f"combine_v2 took {took:.1f} s to fail: a timeout, not the error")
 
     agreed(ctx, combine_checks)
@@ -1176,6 +1178,50 @@ def opcheck_dispatch_combine(ctx):
         (out[0], mine.ids, out[2], out[4], mine.w, gid, w, r, spec.e),
         {"performance_info": perf},
     )
+
+
+@case()
+def fake_and_real_rank_errors_agree(ctx):
+    """A tensor of the wrong rank on every rank: the real op raises InvalidArgumentError on each
+    rank, and the fake implementation (what torch.compile traces) the same message word for word
+    (python/tests/test_front_errors.py checks the fakes alone)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    e = 2 * ctx.world
+    gid = mt.group_id(ctx.comm)
+    x, ids = torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int32)
+    w = torch.full((4, 2), 0.5)
+    calls = [
+        ("dispatch_v2", lambda x, ids, w: torch.ops.moe_ep.dispatch_v2(
+            x, ids, gid, ctx.world, ctx.rank, e), (x[:, 0], ids, w)),
+        ("dispatch_v2", lambda x, ids, w: torch.ops.moe_ep.dispatch_v2(
+            x, ids, gid, ctx.world, ctx.rank, e), (x, ids[:, 0], w)),
+        ("combine_v2", lambda y, ids, w: torch.ops.moe_ep._combine_v2_functional(
+            y, ids, torch.zeros(4096, dtype=torch.int32), torch.zeros(e, dtype=torch.int32), w,
+            gid, ctx.world, ctx.rank, e), (x[:, 0], ids, w)),
+    ]
+    messages = []
+    for op, call, args in calls:
+        real = fake = None
+        try:
+            call(*args)
+        except moe_ep.InvalidArgumentError as err:
+            real = str(err)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fargs = [mode.from_tensor(a) for a in args]
+            try:
+                call(*fargs)
+            except moe_ep.InvalidArgumentError as err:
+                fake = str(err)
+        messages.append((op, real, fake))
+
+    def checks():
+        for op, real, fake in messages:
+            check(real is not None and real == fake,
+                  f"{op}: real op raised {real!r}, fake implementation {fake!r}")
+
+    agreed(ctx, checks)
+    round_trip(ctx, Spec(57, bs_all(ctx, 3), k=2, e=e))  # still in step
 
 
 @case(only=2)

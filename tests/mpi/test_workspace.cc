@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,7 +86,21 @@ TEST(Workspace, SizesEqualTheOutputs) {
                                            nbytes(d.assist_info_for_combine) +
                                            nbytes(d.expert_token_nums) + nbytes(d.ep_recv_counts) +
                                            nbytes(d.tp_recv_counts) + nbytes(d.expand_scales));
-      EXPECT_EQ(w.shm_slot_bytes, transport == "shm" ? (w.expand_x_bytes + 4095) / 4096 * 4096 : 0);
+      if (transport == "shm") {
+        // The slot covers expand_x (4 KiB granules), which lies in this rank's window.
+        EXPECT_GE(w.shm_slot_bytes, w.expand_x_bytes);
+        EXPECT_LT(w.shm_slot_bytes, w.expand_x_bytes + 4096);
+        EXPECT_EQ(w.shm_slot_bytes % 4096, 0);
+        const auto& ctx = detail::CommInternals::shm(*comm);
+        int gen = 0;
+        int64_t off = 0;
+        EXPECT_TRUE(ctx && ctx->locate(d.expand_x.data(), w.expand_x_bytes, gen, off));
+        // Staging holds up to A rows of the experts' outputs (x's dtype).
+        EXPECT_GE(w.shm_stage_bytes, w.recv_rows * H * 2);
+      } else {
+        EXPECT_EQ(w.shm_slot_bytes, 0);
+        EXPECT_EQ(w.shm_stage_bytes, 0);
+      }
       if (quant == 2) continue;  // combine_v2 takes the experts' bf16 rows: run it on bf16 only
       CombineInputs cin;
       cin.expand_x = d.expand_x;
@@ -97,21 +112,23 @@ TEST(Workspace, SizesEqualTheOutputs) {
     }
 }
 
-// With the window sized from the query for n live outputs, n dispatch_v2 calls whose outputs are
-// all kept alive each receive into the window, in its first generation: nothing grew it.
-// H is large enough that n slots exceed both the 1 MiB minimum and twice one call's need (what
-// the window would be without the reservation).
-TEST(Workspace, ReservedWindowHoldsTheLiveOutputs) {
+// With the window sized from the query for n live outputs and a combine (n x shm_slot_bytes +
+// shm_stage_bytes), n dispatch_v2 calls whose outputs are all kept alive each receive into the
+// window, in its first generation, and a combine_v2 of experts that wrote elsewhere still finds
+// room for its staging rows: nothing grew the window. H is large enough that this exceeds both
+// the 1 MiB minimum and twice one call's need (what the window would be without the reservation).
+TEST(Workspace, ReservedWindowHoldsTheLiveOutputsAndACombine) {
   const int64_t H = 4096, n = 5;
-  int64_t slot = 0;
+  DispatchWorkspace w;
   {
     auto probe = world_comm();
-    slot = dispatch_workspace(make_cfg(*probe, "shm"), kBS, H, kK, DType::kBF16).shm_slot_bytes;
+    w = dispatch_workspace(make_cfg(*probe, "shm"), kBS, H, kK, DType::kBF16);
   }
-  ASSERT_GT(slot, 0);
-  ASSERT_GT(n * slot, std::max<int64_t>(2 * slot, int64_t{1} << 20));
-  auto comm = world_comm(n * slot);
-  EXPECT_EQ(comm->shm_window_bytes(), n * slot);
+  ASSERT_GT(w.shm_slot_bytes, 0);
+  const int64_t reserve = n * w.shm_slot_bytes + w.shm_stage_bytes;
+  ASSERT_GT(reserve, std::max<int64_t>(2 * w.shm_slot_bytes, int64_t{1} << 20));
+  auto comm = world_comm(reserve);
+  EXPECT_EQ(comm->shm_window_bytes(), reserve);
   const EpConfig cfg = make_cfg(*comm, "shm");
   const Inputs in = make_inputs(kBS, H, kL * comm->size(), comm->rank());
   std::vector<DispatchOutputs> live;
@@ -123,7 +140,7 @@ TEST(Workspace, ReservedWindowHoldsTheLiveOutputs) {
   }
   const auto& ctx = detail::CommInternals::shm(*comm);
   ASSERT_TRUE(ctx);
-  EXPECT_EQ(ctx->capacity(), n * slot);
+  EXPECT_EQ(ctx->capacity(), reserve);
   for (int64_t c = 0; c < n; ++c) {
     int gen = -1;
     int64_t off = -1;
@@ -131,6 +148,24 @@ TEST(Workspace, ReservedWindowHoldsTheLiveOutputs) {
         << "call " << c << ": expand_x is not in the window";
     EXPECT_EQ(gen, 0) << "call " << c;
   }
+  // The staging slot a combine of out-of-place expert outputs needs is free.
+  EXPECT_TRUE(ctx->try_alloc(w.shm_stage_bytes).has_value());
+  // Such a combine (the rows copied out of the window first) equals the in-place one, and the
+  // window is still the first one.
+  const DispatchOutputs& d = live.back();
+  Tensor y = Tensor::empty(DType::kBF16, {d.expand_x.size(0), H});
+  std::memcpy(y.data(), d.expand_x.data(), d.expand_x.nbytes());
+  CombineInputs cin;
+  cin.expert_ids = in.ids;
+  cin.assist_info_for_combine = d.assist_info_for_combine;
+  cin.ep_send_counts = d.ep_recv_counts;
+  cin.expert_scales = in.scales;
+  cin.expand_x = y;
+  const Tensor staged = combine_v2(cin, cfg);
+  cin.expand_x = d.expand_x;
+  const Tensor in_place = combine_v2(cin, cfg);
+  EXPECT_EQ(std::memcmp(staged.data(), in_place.data(), staged.nbytes()), 0);
+  EXPECT_EQ(ctx->capacity(), reserve);
 }
 
 TEST(Workspace, Errors) {
@@ -161,10 +196,15 @@ TEST(Workspace, Errors) {
            std::to_string(ids) + "]"},
       {4, 8, 2, DType::kI32, 0, "dispatch_workspace: dtype = int32 must be bf16, fp16 or fp32"},
       {4, 8, 2, DType::kBF16, 1, "dispatch_workspace: quant_mode = 1 is not one of {0, 2}"},
+      {4, 8, 2, DType::kBF16, 12, "dispatch_workspace: comm_quant_mode = 1 is not one of {0, 2}"},
   };
   for (const Bad& b : bad) {
     try {
-      dispatch_workspace(cfg, b.bs, b.h, b.k, b.dtype, b.quant);
+      // quant 12: quant_mode 2 with comm_quant_mode 1.
+      if (b.quant == 12)
+        dispatch_workspace(cfg, b.bs, b.h, b.k, b.dtype, 2, 1);
+      else
+        dispatch_workspace(cfg, b.bs, b.h, b.k, b.dtype, b.quant);
       ADD_FAILURE() << "no error for " << b.message;
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();

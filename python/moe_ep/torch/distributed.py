@@ -33,6 +33,7 @@ from torch import Tensor
 
 from moe_ep import InvalidArgumentError, UnsupportedError, _C
 from moe_ep.torch._convert import dl, tt
+from moe_ep.torch.ops import _ndim
 
 # ---------------------------------------------------------------------------------------------
 # Communicators.
@@ -239,13 +240,6 @@ _dispatch_v2_op = torch.library.custom_op(
 )
 
 
-def _fake_ndim(op: str, name: str, t: Tensor) -> None:
-    """The fake implementations read shapes from 2-D tensors: a malformed input under
-    torch.compile raises the real op's InvalidArgumentError at trace time, not IndexError."""
-    if t.dim() != 2:
-        raise InvalidArgumentError(f"{op}: {name}.ndim = {t.dim()} must be 2")
-
-
 @_dispatch_v2_op.register_fake
 def _(*args, **kwargs):
     bound = inspect.signature(_dispatch_v2_impl).bind(*args, **kwargs)
@@ -257,8 +251,8 @@ def _dispatch_v2_fake(
     x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, elastic_info, tp_world_size,
     shared_expert_num, shared_expert_rank_num, quant_mode, global_bs, **_
 ):
-    _fake_ndim("dispatch_v2", "x", x)
-    _fake_ndim("dispatch_v2", "expert_ids", expert_ids)
+    _ndim("dispatch_v2", "x", x, 2)
+    _ndim("dispatch_v2", "expert_ids", expert_ids, 2)
     if elastic_info is not None:
         raise UnsupportedError(
             "dispatch_v2: elastic_info cannot be traced (the output shapes depend on its values)"
@@ -333,8 +327,8 @@ def _combine_v2_impl(
 def _combine_v2_fake(
     expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, *args, **kw
 ):
-    _fake_ndim("combine_v2", "expand_x", expand_x)
-    _fake_ndim("combine_v2", "expert_ids", expert_ids)
+    _ndim("combine_v2", "expand_x", expand_x, 2)
+    _ndim("combine_v2", "expert_ids", expert_ids, 2)
     return expand_x.new_empty((expert_ids.shape[0], expand_x.shape[1]))
 
 
@@ -391,7 +385,8 @@ def dispatch_v2(
 
     Returns DispatchOutputs (expand_x, dynamic_scales ((0,) unless quant_mode 2),
     assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales):
-    SPEC §1.4. Only the first expert_token_nums.sum() rows of expand_x are valid. No autograd:
+    SPEC §1.4. Only the first ep_recv_counts[-1] rows of expand_x are valid (the rows after them
+    are unspecified: left over from earlier calls). No autograd:
     dispatch_v2 and combine_v2 are forward-only.
     Errors: moe_ep.InvalidArgumentError / UnsupportedError on this rank's bad arguments,
     RemoteError when another rank's were bad, TimeoutError past the deadline (docs/errors.md).

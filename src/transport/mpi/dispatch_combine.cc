@@ -9,8 +9,9 @@
 //               the receiver describes the L blocks (l, s) of source s as an hindexed datatype over
 //               expand_x, so rows land at their final position. A second message per peer carries
 //               (token, slot, expert_scale) per row for assist_info_for_combine and expand_scales.
-//               quant_mode 2: the sender first quantises its send order into one int8 buffer
-//               (SPEC §1.5), sends each destination its contiguous slice of H-byte rows, and the
+//               quant_mode 2: the sender builds the int8 row of every send-order entry (SPEC
+//               §1.5; without smoothing scales each token is quantised once and its row copied
+//               per entry), sends each destination its contiguous slice of H-byte rows, and the
 //               metadata also carries each row's scale (-> dynamic_scales).
 // combine_v2 is the way back: the expert side sends blocks (l, s) to s (from ep_send_counts), the
 // source recomputes dispatch's send order from expert_ids and receives each row at i*K+k of a
@@ -353,14 +354,18 @@ void parallel_copy(const std::vector<RowCopy>& rows, int64_t row_bytes, bool to_
   const int64_t n = static_cast<int64_t>(rows.size());
   const bool stream = to_window && n * row_bytes >= kWindowStreamBytes;
 #pragma omp parallel for schedule(static) if (n * row_bytes > (int64_t{1} << 16))
-  for (int64_t j = 0; j < n; ++j)
-    detail::copy_row(rows[j].dst, rows[j].src, static_cast<std::size_t>(row_bytes), stream);
+  for (int64_t j = 0; j < n; ++j) {
+    if (stream)
+      detail::copy_row(rows[j].dst, rows[j].src, static_cast<std::size_t>(row_bytes), true);
+    else
+      std::memcpy(rows[j].dst, rows[j].src, static_cast<std::size_t>(row_bytes));
+  }
 }
 
 // ---- Tensor parallelism, tp_world_size 2 (SPEC §1.1 step 3, §2) --------------------------------
 // A TP pair (group_tp, 2 ranks) is the same EP rank (same expert, L = 1) of two EP groups.
 // dispatch_v2 appends the peer's rows after this rank's own, PACKED: own rows [0, valid_own), the
-// peer's [valid_own, valid_own + valid_peer), zeros up to 2A; ep_recv_counts (2W,) is ONE
+// peer's [valid_own, valid_own + valid_peer), unspecified up to 2A; ep_recv_counts (2W,) is ONE
 // inclusive running sum (the second W entries continue from valid_own and describe the peer's
 // blocks by source rank). combine_v2 reduce-scatters the partial outputs over the pair, then runs
 // the EP all-to-all on the sums. Tags distinct from the EP phases'.
@@ -805,8 +810,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   // and its copies are row copies; with scales each copy is quantised on its own. Rows for MPI
   // destinations go to the send buffer, rows for shared-memory ones straight to their place.
   std::vector<int32_t> src_index, smooth_index;
-  std::vector<int32_t> tok_row;  // without scales: token i's row in tok_q (-1: not sent)
-  std::vector<int8_t> tok_q;
+  std::vector<int32_t> tok_row;     // without scales: token i's row in tok_q (-1: not sent)
+  std::unique_ptr<int8_t[]> tok_q;  // (tokens, H), written before it is read: not zeroed
   std::vector<float> tok_scale;
   detail::QuantizeRowsInt8Args qa;
   if (quant) {
@@ -839,12 +844,12 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         }
       }
       const int64_t tokens = static_cast<int64_t>(src_index.size());
-      tok_q.resize(static_cast<std::size_t>(tokens * sh.H));
+      tok_q.reset(new int8_t[static_cast<std::size_t>(tokens * sh.H)]);
       tok_scale.resize(static_cast<std::size_t>(tokens));
       detail::QuantizeRowsInt8Args a = qa;
       a.rows = tokens;
       a.src_index = src_index.data();
-      a.q = tok_q.data();
+      a.q = tok_q.get();
       a.scales = tok_scale.data();
       detail::quantize_rows_int8(a);
       for (int64_t j = 0; j < n; ++j) (*qsend_scale)[j] = tok_scale[tok_row[send.order[j] / sh.KS]];
@@ -852,7 +857,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   }
   // The int8 row of send-order entry j when each token was quantised once.
   auto tok_q_row = [&](int64_t j) {
-    return reinterpret_cast<const char*>(tok_q.data()) + tok_row[send.order[j] / sh.KS] * sh.H;
+    return reinterpret_cast<const char*>(tok_q.get()) + tok_row[send.order[j] / sh.KS] * sh.H;
   };
   // Writes the int8 rows of send-order entries [first, first + n) to q.
   std::vector<RowCopy> copies;
@@ -927,8 +932,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       }
     }
     // Shared memory: each (destination, local expert) run of the send order is contiguous at
-    // its destination; bf16/fp16/fp32 rows are copied there in parallel, int8 rows quantised
-    // there (one pass over x either way: the one copy).
+    // its destination; bf16/fp16/fp32 rows are copied there in parallel (the one copy), int8
+    // rows copied from tok_q, or, with smoothing scales, quantised there.
     for (int d = 0; d < W; ++d) {
       if (!shm_to[d]) continue;
       int64_t j = send.rank_offset[d];
@@ -1501,7 +1506,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
 }
 
 DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hidden, int64_t top_k,
-                                     DType dtype, int64_t quant_mode) {
+                                     DType dtype, int64_t quant_mode, int64_t comm_quant_mode) {
   const char* op = "dispatch_workspace";
   const Communicator& comm = require_comm(op, cfg);
   const int64_t transport = resolve_transport(op, cfg);
@@ -1514,6 +1519,8 @@ DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hi
     detail::invalid(op, ": dtype = ", dtype_name(dtype), " must be bf16, fp16 or fp32");
   if (quant_mode != 0 && quant_mode != 2)
     detail::invalid(op, ": quant_mode = ", quant_mode, " is not one of {0, 2}");
+  if (comm_quant_mode != 0 && comm_quant_mode != 2)
+    detail::invalid(op, ": comm_quant_mode = ", comm_quant_mode, " is not one of {0, 2}");
   const World world = resolve_world(op, cfg, std::nullopt);
   EpShape sh = local_shape(cfg, world, bs, hidden, dtype);
   const int64_t ids = sh.E + sh.pl.special;
@@ -1532,8 +1539,11 @@ DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hi
                           rows * 4 * (quant_mode == 2 ? 2 : 1) +
                           sh.W * sh.L * std::max<int64_t>(1, cfg.tp_world_size) * 4 +
                           std::max<int64_t>(1, cfg.tp_world_size) * 4 + sh.L * 8;
-  w.shm_slot_bytes =
-      shm_applies(transport, cfg, world) ? (w.expand_x_bytes + 4095) / 4096 * 4096 : 0;
+  if (shm_applies(transport, cfg, world)) {
+    w.shm_slot_bytes = detail::ShmContext::slot_bytes(w.expand_x_bytes);
+    w.shm_stage_bytes =
+        detail::ShmContext::slot_bytes(sh.A * sh.H * (comm_quant_mode == 2 ? 1 : esize));
+  }
   w.combine_output_bytes = sh.BS * sh.H * esize;
   return w;
 }

@@ -131,10 +131,14 @@ void ShmContext::grow(int64_t own_bytes, const char* op) {
   windows_.push_back(std::move(w));
 }
 
+int64_t ShmContext::slot_bytes(int64_t bytes) {
+  return round_up(std::max<int64_t>(bytes, 1), kSlotAlign);
+}
+
 std::optional<ShmSlot> ShmContext::try_alloc(int64_t bytes) {
   if (windows_.empty()) return std::nullopt;
   const std::shared_ptr<ShmWindow>& w = windows_.back();
-  const int64_t need = round_up(std::max<int64_t>(bytes, 1), kSlotAlign);
+  const int64_t need = slot_bytes(bytes);
   const int64_t cap = w->bytes[node_rank_];
   std::lock_guard<std::mutex> lock(w->mu);
   int64_t at = 0;  // first fit between the live regions

@@ -76,7 +76,9 @@ class ShmContext {
   // Node-collective (every rank of the node, same op): allocates a new generation in which this
   // rank's segment has `own_bytes` bytes.
   void grow(int64_t own_bytes, const char* op);
-  // Reserves `bytes` (rounded up to 4 KiB) of this rank's segment in the newest generation;
+  // The bytes of a segment a request of `bytes` takes (at least 1, rounded up to 4 KiB).
+  static int64_t slot_bytes(int64_t bytes);
+  // Reserves slot_bytes(bytes) of this rank's segment in the newest generation;
   // nullopt when they do not fit beside the live slots. Thread-safe release.
   std::optional<ShmSlot> try_alloc(int64_t bytes);
   // If [p, p + bytes) lies inside this rank's segment of a generation: its (gen, offset).
