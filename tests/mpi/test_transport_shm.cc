@@ -288,13 +288,11 @@ std::vector<Case> grid() {
   add("hold_and_grow", [](Case& c) { c.hold = true, c.iters = 5, c.grow = 9; });
   add("hold_quant", [](Case& c) { c.hold = true, c.quant = true, c.iters = 4; });
   add("large_rows", [](Case& c) { c.H = 1040, c.K = 4, c.BS = 33, c.iters = 2; });
-  // >= 4 MiB of rows per call: the window copies use non-temporal stores (64-byte aligned rows
-  // with H 4096; with H 4099 the rows start off that boundary and fall back to ordinary stores).
-  add("streamed_rows", [](Case& c) { c.H = 4096, c.K = 4, c.BS = 160, c.iters = 2, c.grow = 8; });
-  add("streamed_rows_unaligned_out_of_place",
+  // Several MiB of rows per call, with rows on and off 64-byte boundaries (H 4096, 4099).
+  add("big_rows", [](Case& c) { c.H = 4096, c.K = 4, c.BS = 160, c.iters = 2, c.grow = 8; });
+  add("big_rows_unaligned_out_of_place",
       [](Case& c) { c.H = 4099, c.K = 4, c.BS = 160, c.iters = 1, c.in_place = false; });
-  add("streamed_quant",
-      [](Case& c) { c.H = 8192, c.K = 4, c.BS = 160, c.iters = 1, c.quant = true; });
+  add("big_quant", [](Case& c) { c.H = 8192, c.K = 4, c.BS = 160, c.iters = 1, c.quant = true; });
   return g;
 }
 

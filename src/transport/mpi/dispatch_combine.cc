@@ -345,21 +345,13 @@ struct RowCopy {
   char* dst;
 };
 
-// Copies into a shared-memory window (dispatch's rows at their destination, combine's staging
-// rows) are read by another process after the whole call's rows are in place, so from 4 MiB on
-// they bypass the cache (non-temporal stores: no read of each destination line first).
-constexpr int64_t kWindowStreamBytes = int64_t{4} << 20;
-
-void parallel_copy(const std::vector<RowCopy>& rows, int64_t row_bytes, bool to_window) {
+// Row copies over all threads (large buffers: the copy is the transport). Ordinary stores:
+// non-temporal ones were measured slower here (docs/performance.md), the rows being read soon.
+void parallel_copy(const std::vector<RowCopy>& rows, int64_t row_bytes) {
   const int64_t n = static_cast<int64_t>(rows.size());
-  const bool stream = to_window && n * row_bytes >= kWindowStreamBytes;
 #pragma omp parallel for schedule(static) if (n * row_bytes > (int64_t{1} << 16))
-  for (int64_t j = 0; j < n; ++j) {
-    if (stream)
-      detail::copy_row(rows[j].dst, rows[j].src, static_cast<std::size_t>(row_bytes), true);
-    else
-      std::memcpy(rows[j].dst, rows[j].src, static_cast<std::size_t>(row_bytes));
-  }
+  for (int64_t j = 0; j < n; ++j)
+    std::memcpy(rows[j].dst, rows[j].src, static_cast<std::size_t>(row_bytes));
 }
 
 // ---- Tensor parallelism, tp_world_size 2 (SPEC §1.1 step 3, §2) --------------------------------
@@ -881,7 +873,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       if (!shm_to[d])
         quantise(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d],
                  qsend->data() + send.rank_offset[d] * sh.H);
-    parallel_copy(copies, sh.H, false);  // MPI's send buffer
+    parallel_copy(copies, sh.H);  // MPI's send buffer
     copies.clear();
   }
 
@@ -952,7 +944,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       }
       MOE_EP_CHECK(j == send.rank_offset[d + 1]);
     }
-    parallel_copy(copies, out_row_bytes, true);
+    parallel_copy(copies, out_row_bytes);
     if (shm) shm->sync();  // the rows are in place before their metadata announces them
     for (int d = 0; d < W; ++d) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
@@ -1252,7 +1244,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
           copies.push_back({static_cast<const char*>(rows_src.data) + j * src_stride,
                             stage->ptr + static_cast<int64_t>(copies.size()) * row_bytes});
       }
-    parallel_copy(copies, row_bytes, true);
+    parallel_copy(copies, row_bytes);
   }
   // Where source s finds its rows in this rank's window: gen, byte offset of row 0, row stride,
   // then per local expert l the first row and the row count of block (l, s).
