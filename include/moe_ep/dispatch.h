@@ -23,7 +23,9 @@
 // new world) are those of that smaller world, and expert_ids use the new E. The survivors check
 // that they passed the same table (a hash in the header); a rank whose table disagrees about WHO
 // survives cannot be told apart from a dead one and shows up as a Timeout. ep_world_size,
-// ep_rank_id and performance_info keep the old (group_ep) numbering.
+// ep_rank_id, performance_info, moe_expert_num and shared_expert_rank_num keep the old
+// (group_ep) values, checked against the old world (moe_expert_num a multiple of ep_world_size -
+// shared_expert_rank_num); the table's new E and S alone decide the new placement.
 //
 // Tensor parallelism (tp_world_size 2, SPEC §1.1 step 3, §2): group_tp holds the TP pair (2
 // ranks; tp_rank_id must equal group_tp->rank()), the same ep_rank_id of two EP groups (any rank
