@@ -69,9 +69,9 @@
 // tp_world_size is 2 or elastic_info scales in (is_scaled_down 1).
 //
 // Data flow (docs/design.md): a header exchange, then per-(destination, local expert) counts, then
-// one message of rows per peer and direction, described by MPI derived datatypes over x's rows and
-// expand_x's blocks (no packing; int8 rows are packed per destination in send order, their fp32
-// scale travels in the per-row metadata message). Row counts and offsets are 64-bit; one message
+// the rows, packed by the sender in send order and sent as contiguous messages (dispatch: one per
+// (destination, local expert) block, received straight into place; combine: one per peer), plus
+// a per-row metadata message (int8 rows: their fp32 scale travels there). Row counts and offsets are 64-bit; one message
 // holds at most INT32_MAX rows of at most INT_MAX bytes each (Error(kUnsupported) beyond).
 #pragma once
 

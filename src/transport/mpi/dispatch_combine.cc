@@ -4,20 +4,25 @@
 //   1. header:  validate locally, exchange an OpHeader with every rank, agree (exchange.h);
 //   2. counts:  send rank d the L counts [d*L, d*L+L) (entries for each of its local experts),
 //               receive L counts from every source: the receive layout (ep_recv_counts) follows;
-//   3. rows:    one message per peer each way. The sender describes its rows for rank d with an
-//               hindexed-block datatype over x's row addresses (no packing, strided x welcome);
-//               the receiver describes the L blocks (l, s) of source s as an hindexed datatype over
-//               expand_x, so rows land at their final position. A second message per peer carries
-//               (token, slot, expert_scale) per row for assist_info_for_combine and expand_scales.
+//   3. rows:    the sender packs its rows for MPI destinations in send order (one parallel copy
+//               of x's rows; strided x welcome) and sends one contiguous message per non-empty
+//               block (destination d, local expert l); the receiver posts one receive per block
+//               (l, s) straight into expand_x, so rows land at their final position (contiguous
+//               messages take OpenMPI's single-copy path; derived datatypes did not, ~6x slower).
+//               A second message per peer carries (token, slot, expert_scale) per row for
+//               assist_info_for_combine and expand_scales. Peers on this machine with the
+//               shared-memory transport: see docs/design.md.
 //               quant_mode 2: the sender builds the int8 row of every send-order entry (SPEC
 //               §1.5; without smoothing scales each token is quantised once and its row copied
 //               per entry), sends each destination its contiguous slice of H-byte rows, and the
 //               metadata also carries each row's scale (-> dynamic_scales).
-// combine_v2 is the way back: the expert side sends blocks (l, s) to s (from ep_send_counts), the
-// source recomputes dispatch's send order from expert_ids and receives each row at i*K+k of a
-// (BS*K, H) buffer, then reduces in the SPEC §2.3 order.
-// Every message is posted even when empty, so a disagreement between ranks shows up as a count
-// mismatch (an error) instead of a stray message that would poison the next op.
+// combine_v2 is the way back: the expert side packs its rows in send order (source s, then its
+// blocks (l, s) from ep_send_counts) and sends each source one contiguous message; the source
+// recomputes dispatch's send order from expert_ids, receives peer d's rows contiguously at d's
+// offset in that order, then reduces in the SPEC §2.3 order. combine's row messages are posted
+// even when empty, so a disagreement between ranks shows up as a count mismatch (an error)
+// instead of a stray message that would poison the next op; dispatch's per-block messages follow
+// the counts the senders themselves sent, so they cannot disagree.
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
@@ -887,40 +892,58 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     const MpiType row = detail::contiguous_bytes(out_row_bytes, op);
     const MpiType meta_type = detail::contiguous_bytes(sizeof(RowMeta), op);
     if (qsend) ex.keep_alive(qsend);
-    std::vector<MpiType> types;
-    types.reserve(2 * W);
     std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in(W), meta_out(W);
     for (int s = 0; s < W; ++s) {
-      if (!shm_from[s]) {
-        std::vector<int> len(L);
-        std::vector<MPI_Aint> disp(L);
+      // One contiguous message per non-empty block (l, s), straight into place: OpenMPI moves
+      // contiguous messages with its single-copy path, derived datatypes through copy-in/out.
+      // Messages of one sender with one tag arrive in the order sent (MPI's non-overtaking rule).
+      if (!shm_from[s])
         for (int l = 0; l < L; ++l) {
-          len[l] = recv.block_rows[l * W + s];
-          disp[l] = static_cast<MPI_Aint>(recv.block_offset[l * W + s] * out_row_bytes);
+          const int64_t b = static_cast<int64_t>(l) * W + s;
+          if (recv.block_rows[b] > 0)
+            ex.irecv(out.expand_x.ptr<char>() + recv.block_offset[b] * out_row_bytes,
+                     recv.block_rows[b], row.get(), peers[s], detail::kTagRows);
         }
-        types.push_back(detail::blocks_at(len, disp, row.get(), op));
-        ex.irecv(out.expand_x.data(), 1, types.back().get(), peers[s], detail::kTagRows);
-      }
       meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
       ex.keep_alive(meta_in[s]);
       ex.irecv(meta_in[s]->data(), to_int(recv.source_rows[s]), meta_type.get(), peers[s],
                detail::kTagMeta);
     }
     const int64_t x_row_stride = in.x.strides[0] * esize;
+    // The rows for MPI destinations in send order: qsend's int8 rows, or x's rows packed (one
+    // parallel copy) so that every message is contiguous.
+    std::shared_ptr<Tensor> send_rows;
+    if (any_mpi_to) {
+      if (quant) {
+        send_rows = std::make_shared<Tensor>(detail::TensorInternals::wrap(
+            qsend, qsend->data(), DType::kI8, {static_cast<int64_t>(send.order.size()), sh.H}));
+      } else {
+        send_rows = std::make_shared<Tensor>(
+            Tensor::empty(sh.dtype, {static_cast<int64_t>(send.order.size()), sh.H}));
+        std::vector<RowCopy> pack;
+        for (int d = 0; d < W; ++d)
+          if (!shm_to[d])
+            for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
+              pack.push_back({in.x.ptr<char>() + (send.order[j] / sh.KS) * x_row_stride,
+                              send_rows->ptr<char>() + j * row_bytes});
+        parallel_copy(pack, row_bytes);
+      }
+      ex.keep_alive(send_rows);
+    }
     for (int d = 0; d < W; ++d) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
       meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
       ex.keep_alive(meta_out[d]);
       if (shm_to[d]) continue;  // rows below, metadata after them
-      if (quant) {
-        // The int8 rows for d are contiguous in the send buffer.
-        ex.isend(qsend->data() + first * sh.H, to_int(n), row.get(), peers[d], detail::kTagRows);
-      } else {
-        std::vector<MPI_Aint> disp(n);
-        for (int64_t j = 0; j < n; ++j)
-          disp[j] = static_cast<MPI_Aint>((send.order[first + j] / sh.KS) * x_row_stride);
-        types.push_back(detail::rows_at(disp, row.get(), op));
-        ex.isend(in.x.data, 1, types.back().get(), peers[d], detail::kTagRows);
+      // One message per non-empty (d, local expert) run of the send order, in expert order
+      // (the receiver posts one receive per block, in the same order): int8 rows are contiguous
+      // in the send buffer, other rows packed into it first (below).
+      for (int64_t l = 0, j = first; l < sh.pl.local_experts(d); ++l) {
+        const int64_t rows = send.counts[sh.pl.block_base(d) + l];
+        if (rows > 0)
+          ex.isend(send_rows->ptr<char>() + j * out_row_bytes, to_int(rows), row.get(), peers[d],
+                   detail::kTagRows);
+        j += rows;
       }
     }
     // Shared memory: each (destination, local expert) run of the send order is contiguous at
@@ -1246,6 +1269,28 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       }
     parallel_copy(copies, row_bytes);
   }
+  // The rows for sources that receive them through MPI, contiguous in send order (row_bytes
+  // apart, as in the staging slot, which serves when there is one): one contiguous message per
+  // source, which OpenMPI moves with its single-copy path, unlike a per-row datatype.
+  std::shared_ptr<Tensor> packed;
+  const char* send_rows = cq ? reinterpret_cast<const char*>(qrows) : stage ? stage->ptr : nullptr;
+  bool any_mpi_back = false;
+  for (int s = 0; s < W; ++s) any_mpi_back |= !provide[s] && blocks.source_rows[s] > 0;
+  if (!send_rows && any_mpi_back) {
+    packed = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {blocks.valid, sh.H}));
+    std::vector<RowCopy> copies;
+    copies.reserve(static_cast<std::size_t>(blocks.valid));
+    for (int s = 0; s < W; ++s)
+      for (int l = 0; l < L; ++l) {
+        const int64_t b = static_cast<int64_t>(l) * W + s;
+        for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
+             ++j)
+          copies.push_back({static_cast<const char*>(rows_src.data) + j * src_stride,
+                            packed->ptr<char>() + static_cast<int64_t>(copies.size()) * row_bytes});
+      }
+    parallel_copy(copies, row_bytes);
+    send_rows = packed->ptr<char>();
+  }
   // Where source s finds its rows in this rank's window: gen, byte offset of row 0, row stride,
   // then per local expert l the first row and the row count of block (l, s).
   auto where_for = [&](int s) {
@@ -1288,13 +1333,14 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     if (y) ex.keep_alive(y);
     if (rs_out) ex.keep_alive(rs_out);
     if (qback) ex.keep_alive(qback);
+    if (packed) ex.keep_alive(packed);
     const MpiType row = detail::contiguous_bytes(wire_row, op);
-    std::vector<MpiType> types(W);
     std::vector<int64_t> expected(W);
     const MpiType meta_type = detail::contiguous_bytes(sizeof(BackMeta), op);
     std::vector<std::shared_ptr<std::vector<BackMeta>>> meta_in(W), meta_out(W);
     std::vector<std::shared_ptr<std::vector<int64_t>>> where_in(W), where_out(W);
-    // Rows through MPI land in y at i*KS + k; y is allocated only when some peer sends any.
+    // Rows through MPI land in y in this rank's send order (peer d's at back.rank_offset[d]); y is
+    // allocated only when some peer sends any.
     bool need_y = false;
     for (int d = 0; d < W; ++d) need_y |= !read[d] && back.rank_offset[d + 1] > back.rank_offset[d];
     if (need_y && !y) {
@@ -1314,11 +1360,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                    peers[d], detail::kTagShmWhere);
         }
       } else {
-        std::vector<MPI_Aint> disp(n);
-        for (int64_t j = 0; j < n; ++j)
-          disp[j] = static_cast<MPI_Aint>(back.order[first + j] * wire_row);
-        types[d] = detail::rows_at(disp, row.get(), op);
-        ex.irecv(y ? y->data() : &no_rows, 1, types[d].get(), peers[d], detail::kTagCombineRows);
+        ex.irecv(y ? y->ptr<char>() + first * wire_row : &no_rows, to_int(n), row.get(), peers[d],
+                 detail::kTagCombineRows);
       }
       meta_in[d] = std::make_shared<std::vector<BackMeta>>(n);
       ex.keep_alive(meta_in[d]);
@@ -1326,11 +1369,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     }
     if (shm) shm->sync();  // this rank's rows (the experts' stores, staging) before "where"
     const TensorView& ai = in.assist_info_for_combine;
-    std::vector<MpiType> send_types;
-    send_types.reserve(W);
     for (int s = 0; s < W; ++s) {
-      std::vector<MPI_Aint> disp;
-      disp.reserve(blocks.source_rows[s]);
       meta_out[s] = std::make_shared<std::vector<BackMeta>>();
       meta_out[s]->reserve(blocks.source_rows[s]);
       ex.keep_alive(meta_out[s]);
@@ -1338,7 +1377,6 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
         const int64_t b = static_cast<int64_t>(l) * W + s;
         for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
              ++j) {
-          disp.push_back(static_cast<MPI_Aint>(j * src_stride));
           meta_out[s]->push_back(BackMeta{
               static_cast<int32_t>(detail::index_at(ai, 3 * j + 1)),
               static_cast<int32_t>(detail::index_at(ai, 3 * j + 2)),
@@ -1354,13 +1392,11 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
           ex.isend(where_out[s]->data(), to_int(static_cast<int64_t>(where_out[s]->size())),
                    MPI_INT64_T, peers[s], detail::kTagShmWhere);
         }
-      } else if (cq) {
-        // The int8 rows for s are contiguous in send order.
-        ex.isend(qrows + send_first[s] * sh.H, to_int(blocks.source_rows[s]), row.get(), peers[s],
-                 detail::kTagCombineRows);
       } else {
-        send_types.push_back(detail::rows_at(disp, row.get(), op));
-        ex.isend(rows_src.data, 1, send_types.back().get(), peers[s], detail::kTagCombineRows);
+        // s's rows are contiguous in send order (int8 with comm_quant_mode 2).
+        static const char none = 0;
+        ex.isend(send_rows ? send_rows + send_first[s] * wire_row : &none,
+                 to_int(blocks.source_rows[s]), row.get(), peers[s], detail::kTagCombineRows);
       }
       ex.isend(meta_out[s]->data(), to_int(static_cast<int64_t>(meta_out[s]->size())),
                meta_type.get(), peers[s], detail::kTagCombineMeta);
@@ -1376,7 +1412,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
         const MPI_Status& meta_st = st[at++];
         MPI_Count got = 0;
         if (!read[d]) {
-          detail::check_mpi(MPI_Get_elements_x(&rows_or_where, types[d].get(), &got), op,
+          detail::check_mpi(MPI_Get_elements_x(&rows_or_where, row.get(), &got), op,
                             "MPI_Get_elements_x");
         } else {
           int metas = 0;  // shm: the rows are counted by their metadata
@@ -1409,7 +1445,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                             "the matching dispatch_v2 (same tokens, same order)");
           if (cq) (*yscale)[flat] = m[j].qscale;
           if (!read[d]) {
-            yrow[flat] = y->ptr<char>() + flat * wire_row;
+            yrow[flat] = y->ptr<char>() + (first + j) * wire_row;
             continue;
           }
           const int64_t Ld = sh.pl.local_experts(d);

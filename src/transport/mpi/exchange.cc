@@ -67,28 +67,6 @@ MpiType contiguous_bytes(int64_t bytes, const char* op) {
   return owned;
 }
 
-MpiType rows_at(const std::vector<MPI_Aint>& disp, MPI_Datatype row, const char* op) {
-  MOE_EP_CHECK(disp.size() <= static_cast<std::size_t>(INT_MAX));
-  MPI_Datatype t;
-  check_mpi(MPI_Type_create_hindexed_block(static_cast<int>(disp.size()), 1, disp.data(), row, &t),
-            op, "MPI_Type_create_hindexed_block");
-  MpiType owned(t);
-  check_mpi(MPI_Type_commit(&t), op, "MPI_Type_commit");
-  return owned;
-}
-
-MpiType blocks_at(const std::vector<int>& len, const std::vector<MPI_Aint>& disp, MPI_Datatype row,
-                  const char* op) {
-  MOE_EP_CHECK(len.size() == disp.size() && len.size() <= static_cast<std::size_t>(INT_MAX));
-  MPI_Datatype t;
-  check_mpi(
-      MPI_Type_create_hindexed(static_cast<int>(len.size()), len.data(), disp.data(), row, &t), op,
-      "MPI_Type_create_hindexed");
-  MpiType owned(t);
-  check_mpi(MPI_Type_commit(&t), op, "MPI_Type_commit");
-  return owned;
-}
-
 Exchange::Exchange(const Communicator& comm, const char* op, const char* phase)
     : comm_(comm), op_(op), phase_(phase) {}
 

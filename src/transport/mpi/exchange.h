@@ -58,11 +58,6 @@ class MpiType {
 
 // `bytes` contiguous bytes as one element (bytes <= INT_MAX, checked by the caller).
 MpiType contiguous_bytes(int64_t bytes, const char* op);
-// One element = n elements of `row`, the i-th at byte displacement disp[i] (n <= INT_MAX).
-MpiType rows_at(const std::vector<MPI_Aint>& disp, MPI_Datatype row, const char* op);
-// One element = blocks of len[i] `row`s at byte displacement disp[i].
-MpiType blocks_at(const std::vector<int>& len, const std::vector<MPI_Aint>& disp, MPI_Datatype row,
-                  const char* op);
 
 // One phase of point-to-point traffic: post sends and receives, then wait() for all of them.
 // If the phase is abandoned (an exception, a timeout), the destructor cancels the pending receives,
