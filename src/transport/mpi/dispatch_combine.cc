@@ -1231,43 +1231,41 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   const TensorView& rows_src = rs_out ? rs_out->view() : in.expand_x;  // T == 2: the TP sums
   const int64_t src_stride = rows_src.strides[0] * esize;
   int8_t* qrows = cq ? (stage ? reinterpret_cast<int8_t*>(stage->ptr) : qback->data()) : nullptr;
+  // expand_x's rows in this rank's send order back: source s, then its blocks (l, s).
+  std::vector<int32_t> back_rows;
+  back_rows.reserve(static_cast<std::size_t>(blocks.valid));
+  for (int s = 0; s < W; ++s)
+    for (int l = 0; l < L; ++l) {
+      const int64_t b = static_cast<int64_t>(l) * W + s;
+      for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
+           ++j)
+        back_rows.push_back(static_cast<int32_t>(j));
+    }
+  // Copies those rows, in that order, to dst (row_bytes apart).
+  auto pack_rows = [&](char* dst) {
+    std::vector<RowCopy> copies(back_rows.size());
+    for (std::size_t r = 0; r < back_rows.size(); ++r)
+      copies[r] = {static_cast<const char*>(rows_src.data) + back_rows[r] * src_stride,
+                   dst + static_cast<int64_t>(r) * row_bytes};
+    parallel_copy(copies, row_bytes);
+  };
   if (cq) {
     // SPEC §2.1: each row sent back is quantised like §1.5 (no smoothing), in send order.
-    std::vector<int32_t> src_index;
-    src_index.reserve(static_cast<std::size_t>(blocks.valid));
-    for (int s = 0; s < W; ++s)
-      for (int l = 0; l < L; ++l) {
-        const int64_t b = static_cast<int64_t>(l) * W + s;
-        for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
-             ++j)
-          src_index.push_back(static_cast<int32_t>(j));
-      }
     detail::QuantizeRowsInt8Args qa;
     qa.op = op;
     qa.name = "expand_x";
-    qa.rows = static_cast<int64_t>(src_index.size());
+    qa.rows = static_cast<int64_t>(back_rows.size());
     qa.n = sh.H;
     qa.dtype = sh.dtype;
     qa.src = in.expand_x.data;
     qa.src_stride = in.expand_x.strides[0];
-    qa.src_index = src_index.data();
+    qa.src_index = back_rows.data();
     qa.q = qrows;
     qa.q_stride = sh.H;
     qa.scales = qback_scale->data();
     detail::quantize_rows_int8(qa);
   } else if (stage) {
-    // Staging: the valid rows copied once into the window, in send order.
-    std::vector<RowCopy> copies;
-    copies.reserve(static_cast<std::size_t>(blocks.valid));
-    for (int s = 0; s < W; ++s)
-      for (int l = 0; l < L; ++l) {
-        const int64_t b = static_cast<int64_t>(l) * W + s;
-        for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
-             ++j)
-          copies.push_back({static_cast<const char*>(rows_src.data) + j * src_stride,
-                            stage->ptr + static_cast<int64_t>(copies.size()) * row_bytes});
-      }
-    parallel_copy(copies, row_bytes);
+    pack_rows(stage->ptr);  // staging: the valid rows copied once into the window
   }
   // The rows for sources that receive them through MPI, contiguous in send order (row_bytes
   // apart, as in the staging slot, which serves when there is one): one contiguous message per
@@ -1278,17 +1276,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   for (int s = 0; s < W; ++s) any_mpi_back |= !provide[s] && blocks.source_rows[s] > 0;
   if (!send_rows && any_mpi_back) {
     packed = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {blocks.valid, sh.H}));
-    std::vector<RowCopy> copies;
-    copies.reserve(static_cast<std::size_t>(blocks.valid));
-    for (int s = 0; s < W; ++s)
-      for (int l = 0; l < L; ++l) {
-        const int64_t b = static_cast<int64_t>(l) * W + s;
-        for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
-             ++j)
-          copies.push_back({static_cast<const char*>(rows_src.data) + j * src_stride,
-                            packed->ptr<char>() + static_cast<int64_t>(copies.size()) * row_bytes});
-      }
-    parallel_copy(copies, row_bytes);
+    pack_rows(packed->ptr<char>());
     send_rows = packed->ptr<char>();
   }
   // Where source s finds its rows in this rank's window: gen, byte offset of row 0, row stride,
