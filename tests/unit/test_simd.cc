@@ -227,24 +227,63 @@ TEST(Simd, SumRowsMatchesScalarInRowOrder) {
               w.push_back(awkward(rng, false));
             }
             for (auto& r : rows) ptrs.push_back(r.data());
-            for (bool weighted : {false, true}) {
-              const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
-              std::vector<unsigned char> got(ob + 8, 0xaa), want(ob + 8, 0xaa);
-              detail::sum_rows(got.data(), out, ptrs.data(), weighted ? w.data() : nullptr, count,
-                               in, n);
-              for (int64_t i = 0; i < n; ++i) {
-                float acc = 0.0f;
-                for (int64_t r = 0; r < count; ++r) {
-                  float t = detail::load_f32(ptrs[static_cast<std::size_t>(r)], in, i);
-                  if (weighted) t = w[static_cast<std::size_t>(r)] * t;
-                  acc = r == 0 ? t : acc + t;
+            for (bool weighted : {false, true})
+              for (bool from_zero : {false, true}) {
+                const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
+                std::vector<unsigned char> got(ob + 8, 0xaa), want(ob + 8, 0xaa);
+                detail::sum_rows(got.data(), out, ptrs.data(), weighted ? w.data() : nullptr, count,
+                                 in, n, false, from_zero);
+                for (int64_t i = 0; i < n; ++i) {
+                  float acc = 0.0f;
+                  for (int64_t r = 0; r < count; ++r) {
+                    float t = detail::load_f32(ptrs[static_cast<std::size_t>(r)], in, i);
+                    if (weighted) t = w[static_cast<std::size_t>(r)] * t;
+                    acc = r == 0 && !from_zero ? t : acc + t;
+                  }
+                  detail::store_f32(want.data(), out, i, acc);
                 }
-                detail::store_f32(want.data(), out, i, acc);
+                expect_same_or_nan(out, got.data(), want.data(), n);
+                expect_same_bytes(got.data() + ob, want.data() + ob, 8);  // nothing past the end
               }
-              expect_same_or_nan(out, got.data(), want.data(), n);
-              expect_same_bytes(got.data() + ob, want.data() + ob, 8);  // nothing past the end
-            }
           }
+  });
+}
+
+// A sum of -0 terms: -0 when the first term starts it, +0 from +0 (combine_v2's SPEC §2.3 sum).
+TEST(Simd, SumRowsFromZeroTurnsNegativeZeroPositive) {
+  for_each_target([] {
+    const int64_t n = 37;
+    std::vector<float> a(n, -0.0f), b(n, -0.0f), got(n, 1.0f);
+    const void* rows[] = {a.data(), b.data()};
+    const float w[] = {2.0f, 0.5f};
+    detail::sum_rows(got.data(), DType::kF32, rows, w, 2, DType::kF32, n);
+    for (float v : got) EXPECT_TRUE(v == 0.0f && std::signbit(v));
+    detail::sum_rows(got.data(), DType::kF32, rows, w, 2, DType::kF32, n, false, true);
+    for (float v : got) EXPECT_TRUE(v == 0.0f && !std::signbit(v));
+  });
+}
+
+TEST(Simd, CopyRowToWritesEveryDestination) {
+  for_each_target([] {
+    std::mt19937_64 rng(5);
+    for (std::size_t bytes : {0, 1, 63, 64, 255, 256, 257, 1000, 14336})
+      for (int64_t count : {0, 1, 3, 8}) {
+        SCOPED_TRACE("bytes=" + std::to_string(bytes) + " count=" + std::to_string(count));
+        std::vector<unsigned char> src(bytes + 1);
+        for (auto& c : src) c = static_cast<unsigned char>(rng());
+        // Destinations at odd offsets of one buffer, a guard byte after each.
+        std::vector<unsigned char> buf(static_cast<std::size_t>(count) * (bytes + 2) + 1, 0x5c);
+        std::vector<void*> dst;
+        for (int64_t r = 0; r < count; ++r)
+          dst.push_back(buf.data() + 1 + static_cast<std::size_t>(r) * (bytes + 2));
+        detail::copy_row_to(dst.data(), count, src.data() + 1, bytes);
+        for (int64_t r = 0; r < count; ++r) {
+          const auto* d = static_cast<const unsigned char*>(dst[static_cast<std::size_t>(r)]);
+          EXPECT_EQ(0, std::memcmp(d, src.data() + 1, bytes));
+          EXPECT_EQ(0x5c, d[bytes]);  // nothing past the end
+        }
+        EXPECT_EQ(0x5c, buf[0]);
+      }
   });
 }
 

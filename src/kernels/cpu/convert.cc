@@ -77,10 +77,11 @@ void AddRowT(float* acc, const void* src, int64_t n) {
   Map<kT, DType::kF32, true>(src, acc, n, [](VF x, VF a) { return hn::Add(a, x); });
 }
 
-// dst = round(sum over r (in r order) of w[r] * fp32(rows[r])), the first term starting the sum.
-// Columns are processed kBlock vectors at a time with the accumulators in registers, so each
-// source row is read once and nothing but the output is written.
-template <DType kIn, DType kOut, bool kWeighted>
+// dst = round(sum over r (in r order) of w[r] * fp32(rows[r])), the first term starting the sum
+// (kFromZero: +0 starts it, each term then added). Columns are processed kBlock vectors at a time
+// with the accumulators in registers, so each source row is read once and nothing but the output
+// is written.
+template <DType kIn, DType kOut, bool kWeighted, bool kFromZero>
 void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n,
               bool stream) {
   const DF df;
@@ -90,12 +91,16 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
     if constexpr (kWeighted) return hn::Mul(hn::Set(df, w[r]), x);
     return x;
   };
+  auto first = [&](const VF& x) {  // the first term (x rounded already), or +0 + it
+    if constexpr (kFromZero) return hn::Add(hn::Zero(df), term(x, 0));
+    return term(x, 0);
+  };
   int64_t i = 0;
   for (; i + kBlock * lanes <= n; i += kBlock * lanes) {
-    VF a0 = term(LoadF32<kIn>(df, rows[0], i), 0);
-    VF a1 = term(LoadF32<kIn>(df, rows[0], i + lanes), 0);
-    VF a2 = term(LoadF32<kIn>(df, rows[0], i + 2 * lanes), 0);
-    VF a3 = term(LoadF32<kIn>(df, rows[0], i + 3 * lanes), 0);
+    VF a0 = first(LoadF32<kIn>(df, rows[0], i));
+    VF a1 = first(LoadF32<kIn>(df, rows[0], i + lanes));
+    VF a2 = first(LoadF32<kIn>(df, rows[0], i + 2 * lanes));
+    VF a3 = first(LoadF32<kIn>(df, rows[0], i + 3 * lanes));
     for (int64_t r = 1; r < count; ++r) {
       a0 = hn::Add(a0, term(LoadF32<kIn>(df, rows[r], i), r));
       a1 = hn::Add(a1, term(LoadF32<kIn>(df, rows[r], i + lanes), r));
@@ -108,13 +113,13 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
     StoreF32<kOut>(df, a3, dst, i + 3 * lanes, stream);
   }
   for (; i + lanes <= n; i += lanes) {
-    VF a = term(LoadF32<kIn>(df, rows[0], i), 0);
+    VF a = first(LoadF32<kIn>(df, rows[0], i));
     for (int64_t r = 1; r < count; ++r) a = hn::Add(a, term(LoadF32<kIn>(df, rows[r], i), r));
     StoreF32<kOut>(df, a, dst, i, stream);
   }
   if (i < n) {
     const size_t rest = static_cast<size_t>(n - i);
-    VF a = term(Tail<kIn>(rows[0], i, rest).load(df), 0);
+    VF a = first(Tail<kIn>(rows[0], i, rest).load(df));
     for (int64_t r = 1; r < count; ++r)
       a = hn::Add(a, term(Tail<kIn>(rows[r], i, rest).load(df), r));
     StoreTail<kOut>(df, a, dst, i, rest);
@@ -277,11 +282,15 @@ struct SumRowsF {
   template <DType kOut>
   struct To {
     static void run(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n,
-                    bool stream) {
-      if (w != nullptr) {
-        SumRowsT<kIn, kOut, true>(dst, rows, w, count, n, stream);
+                    bool from_zero, bool stream) {
+      if (w != nullptr && from_zero) {
+        SumRowsT<kIn, kOut, true, true>(dst, rows, w, count, n, stream);
+      } else if (w != nullptr) {
+        SumRowsT<kIn, kOut, true, false>(dst, rows, w, count, n, stream);
+      } else if (from_zero) {
+        SumRowsT<kIn, kOut, false, true>(dst, rows, w, count, n, stream);
       } else {
-        SumRowsT<kIn, kOut, false>(dst, rows, w, count, n, stream);
+        SumRowsT<kIn, kOut, false, false>(dst, rows, w, count, n, stream);
       }
     }
   };
@@ -315,6 +324,32 @@ void CopyRow(void* dst, const void* src, size_t bytes, bool stream) {
   if (i < bytes) std::memcpy(out + i, in + i, bytes - i);
   if (stream) hwy::FlushStream();
 }
+// One source row to count destinations, 4 vectors at a time: each block is loaded once and
+// stored to every destination, so the destinations are written side by side.
+void CopyRowTo(void* const* dst, int64_t count, const void* src, size_t bytes, bool stream) {
+  const hn::ScalableTag<uint8_t> d8;
+  const size_t lanes = hn::Lanes(d8);
+  const auto* in = static_cast<const uint8_t*>(src);
+  size_t i = 0;
+  for (; i + 4 * lanes <= bytes; i += 4 * lanes) {
+    const auto v0 = hn::LoadU(d8, in + i), v1 = hn::LoadU(d8, in + i + lanes);
+    const auto v2 = hn::LoadU(d8, in + i + 2 * lanes), v3 = hn::LoadU(d8, in + i + 3 * lanes);
+    for (int64_t r = 0; r < count; ++r) {
+      auto* out = static_cast<uint8_t*>(dst[r]) + i;
+      Put(v0, d8, out, stream);
+      Put(v1, d8, out + lanes, stream);
+      Put(v2, d8, out + 2 * lanes, stream);
+      Put(v3, d8, out + 3 * lanes, stream);
+    }
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    auto* out = static_cast<uint8_t*>(dst[r]);
+    size_t j = i;
+    for (; j + lanes <= bytes; j += lanes) Put(hn::LoadU(d8, in + j), d8, out + j, stream);
+    if (j < bytes) std::memcpy(out + j, in + j, bytes - j);
+  }
+  if (stream) hwy::FlushStream();
+}
 void AxpyRow(float* acc, float w, const void* src, DType dtype, int64_t n) {
   ByDType<AxpyRowF>(dtype, acc, w, src, n);
 }
@@ -338,16 +373,16 @@ void ScaleDot(float* out, void* const* dst, DType dst_dtype, const float* g, con
   if (stream) hwy::FlushStream();
 }
 void SumRows(void* dst, DType dst_dtype, const void* const* rows, const float* w, int64_t count,
-             DType src_dtype, int64_t n, bool stream) {
+             DType src_dtype, int64_t n, bool from_zero, bool stream) {
   switch (src_dtype) {
     case DType::kBF16:
-      ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n, stream);
+      ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n, from_zero, stream);
       break;
     case DType::kF16:
-      ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n, stream);
+      ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n, from_zero, stream);
       break;
     default:
-      ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n, stream);
+      ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n, from_zero, stream);
       break;
   }
   if (stream) hwy::FlushStream();
@@ -369,6 +404,7 @@ HWY_EXPORT(AddRow);
 HWY_EXPORT(ScaleDot);
 HWY_EXPORT(SumRows);
 HWY_EXPORT(CopyRow);
+HWY_EXPORT(CopyRowTo);
 
 namespace {
 // Non-temporal stores need addresses aligned to the vector; a row that starts on a 64-byte
@@ -390,6 +426,10 @@ void scale_row_f32(void* dst, DType dtype, const float* src, float w, int64_t n,
 void copy_row(void* dst, const void* src, std::size_t bytes, bool stream) {
   HWY_DYNAMIC_DISPATCH(CopyRow)(dst, src, bytes, can_stream(dst, stream));
 }
+void copy_row_to(void* const* dst, int64_t count, const void* src, std::size_t bytes, bool stream) {
+  for (int64_t r = 0; r < count && stream; ++r) stream = can_stream(dst[r], stream);
+  HWY_DYNAMIC_DISPATCH(CopyRowTo)(dst, count, src, bytes, stream);
+}
 void axpy_row_f32(float* acc, float w, const void* src, DType dtype, int64_t n) {
   HWY_DYNAMIC_DISPATCH(AxpyRow)(acc, w, src, dtype, n);
 }
@@ -408,13 +448,13 @@ void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const flo
   HWY_DYNAMIC_DISPATCH(ScaleDot)(out, dst, dst_dtype, g, w, x, x_dtype, count, n, stream);
 }
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
-              int64_t count, DType src_dtype, int64_t n, bool stream) {
+              int64_t count, DType src_dtype, int64_t n, bool stream, bool from_zero) {
   if (count == 0) {
     std::memset(dst, 0, static_cast<std::size_t>(n) * dtype_size(dst_dtype));
     return;
   }
   HWY_DYNAMIC_DISPATCH(SumRows)
-  (dst, dst_dtype, rows, weights, count, src_dtype, n, can_stream(dst, stream));
+  (dst, dst_dtype, rows, weights, count, src_dtype, n, from_zero, can_stream(dst, stream));
 }
 
 }  // namespace moe_ep::detail

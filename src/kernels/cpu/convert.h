@@ -85,12 +85,18 @@ void scale_row_f32(void* dst, DType dtype, const float* src, float w, int64_t n,
                    bool stream = false);
 // memcpy(dst, src, bytes) for rows that do not overlap.
 void copy_row(void* dst, const void* src, std::size_t bytes, bool stream = false);
+// memcpy(dst[r], src, bytes) for r < count, in one pass over src: each block of src is loaded
+// once and stored to every dst side by side. No dst may overlap src or another dst.
+void copy_row_to(void* const* dst, int64_t count, const void* src, std::size_t bytes,
+                 bool stream = false);
 // dst = round(sum over r = 0..count-1, in r order, of weights[r] * fp32(rows[r])) in dst_dtype;
 // each product is rounded to fp32 before it is added and the first term starts the sum (no +0
-// added first). weights == null: the plain sum of the rows. count == 0 writes zeros. Each source
-// row is read once (the accumulators stay in registers), so this is one pass over the inputs.
+// added first; from_zero: +0 starts it and every term is added, so a sum of -0 terms is +0).
+// weights == null: the plain sum of the rows. count == 0 writes zeros. Each source row is read
+// once (the accumulators stay in registers), so this is one pass over the inputs.
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
-              int64_t count, DType src_dtype, int64_t n, bool stream = false);
+              int64_t count, DType src_dtype, int64_t n, bool stream = false,
+              bool from_zero = false);
 // The fp32 dot product of grad_probs (SPEC §4.3), in the order include/moe_ep/permute.h fixes
 // for it: 16 partial sums, lane l (0..15) the sum from +0, in increasing element order, of the
 // products g[c] * fp32(x[c]) for c = l, l+16, l+32, ... < n, each product rounded to fp32 before
