@@ -222,21 +222,28 @@ void BM_unpermute_grad(benchmark::State& state) {
   run_op(state, kUnpermuteGradBytes, op);
 }
 
-// memcpy of bytes/2 (reads and writes `bytes` in all), in one contiguous chunk per thread.
+// memcpy of bytes/2 (reads and writes `bytes` in all), in one contiguous chunk per thread,
+// between tensors of the library's allocator (the same pages as the ops' inputs and outputs:
+// 2 MiB aligned, transparent huge pages where the kernel grants them), written before.
 void BM_memcpy(benchmark::State& state, int64_t bytes) {
-  const std::size_t half = static_cast<std::size_t>(bytes / 2);
-  static std::vector<char> src, dst;
-  if (src.size() < half) {
-    src.assign(half, 1);
-    dst.assign(half, 0);
+  const int64_t half = bytes / 2;
+  static Tensor src_t, dst_t;
+  if (src_t.nbytes() < static_cast<std::size_t>(half)) {
+    src_t = Tensor::empty(DType::kI8, {half});
+    dst_t = Tensor::empty(DType::kI8, {half});
+    std::memset(src_t.data(), 1, static_cast<std::size_t>(half));
+    std::memset(dst_t.data(), 0, static_cast<std::size_t>(half));
   }
+  char* const src = static_cast<char*>(src_t.data());
+  char* const dst = static_cast<char*>(dst_t.data());
   for (auto _ : state) {
 #pragma omp parallel
     {
       const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
       const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
-      const std::size_t lo = half * t / nt, hi = half * (t + 1) / nt;
-      std::memcpy(dst.data() + lo, src.data() + lo, hi - lo);
+      const std::size_t lo = static_cast<std::size_t>(half) * t / nt;
+      const std::size_t hi = static_cast<std::size_t>(half) * (t + 1) / nt;
+      std::memcpy(dst + lo, src + lo, hi - lo);
     }
     benchmark::ClobberMemory();
   }

@@ -135,7 +135,7 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
 // (scale_row_f32), so each row of x is read once and g (fp32, in cache) is loaded once per use.
 constexpr size_t kDotLanes = 16;
 constexpr int64_t kDotBlock = 4 * kDotLanes;  // 128 bytes of a bf16 row
-constexpr int kMaxDotRows = 4;
+constexpr int kMaxDotRows = 8;
 
 // acc + g[at..] * x[at..] for one vector; with kScale also dst[at..] = round(g[at..] * w).
 template <DType kX, DType kOut, bool kScale>
@@ -221,8 +221,20 @@ void ScaleDotRowsT(float* out, void* const* dst, const float* g, const float* w,
       case 3:
         ScaleDotT<kX, kOut, kScale, 3>(out + r, dr, g, wr, x + r, n, stream);
         break;
-      default:
+      case 4:
         ScaleDotT<kX, kOut, kScale, 4>(out + r, dr, g, wr, x + r, n, stream);
+        break;
+      case 5:
+        ScaleDotT<kX, kOut, kScale, 5>(out + r, dr, g, wr, x + r, n, stream);
+        break;
+      case 6:
+        ScaleDotT<kX, kOut, kScale, 6>(out + r, dr, g, wr, x + r, n, stream);
+        break;
+      case 7:
+        ScaleDotT<kX, kOut, kScale, 7>(out + r, dr, g, wr, x + r, n, stream);
+        break;
+      default:
+        ScaleDotT<kX, kOut, kScale, kMaxDotRows>(out + r, dr, g, wr, x + r, n, stream);
         break;
     }
   }

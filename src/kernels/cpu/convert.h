@@ -106,7 +106,7 @@ void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* 
 float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n);
 // The entries of a token in unpermute_grad, in one pass: for r < count, out[r] =
 // dot_row_f32(g, x[r], x_dtype, n) and dst[r][0..n) = round(g[0..n) * w[r]) in dst_dtype, as
-// scale_row_f32(dst[r], dst_dtype, g, w[r], n, stream). Each row of x is read once; up to four
+// scale_row_f32(dst[r], dst_dtype, g, w[r], n, stream). Each row of x is read once; up to eight
 // rows are walked side by side. The dst rows must not overlap g or the rows of x.
 void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const float* g,
                         const float* w, const void* const* x, DType x_dtype, int64_t count,
