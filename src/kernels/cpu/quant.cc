@@ -13,6 +13,7 @@
 
 #ifndef MOE_EP_KERNELS_CPU_QUANT_CONSTANTS_
 #define MOE_EP_KERNELS_CPU_QUANT_CONSTANTS_
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -21,7 +22,7 @@
 
 namespace moe_ep::detail::quant_constants {
 constexpr float kQMax = 127.0f;
-// Adding and subtracting 1.5 * 2^23 rounds an fp32 of magnitude below 2^22 to the nearest integer,
+// Adding (and subtracting) 1.5 * 2^23 rounds an fp32 of magnitude below 2^22 to the nearest integer,
 // ties to even (the default rounding mode), using only vectorisable adds.
 constexpr float kRoundMagic = 12582912.0f;
 // Tiny rows (127 / amax overflows) are scaled up by 2^64 first; see quant.h.
@@ -70,35 +71,66 @@ uint32_t AmaxBits(const void* x, const float* smooth, int64_t n) {
   return hn::GetLane(hn::MaxOfLanes(du, m));
 }
 
-// q[i] = clamp(rne((xf[i] * pre) * s)); pre is 1 (exact) or 2^64 (exact on tiny rows).
-template <DType kT, bool kSmooth>
+// q[i] = clamp(rne((xf[i] * pre) * s)); pre is 1 (exact, kPre false: not multiplied) or 2^64
+// (exact on tiny rows). rne: p + 1.5 * 2^23 (|p| < 127.5, far below 2^22) is the float
+// 1.5 * 2^23 + rne(p), exactly; clamping that float to 1.5 * 2^23 -+ 127 is clamping rne(p)
+// (monotonic, every bound exact), and its bit pattern is 0x4b400000 + rne(p), whose low byte is
+// rne(p) as an int8 (0x4b400000 ends in a zero byte). So the int8 is the truncated bit pattern.
+template <DType kT, bool kSmooth, bool kPre>
 void QuantizePass(const void* x, const float* smooth, int64_t n, float pre, float s, int8_t* q) {
   const DF df;
-  const hn::RebindToSigned<DF> di;
-  const hn::Rebind<int8_t, DF> d8;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Rebind<uint8_t, DF> d8;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
   const VF vpre = hn::Set(df, pre), vs = hn::Set(df, s), magic = hn::Set(df, kRoundMagic);
-  const VF lo = hn::Set(df, -kQMax), hi = hn::Set(df, kQMax);
+  const VF lo = hn::Set(df, kRoundMagic - kQMax), hi = hn::Set(df, kRoundMagic + kQMax);
   auto quantize = [&](VF xf) {
-    const VF p = hn::Mul(hn::Mul(xf, vpre), vs);
-    VF r = hn::Sub(hn::Add(p, magic), magic);  // |p| < 127.5, far below 2^22
-    r = hn::Min(hn::Max(r, lo), hi);
-    return hn::DemoteTo(d8, hn::ConvertTo(di, r));  // r is an integer in [-127, 127]: exact
+    const VF p = kPre ? hn::Mul(hn::Mul(xf, vpre), vs) : hn::Mul(xf, vs);
+    const VF r = hn::Min(hn::Max(hn::Add(p, magic), lo), hi);
+    return hn::TruncateTo(d8, hn::BitCast(du, r));
   };
+  auto* q8 = reinterpret_cast<uint8_t*>(q);
   int64_t i = 0;
   for (; i + lanes <= n; i += lanes)
-    hn::StoreU(quantize(LoadXf<kT, kSmooth>(df, x, smooth, i, 0)), d8, q + i);
+    hn::StoreU(quantize(LoadXf<kT, kSmooth>(df, x, smooth, i, 0)), d8, q8 + i);
   if (i < n) {
     const size_t rest = static_cast<size_t>(n - i);
-    HWY_ALIGN int8_t tmp[hn::MaxLanes(df)];
+    HWY_ALIGN uint8_t tmp[hn::MaxLanes(df)];
     hn::Store(quantize(LoadXf<kT, kSmooth>(df, x, smooth, i, rest)), d8, tmp);
-    std::memcpy(q + i, tmp, rest);
+    std::memcpy(q8 + i, tmp, rest);
   }
 }
 
+// AmaxBits of kRows rows, walked side by side (several rows in flight keep more memory requests
+// outstanding than one: this pass is the first read of each row).
+template <DType kT, bool kSmooth, int kRows>
+void AmaxBitsRows(const void* const* x, const float* const* smooth, int64_t n, uint32_t* out) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const auto mask = hn::Set(du, kAbsMask);
+  hn::Vec<decltype(du)> m[kRows];
+  for (int r = 0; r < kRows; ++r) m[r] = hn::Zero(du);
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes)
+    for (int r = 0; r < kRows; ++r)
+      m[r] = hn::Max(
+          m[r], hn::And(hn::BitCast(
+                            du, LoadXf<kT, kSmooth>(df, x[r], kSmooth ? smooth[r] : nullptr, i, 0)),
+                        mask));
+  for (int r = 0; r < kRows; ++r) {
+    if (i < n) {
+      const VF v = LoadXf<kT, kSmooth>(df, x[r], kSmooth ? smooth[r] : nullptr, i,
+                                       static_cast<size_t>(n - i));
+      m[r] = hn::Max(m[r], hn::And(hn::BitCast(du, v), mask));
+    }
+    out[r] = hn::GetLane(hn::MaxOfLanes(du, m[r]));
+  }
+}
+
+// The rest of quantize_row_int8 once the row's max |xf| (as bits, mb) is known.
 template <DType kT, bool kSmooth>
-float QuantizeT(const void* x, const float* smooth, int64_t n, int8_t* q) {
-  const uint32_t mb = AmaxBits<kT, kSmooth>(x, smooth, n);
+float QuantizeWithAmax(uint32_t mb, const void* x, const float* smooth, int64_t n, int8_t* q) {
   if (mb == 0 || mb >= kInfBits) {
     if (n > 0) std::memset(q, 0, static_cast<std::size_t>(n));
     return mb == 0 ? 0.0f : std::numeric_limits<float>::quiet_NaN();
@@ -111,9 +143,68 @@ float QuantizeT(const void* x, const float* smooth, int64_t n, int8_t* q) {
     pre = kTinyUp;
     s = kQMax / (amax * kTinyUp);
   }
-  QuantizePass<kT, kSmooth>(x, smooth, n, pre, s, q);
+  if (pre == 1.0f)
+    QuantizePass<kT, kSmooth, false>(x, smooth, n, pre, s, q);
+  else
+    QuantizePass<kT, kSmooth, true>(x, smooth, n, pre, s, q);
   const float inv = 1.0f / s;
   return pre == 1.0f ? inv : inv * kTinyDown;
+}
+
+template <DType kT, bool kSmooth>
+float QuantizeT(const void* x, const float* smooth, int64_t n, int8_t* q) {
+  return QuantizeWithAmax<kT, kSmooth>(AmaxBits<kT, kSmooth>(x, smooth, n), x, smooth, n, q);
+}
+
+constexpr int kQuantRows = 4;
+
+// count rows (smooth: null, or one smoothing row per row), kQuantRows side by side for the max.
+template <DType kT, bool kSmooth>
+void QuantizeRowsT(const void* const* x, const float* const* smooth, int64_t count, int64_t n,
+                   int8_t* const* q, float* scales) {
+  for (int64_t r = 0; r < count; r += kQuantRows) {
+    const int64_t c = std::min<int64_t>(kQuantRows, count - r);
+    const float* const* sm = kSmooth ? smooth + r : nullptr;
+    uint32_t mb[kQuantRows];
+    switch (c) {
+      case 1:
+        AmaxBitsRows<kT, kSmooth, 1>(x + r, sm, n, mb);
+        break;
+      case 2:
+        AmaxBitsRows<kT, kSmooth, 2>(x + r, sm, n, mb);
+        break;
+      case 3:
+        AmaxBitsRows<kT, kSmooth, 3>(x + r, sm, n, mb);
+        break;
+      default:
+        AmaxBitsRows<kT, kSmooth, kQuantRows>(x + r, sm, n, mb);
+        break;
+    }
+    for (int64_t j = 0; j < c; ++j)
+      scales[r + j] =
+          QuantizeWithAmax<kT, kSmooth>(mb[j], x[r + j], kSmooth ? sm[j] : nullptr, n, q[r + j]);
+  }
+}
+
+template <DType kT>
+void QuantizeRowsSmooth(const void* const* x, const float* const* smooth, int64_t count, int64_t n,
+                        int8_t* const* q, float* scales) {
+  if (smooth != nullptr)
+    QuantizeRowsT<kT, true>(x, smooth, count, n, q, scales);
+  else
+    QuantizeRowsT<kT, false>(x, smooth, count, n, q, scales);
+}
+
+void QuantizeRows(const void* const* x, DType dtype, const float* const* smooth, int64_t count,
+                  int64_t n, int8_t* const* q, float* scales) {
+  switch (dtype) {
+    case DType::kBF16:
+      return QuantizeRowsSmooth<DType::kBF16>(x, smooth, count, n, q, scales);
+    case DType::kF16:
+      return QuantizeRowsSmooth<DType::kF16>(x, smooth, count, n, q, scales);
+    default:
+      return QuantizeRowsSmooth<DType::kF32>(x, smooth, count, n, q, scales);
+  }
 }
 
 template <DType kT>
@@ -185,6 +276,7 @@ HWY_AFTER_NAMESPACE();
 namespace moe_ep::detail {
 
 HWY_EXPORT(QuantizeRow);
+HWY_EXPORT(QuantizeRows);
 HWY_EXPORT(AxpyRowInt8);
 HWY_EXPORT(DequantizeRowInt8);
 
@@ -219,13 +311,24 @@ void quantize_rows_int8(const QuantizeRowsInt8Args& a) {
   auto smooth_row = [&a](int64_t r) -> int64_t {
     return a.smooth_index != nullptr ? static_cast<int64_t>(a.smooth_index[r]) : r;
   };
-  // Rows are independent, so any split gives the same bits; small jobs stay on one thread.
+  // Rows are independent, so any split gives the same bits; small jobs stay on one thread. Groups
+  // of kGroup rows go to one QuantizeRows call (its max pass walks them side by side).
+  constexpr int64_t kGroup = 16;
+  const int64_t groups = (a.rows + kGroup - 1) / kGroup;
 #pragma omp parallel for schedule(static) if (a.rows > 1 && a.rows * a.n >= (int64_t{1} << 15))
-  for (int64_t r = 0; r < a.rows; ++r) {
-    const void* x = a.n > 0 ? src + src_row(r) * a.src_stride * esize : nullptr;
-    const float* sm = a.smooth != nullptr ? a.smooth + smooth_row(r) * a.smooth_stride : nullptr;
-    int8_t* qr = a.n > 0 ? a.q + r * a.q_stride : nullptr;
-    a.scales[r] = quantize_row_int8(x, a.dtype, sm, a.n, qr);
+  for (int64_t g = 0; g < groups; ++g) {
+    const void* x[kGroup];
+    const float* sm[kGroup];
+    int8_t* q[kGroup];
+    const int64_t first = g * kGroup, count = std::min(kGroup, a.rows - first);
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t r = first + j;
+      x[j] = a.n > 0 ? src + src_row(r) * a.src_stride * esize : nullptr;
+      sm[j] = a.smooth != nullptr ? a.smooth + smooth_row(r) * a.smooth_stride : nullptr;
+      q[j] = a.n > 0 ? a.q + r * a.q_stride : nullptr;
+    }
+    HWY_DYNAMIC_DISPATCH(QuantizeRows)
+    (x, a.dtype, a.smooth != nullptr ? sm : nullptr, count, a.n, q, a.scales + first);
   }
   if (!a.check_finite) return;
   for (int64_t r = 0; r < a.rows; ++r) {
