@@ -331,7 +331,7 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
           }
           const float got = detail::dot_row_f32(g.data(), xp[0], dtype, n);
           expect_same_or_nan(DType::kF32, &got, &want[0], 1);
-          // The fused pass over 1..9 rows (whole and partial groups of four): the same dot
+          // The fused pass over 1..9 rows (whole and partial groups of eight): the same dot
           // products, each row of scale_row_f32, nothing past the ends.
           for (DType out : kFloatDTypes)
             for (int count : {1, 3, 4, 5, 9}) {

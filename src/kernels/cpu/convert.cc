@@ -107,10 +107,8 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
       a2 = hn::Add(a2, term(LoadF32<kIn>(df, rows[r], i + 2 * lanes), r));
       a3 = hn::Add(a3, term(LoadF32<kIn>(df, rows[r], i + 3 * lanes), r));
     }
-    StoreF32<kOut>(df, a0, dst, i, stream);
-    StoreF32<kOut>(df, a1, dst, i + lanes, stream);
-    StoreF32<kOut>(df, a2, dst, i + 2 * lanes, stream);
-    StoreF32<kOut>(df, a3, dst, i + 3 * lanes, stream);
+    StoreF32Pair<kOut>(df, a0, a1, dst, i, stream);
+    StoreF32Pair<kOut>(df, a2, a3, dst, i + 2 * lanes, stream);
   }
   for (; i + lanes <= n; i += lanes) {
     VF a = first(LoadF32<kIn>(df, rows[0], i));
@@ -168,9 +166,15 @@ void ScaleDotT(float* out, void* const* dst, const float* g, const float* w, con
   int64_t i = 0;
   for (; i + kDotBlock <= n; i += kDotBlock)
     for (int r = 0; r < kRows; ++r)
-      for (int64_t c = 0; c < kDotBlock; c += lanes) {
-        VF& a = acc[r][static_cast<size_t>(c / lanes) % kVecs];
-        a = DotStep<kX, kOut, kScale>(df, a, g, vw[r], x[r], d[r], i + c, stream);
+      for (int64_t c = 0; c < kDotBlock; c += 2 * lanes) {  // two vectors, one pair of stores
+        const int64_t at = i + c;
+        const VF g0 = hn::LoadU(df, g + at), g1 = hn::LoadU(df, g + at + lanes);
+        if constexpr (kScale)
+          StoreF32Pair<kOut>(df, hn::Mul(g0, vw[r]), hn::Mul(g1, vw[r]), d[r], at, stream);
+        VF& a0 = acc[r][static_cast<size_t>(c / lanes) % kVecs];
+        a0 = hn::Add(a0, hn::Mul(g0, LoadF32<kX>(df, x[r], at)));  // the product rounded first
+        VF& a1 = acc[r][static_cast<size_t>(c / lanes + 1) % kVecs];
+        a1 = hn::Add(a1, hn::Mul(g1, LoadF32<kX>(df, x[r], at + lanes)));
       }
   for (; i + static_cast<int64_t>(kDotLanes) <= n; i += kDotLanes)
     for (int r = 0; r < kRows; ++r)

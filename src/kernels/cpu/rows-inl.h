@@ -93,6 +93,33 @@ HWY_INLINE void StoreF32(DF df, VF v, void* row, int64_t i, bool stream = false)
   }
 }
 
+// Two vectors, v0 at element i and v1 after it, as StoreF32 twice. On AVX-512 bf16 rows are
+// rounded as 32-bit lanes (the bf16 in each lane's upper half: u + 0x7fff + lsb, or u with the
+// quiet bit 22 set for NaN, the same bits as StoreF32) and the two upper halves are gathered into
+// one full vector by one permute: one 64-byte store (a whole line, non-temporal or not) instead
+// of two 32-byte ones, and fewer shuffles.
+template <DType kT>
+HWY_INLINE void StoreF32Pair(DF df, VF v0, VF v1, void* row, int64_t i, bool stream = false) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  if constexpr (kT == DType::kBF16) {
+    const hn::RebindToUnsigned<DF> du32;
+    const hn::Repartition<uint16_t, DF> du16;
+    auto upper = [&](VF v) {
+      const auto u = hn::BitCast(du32, v);
+      const auto bias =
+          hn::Add(hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u)), hn::Set(du32, 0x7fffu));
+      return hn::BitCast(du16,
+                         hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)),
+                                        hn::Or(u, hn::Set(du32, 0x00400000u)), hn::Add(u, bias)));
+    };
+    Put(hn::ConcatOdd(du16, upper(v1), upper(v0)), du16, static_cast<uint16_t*>(row) + i, stream);
+    return;
+  }
+#endif
+  StoreF32<kT>(df, v0, row, i, stream);
+  StoreF32<kT>(df, v1, row, i + static_cast<int64_t>(hn::Lanes(df)), stream);
+}
+
 // A partial last vector goes through a vector-sized stack buffer, so no access passes the row's
 // end. Tail<kT> holds `count` < Lanes elements of dtype kT padded with zeros.
 template <DType kT>
