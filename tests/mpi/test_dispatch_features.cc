@@ -350,6 +350,12 @@ std::vector<Spec> grid() {
   add("special_only_const_fp32", [](Spec& s) { s.Q = 3, s.dtype = DType::kF32, s.K = 4; });
   add("special_with_shared_mask",
       [](Spec& s) { s.Z = 2, s.C = 1, s.Q = 1, s.S = 1, s.mask = Mask::kTwoD; });
+  // No const expert: combine_v2 sums each token's rows in one sum_rows (zero experts skipped,
+  // copy experts' ori_x rows, shared experts and shared_expert_x with weight 1).
+  add("special_zero_copy_no_const", [](Spec& s) { s.Z = 1, s.C = 1; });
+  add("special_zero_copy_shared_mask_x", [](Spec& s) {
+    s.Z = 2, s.C = 1, s.S = 1, s.mask = Mask::kTwoD, s.shared_x = true, s.dtype = DType::kF16;
+  });
   add("shared_expert_x_2d", [](Spec& s) { s.shared_x = true; });
   add("shared_expert_x_3d_with_S1",
       [](Spec& s) { s.shared_x = true, s.shared_x_3d = true, s.S = 1; });

@@ -243,6 +243,8 @@ TEST(Simd, SumRowsMatchesScalarInRowOrder) {
                   detail::store_f32(want.data(), out, i, acc);
                 }
                 expect_same_or_nan(out, got.data(), want.data(), n);
+                // One row: no two NaNs meet, so NaNs too have the scalar bits (quiet bit set).
+                if (count == 1) expect_same_bytes(got.data(), want.data(), ob);
                 expect_same_bytes(got.data() + ob, want.data() + ob, 8);  // nothing past the end
               }
           }
@@ -334,7 +336,7 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
           // The fused pass over 1..9 rows (whole and partial groups of eight): the same dot
           // products, each row of scale_row_f32, nothing past the ends.
           for (DType out : kFloatDTypes)
-            for (int count : {1, 3, 4, 5, 9}) {
+            for (int count : {1, 2, 3, 4, 5, 6, 7, 8, 9}) {
               SCOPED_TRACE(std::string("scaled to ") + dtype_name(out) +
                            " count=" + std::to_string(count));
               const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
@@ -356,7 +358,8 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
                 SCOPED_TRACE("row " + std::to_string(r));
                 const std::size_t ur = static_cast<std::size_t>(r);
                 expect_same_or_nan(DType::kF32, &dots[ur], &want[ur], 1);
-                expect_same_or_nan(out, a[ur].data(), b[ur].data(), n);
+                // g * w is one operation (w is never NaN): NaNs too have the scalar bits.
+                expect_same_bytes(a[ur].data(), b[ur].data(), ob);
                 expect_same_bytes(a[ur].data() + ob, b[ur].data() + ob, 8);
               }
               EXPECT_EQ(dots[static_cast<std::size_t>(count)], 2.0f);  // nothing past `count`
@@ -462,6 +465,74 @@ TEST(Simd, QuantMatchesReferenceOnEveryTarget) {
             expect_same_or_nan(DType::kF32, ak.data(), ar.data(), n + 1);
           }
         }
+  });
+}
+
+// quantize_rows_int8, the path the ops use: rows in groups (the max pass walks up to 4 rows side
+// by side), gathered through src_index and smooth_index; every row equals the ref/ oracle.
+TEST(Simd, QuantizeRowsMatchReferenceOnEveryTarget) {
+  for_each_target([] {
+    std::mt19937_64 rng(23);
+    for (DType dtype : kFloatDTypes)
+      for (int64_t n : {0, 1, 33, 517})
+        for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 17, 19, 35})
+          for (bool smoothed : {false, true}) {
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
+                         " rows=" + std::to_string(rows) + (smoothed ? " smoothed" : ""));
+            const std::size_t un = static_cast<std::size_t>(n);
+            const int64_t src_rows = rows + 3;  // gathered in a shuffled order
+            const std::size_t row_elems = un * dtype_size(dtype) / 2 + 2;
+            std::vector<uint16_t> x(static_cast<std::size_t>(src_rows) * row_elems);
+            for (int64_t r = 0; r < src_rows; ++r) {
+              const int kind = static_cast<int>(r % 4);  // 1: zero row, 2: Inf, 3: tiny
+              for (int64_t i = 0; i < n; ++i) {
+                float v = awkward(rng, false);
+                if (kind != 2 && std::isinf(v)) v = 3.0f;
+                if (kind == 1) v = 0.0f;
+                if (kind == 3) v = std::ldexp(v, -130);
+                detail::store_f32(x.data() + static_cast<std::size_t>(r) * row_elems, dtype, i, v);
+              }
+            }
+            std::vector<float> smooth(static_cast<std::size_t>(3 * n + 1));
+            for (auto& f : smooth) f = 0.5f + static_cast<float>(rng() % 1000) / 500.0f;
+            std::vector<int32_t> src_index, smooth_index;
+            for (int64_t r = 0; r < rows; ++r) {
+              src_index.push_back(static_cast<int32_t>(rng() % static_cast<uint64_t>(src_rows)));
+              smooth_index.push_back(static_cast<int32_t>(rng() % 3));
+            }
+            const int64_t q_stride = n + 5;
+            std::vector<int8_t> q(static_cast<std::size_t>(rows * q_stride), 99);
+            std::vector<float> scales(static_cast<std::size_t>(rows) + 1, 7.0f);
+            detail::QuantizeRowsInt8Args a;
+            a.rows = rows;
+            a.n = n;
+            a.dtype = dtype;
+            a.src = x.data();
+            a.src_stride = static_cast<int64_t>(row_elems * 2 / dtype_size(dtype));
+            a.src_index = src_index.data();
+            a.q = q.data();
+            a.q_stride = q_stride;
+            a.scales = scales.data();
+            if (smoothed) {
+              a.smooth = smooth.data();
+              a.smooth_stride = n;
+              a.smooth_index = smooth_index.data();
+            }
+            detail::quantize_rows_int8(a);
+            for (int64_t r = 0; r < rows; ++r) {
+              SCOPED_TRACE("row " + std::to_string(r));
+              const std::size_t ur = static_cast<std::size_t>(r);
+              std::vector<int8_t> qr(static_cast<std::size_t>(q_stride), 99);
+              const float sr = ref::quantize_row_int8(
+                  dtype, x.data() + static_cast<std::size_t>(src_index[ur]) * row_elems,
+                  smoothed ? smooth.data() + smooth_index[ur] * n : nullptr, n, qr.data());
+              EXPECT_TRUE(bits(scales[ur]) == bits(sr) ||
+                          (std::isnan(scales[ur]) && std::isnan(sr)));
+              expect_same_bytes(q.data() + r * q_stride, qr.data(), un);
+              EXPECT_EQ(q[static_cast<std::size_t>(r * q_stride + n)], 99);  // nothing past n
+            }
+            EXPECT_EQ(scales[static_cast<std::size_t>(rows)], 7.0f);
+          }
   });
 }
 

@@ -133,7 +133,8 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
 // (scale_row_f32), so each row of x is read once and g (fp32, in cache) is loaded once per use.
 constexpr size_t kDotLanes = 16;
 constexpr int64_t kDotBlock = 4 * kDotLanes;  // 128 bytes of a bf16 row
-constexpr int kMaxDotRows = 8;
+// 8 rows' accumulators fit AVX-512's 32 registers; 4 on narrower targets (16 registers).
+constexpr int kMaxDotRows = HWY_TARGET <= HWY_AVX3 ? 8 : 4;
 
 // acc + g[at..] * x[at..] for one vector; with kScale also dst[at..] = round(g[at..] * w).
 template <DType kX, DType kOut, bool kScale>
@@ -298,7 +299,7 @@ struct SumRowsF {
   template <DType kOut>
   struct To {
     static void run(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n,
-                    bool from_zero, bool stream) {
+                    bool stream, bool from_zero) {
       if (w != nullptr && from_zero) {
         SumRowsT<kIn, kOut, true, true>(dst, rows, w, count, n, stream);
       } else if (w != nullptr) {
@@ -389,16 +390,16 @@ void ScaleDot(float* out, void* const* dst, DType dst_dtype, const float* g, con
   if (stream) hwy::FlushStream();
 }
 void SumRows(void* dst, DType dst_dtype, const void* const* rows, const float* w, int64_t count,
-             DType src_dtype, int64_t n, bool from_zero, bool stream) {
+             DType src_dtype, int64_t n, bool stream, bool from_zero) {
   switch (src_dtype) {
     case DType::kBF16:
-      ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n, from_zero, stream);
+      ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero);
       break;
     case DType::kF16:
-      ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n, from_zero, stream);
+      ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero);
       break;
     default:
-      ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n, from_zero, stream);
+      ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero);
       break;
   }
   if (stream) hwy::FlushStream();
@@ -470,7 +471,7 @@ void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* 
     return;
   }
   HWY_DYNAMIC_DISPATCH(SumRows)
-  (dst, dst_dtype, rows, weights, count, src_dtype, n, from_zero, can_stream(dst, stream));
+  (dst, dst_dtype, rows, weights, count, src_dtype, n, can_stream(dst, stream), from_zero);
 }
 
 }  // namespace moe_ep::detail

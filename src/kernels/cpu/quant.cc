@@ -22,8 +22,8 @@
 
 namespace moe_ep::detail::quant_constants {
 constexpr float kQMax = 127.0f;
-// Adding (and subtracting) 1.5 * 2^23 rounds an fp32 of magnitude below 2^22 to the nearest integer,
-// ties to even (the default rounding mode), using only vectorisable adds.
+// Adding 1.5 * 2^23 to an fp32 of magnitude below 2^22 rounds it to the nearest integer, ties to
+// even (the default rounding mode): the sum is exactly 1.5 * 2^23 + rne(x). One vector add.
 constexpr float kRoundMagic = 12582912.0f;
 // Tiny rows (127 / amax overflows) are scaled up by 2^64 first; see quant.h.
 constexpr float kTinyUp = 0x1p64f;

@@ -74,8 +74,8 @@ void axpy_row_int8(float* acc, float w, const int8_t* q, float scale, int64_t n)
 // out[0..n) = fl(fp32(q[i]) * scale), one fp32 multiply per element.
 void dequantize_row_int8(const int8_t* q, float scale, int64_t n, float* out);
 
-// Many rows at once, OpenMP-parallel over rows; each row is quantize_row_int8 of its source row,
-// so the results do not depend on the thread count. Strides are in elements.
+// Many rows at once, OpenMP-parallel over groups of 16 rows; each row is quantize_row_int8 of its
+// source row, so the results do not depend on the thread count. Strides are in elements.
 struct QuantizeRowsInt8Args {
   const char* op = "quantize";  // names the op in error messages, e.g. "dispatch_v2"
   const char* name = "x";       // names the source tensor in error messages

@@ -100,7 +100,7 @@ HWY_INLINE void StoreF32(DF df, VF v, void* row, int64_t i, bool stream = false)
 // of two 32-byte ones, and fewer shuffles.
 template <DType kT>
 HWY_INLINE void StoreF32Pair(DF df, VF v0, VF v1, void* row, int64_t i, bool stream = false) {
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   if constexpr (kT == DType::kBF16) {
     const hn::RebindToUnsigned<DF> du32;
     const hn::Repartition<uint16_t, DF> du16;

@@ -27,6 +27,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <optional>
@@ -358,7 +359,7 @@ struct RowCopy {
 void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
   const int64_t n = static_cast<int64_t>(rows.size());
   std::stable_sort(rows.begin(), rows.end(),
-                   [](const RowCopy& a, const RowCopy& b) { return a.src < b.src; });
+                   [](const RowCopy& a, const RowCopy& b) { return std::less<>()(a.src, b.src); });
   std::vector<int64_t> first;  // group t is rows [first[t], first[t + 1])
   std::vector<void*> dst(rows.size());
   for (int64_t j = 0; j < n; ++j) {
