@@ -216,32 +216,9 @@ void ScaleDotRowsT(float* out, void* const* dst, const float* g, const float* w,
   for (int64_t r = 0; r < count; r += kMaxDotRows) {
     void* const* dr = kScale ? dst + r : dst;
     const float* wr = kScale ? w + r : w;
-    switch (count - r < kMaxDotRows ? count - r : kMaxDotRows) {
-      case 1:
-        ScaleDotT<kX, kOut, kScale, 1>(out + r, dr, g, wr, x + r, n, stream);
-        break;
-      case 2:
-        ScaleDotT<kX, kOut, kScale, 2>(out + r, dr, g, wr, x + r, n, stream);
-        break;
-      case 3:
-        ScaleDotT<kX, kOut, kScale, 3>(out + r, dr, g, wr, x + r, n, stream);
-        break;
-      case 4:
-        ScaleDotT<kX, kOut, kScale, 4>(out + r, dr, g, wr, x + r, n, stream);
-        break;
-      case 5:
-        ScaleDotT<kX, kOut, kScale, 5>(out + r, dr, g, wr, x + r, n, stream);
-        break;
-      case 6:
-        ScaleDotT<kX, kOut, kScale, 6>(out + r, dr, g, wr, x + r, n, stream);
-        break;
-      case 7:
-        ScaleDotT<kX, kOut, kScale, 7>(out + r, dr, g, wr, x + r, n, stream);
-        break;
-      default:
-        ScaleDotT<kX, kOut, kScale, kMaxDotRows>(out + r, dr, g, wr, x + r, n, stream);
-        break;
-    }
+    WithRowCount<kMaxDotRows>(std::min<int64_t>(count - r, kMaxDotRows), [&](auto rows) {
+      ScaleDotT<kX, kOut, kScale, decltype(rows)::value>(out + r, dr, g, wr, x + r, n, stream);
+    });
   }
 }
 
@@ -323,24 +300,6 @@ void ScaleRow(void* dst, DType dtype, const float* src, float w, int64_t n, bool
   ByDType<ScaleRowF>(dtype, dst, src, w, n, stream);
   if (stream) hwy::FlushStream();
 }
-void CopyRow(void* dst, const void* src, size_t bytes, bool stream) {
-  const hn::ScalableTag<uint8_t> d8;
-  const size_t lanes = hn::Lanes(d8);
-  auto* out = static_cast<uint8_t*>(dst);
-  const auto* in = static_cast<const uint8_t*>(src);
-  size_t i = 0;
-  for (; i + 4 * lanes <= bytes; i += 4 * lanes) {
-    const auto v0 = hn::LoadU(d8, in + i), v1 = hn::LoadU(d8, in + i + lanes);
-    const auto v2 = hn::LoadU(d8, in + i + 2 * lanes), v3 = hn::LoadU(d8, in + i + 3 * lanes);
-    Put(v0, d8, out + i, stream);
-    Put(v1, d8, out + i + lanes, stream);
-    Put(v2, d8, out + i + 2 * lanes, stream);
-    Put(v3, d8, out + i + 3 * lanes, stream);
-  }
-  for (; i + lanes <= bytes; i += lanes) Put(hn::LoadU(d8, in + i), d8, out + i, stream);
-  if (i < bytes) std::memcpy(out + i, in + i, bytes - i);
-  if (stream) hwy::FlushStream();
-}
 // One source row to count destinations, 4 vectors at a time: each block is loaded once and
 // stored to every destination, so the destinations are written side by side.
 void CopyRowTo(void* const* dst, int64_t count, const void* src, size_t bytes, bool stream) {
@@ -420,7 +379,6 @@ HWY_EXPORT(AxpyRow);
 HWY_EXPORT(AddRow);
 HWY_EXPORT(ScaleDot);
 HWY_EXPORT(SumRows);
-HWY_EXPORT(CopyRow);
 HWY_EXPORT(CopyRowTo);
 
 namespace {
@@ -441,7 +399,7 @@ void scale_row_f32(void* dst, DType dtype, const float* src, float w, int64_t n,
   HWY_DYNAMIC_DISPATCH(ScaleRow)(dst, dtype, src, w, n, can_stream(dst, stream));
 }
 void copy_row(void* dst, const void* src, std::size_t bytes, bool stream) {
-  HWY_DYNAMIC_DISPATCH(CopyRow)(dst, src, bytes, can_stream(dst, stream));
+  HWY_DYNAMIC_DISPATCH(CopyRowTo)(&dst, 1, src, bytes, can_stream(dst, stream));
 }
 void copy_row_to(void* const* dst, int64_t count, const void* src, std::size_t bytes, bool stream) {
   for (int64_t r = 0; r < count && stream; ++r) stream = can_stream(dst[r], stream);

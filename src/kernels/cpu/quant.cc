@@ -51,26 +51,6 @@ HWY_INLINE VF LoadXf(DF df, const void* x, const float* smooth, int64_t i, size_
   return v;
 }
 
-// The bit pattern of max_i |xf[i]|. For non-negative floats the integer order of the bit patterns
-// is the numeric order, and NaNs (> 0x7f800000) sort above Inf (== 0x7f800000) above every finite
-// value, so one integer max both finds amax and flags non-finite rows, whatever the lane order.
-template <DType kT, bool kSmooth>
-uint32_t AmaxBits(const void* x, const float* smooth, int64_t n) {
-  const DF df;
-  const hn::RebindToUnsigned<DF> du;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
-  const auto mask = hn::Set(du, kAbsMask);
-  auto m = hn::Zero(du);
-  int64_t i = 0;
-  for (; i + lanes <= n; i += lanes)
-    m = hn::Max(m, hn::And(hn::BitCast(du, LoadXf<kT, kSmooth>(df, x, smooth, i, 0)), mask));
-  if (i < n) {
-    const VF v = LoadXf<kT, kSmooth>(df, x, smooth, i, static_cast<size_t>(n - i));
-    m = hn::Max(m, hn::And(hn::BitCast(du, v), mask));
-  }
-  return hn::GetLane(hn::MaxOfLanes(du, m));
-}
-
 // q[i] = clamp(rne((xf[i] * pre) * s)); pre is 1 (exact, kPre false: not multiplied) or 2^64
 // (exact on tiny rows). rne: p + 1.5 * 2^23 (|p| < 127.5, far below 2^22) is the float
 // 1.5 * 2^23 + rne(p), exactly; clamping that float to 1.5 * 2^23 -+ 127 is clamping rne(p)
@@ -101,8 +81,11 @@ void QuantizePass(const void* x, const float* smooth, int64_t n, float pre, floa
   }
 }
 
-// AmaxBits of kRows rows, walked side by side (several rows in flight keep more memory requests
-// outstanding than one: this pass is the first read of each row).
+// The bit pattern of max_i |xf[i]| of each of kRows rows (out[r]). For non-negative floats the
+// integer order of the bit patterns is the numeric order, and NaNs (> 0x7f800000) sort above Inf
+// (== 0x7f800000) above every finite value, so one integer max both finds amax and flags non-finite
+// rows, whatever the lane order. The rows are walked side by side (several rows in flight keep more
+// memory requests outstanding than one: this pass is the first read of each row).
 template <DType kT, bool kSmooth, int kRows>
 void AmaxBitsRows(const void* const* x, const float* const* smooth, int64_t n, uint32_t* out) {
   const DF df;
@@ -153,7 +136,9 @@ float QuantizeWithAmax(uint32_t mb, const void* x, const float* smooth, int64_t 
 
 template <DType kT, bool kSmooth>
 float QuantizeT(const void* x, const float* smooth, int64_t n, int8_t* q) {
-  return QuantizeWithAmax<kT, kSmooth>(AmaxBits<kT, kSmooth>(x, smooth, n), x, smooth, n, q);
+  uint32_t mb;
+  AmaxBitsRows<kT, kSmooth, 1>(&x, &smooth, n, &mb);
+  return QuantizeWithAmax<kT, kSmooth>(mb, x, smooth, n, q);
 }
 
 constexpr int kQuantRows = 4;
@@ -166,20 +151,8 @@ void QuantizeRowsT(const void* const* x, const float* const* smooth, int64_t cou
     const int64_t c = std::min<int64_t>(kQuantRows, count - r);
     const float* const* sm = kSmooth ? smooth + r : nullptr;
     uint32_t mb[kQuantRows];
-    switch (c) {
-      case 1:
-        AmaxBitsRows<kT, kSmooth, 1>(x + r, sm, n, mb);
-        break;
-      case 2:
-        AmaxBitsRows<kT, kSmooth, 2>(x + r, sm, n, mb);
-        break;
-      case 3:
-        AmaxBitsRows<kT, kSmooth, 3>(x + r, sm, n, mb);
-        break;
-      default:
-        AmaxBitsRows<kT, kSmooth, kQuantRows>(x + r, sm, n, mb);
-        break;
-    }
+    WithRowCount<kQuantRows>(
+        c, [&](auto rows) { AmaxBitsRows<kT, kSmooth, decltype(rows)::value>(x + r, sm, n, mb); });
     for (int64_t j = 0; j < c; ++j)
       scales[r + j] =
           QuantizeWithAmax<kT, kSmooth>(mb[j], x[r + j], kSmooth ? sm[j] : nullptr, n, q[r + j]);

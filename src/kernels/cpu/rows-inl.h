@@ -11,7 +11,9 @@
 
 #include <hwy/highway.h>
 
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/cpu/convert.h"
 
@@ -91,6 +93,16 @@ HWY_INLINE void StoreF32(DF df, VF v, void* row, int64_t i, bool stream = false)
     auto* d = static_cast<uint16_t*>(row) + i;
     for (size_t l = 0; l < hn::Lanes(df); ++l) d[l] = f32_to_f16(tmp[l]);
   }
+}
+
+// f(std::integral_constant<int, count>{}) for 1 <= count <= kMax: a run-time row count as the
+// template argument of a kernel that walks that many rows side by side.
+template <int kMax, class F>
+HWY_INLINE void WithRowCount(int64_t count, F&& f) {
+  if constexpr (kMax > 1) {
+    if (count < kMax) return WithRowCount<kMax - 1>(count, f);
+  }
+  f(std::integral_constant<int, kMax>{});
 }
 
 // Two vectors, v0 at element i and v1 after it, as StoreF32 twice. On AVX-512 bf16 rows are
