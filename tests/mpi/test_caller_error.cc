@@ -53,6 +53,17 @@ Batch batch() {
   return b;
 }
 
+// combine_v2's inputs for the rows dispatch_v2 returned for batch b (identity experts).
+CombineInputs combine_inputs(const DispatchOutputs& d, const Batch& b) {
+  CombineInputs cin;
+  cin.expand_x = d.expand_x;
+  cin.expert_ids = b.ids;
+  cin.assist_info_for_combine = d.assist_info_for_combine;
+  cin.ep_send_counts = d.ep_recv_counts;
+  cin.expert_scales = b.scales;
+  return cin;
+}
+
 const char* kMessage = "from_dlpack: x dtype (code 2, bits 64) is not supported";
 
 TEST(CallerError, DispatchReportsItLikeItsOwnChecks) {
@@ -74,12 +85,7 @@ TEST(CallerError, DispatchReportsItLikeItsOwnChecks) {
   good.x = b.x;
   good.expert_ids = b.ids;
   const DispatchOutputs d = dispatch_v2(good, config());
-  CombineInputs cin;
-  cin.expand_x = d.expand_x;
-  cin.expert_ids = b.ids;
-  cin.assist_info_for_combine = d.assist_info_for_combine;
-  cin.ep_send_counts = d.ep_recv_counts;
-  cin.expert_scales = b.scales;
+  CombineInputs cin = combine_inputs(d, b);
   const Tensor y = combine_v2(cin, config());
   // x times the two weights of 0.5 (the identity experts): x itself, exactly.
   for (int64_t i = 0; i < b.x.numel(); ++i) EXPECT_EQ(y.ptr<float>()[i], b.x.ptr<float>()[i]);
@@ -92,12 +98,7 @@ TEST(CallerError, CombineReportsItLikeItsOwnChecks) {
   din.x = b.x;
   din.expert_ids = b.ids;
   const DispatchOutputs d = dispatch_v2(din, config());
-  CombineInputs cin;
-  cin.expand_x = d.expand_x;
-  cin.expert_ids = b.ids;
-  cin.assist_info_for_combine = d.assist_info_for_combine;
-  cin.ep_send_counts = d.ep_recv_counts;
-  cin.expert_scales = b.scales;
+  CombineInputs cin = combine_inputs(d, b);
   if (rank == bad) {
     cin = CombineInputs{};
     cin.caller_error = Error(ErrorKind::kInvalidArgument, "combine_v2: expand_x is not a tensor");
