@@ -1085,37 +1085,32 @@ def unconvertible_tensor_on_one_rank(ctx):
     spec = Spec(55, bs_all(ctx, 4), k=2, e=2 * w)
     mine = make_inputs(spec, rank)
     want = moe_ep.UnsupportedError if rank == bad else moe_ep.RemoteError
+
+    def raised_everywhere(op, name, call):
+        # call() raises `want` on this rank, promptly, naming the op and the tensor's dtype.
+        start, seen = time.monotonic(), None
+        try:
+            call()
+        except moe_ep.Error as err:
+            seen = err
+        took = time.monotonic() - start
+
+        def checks():
+            check(type(seen) is want, f"{op}: rank {rank} raised {seen!r}, want {want.__name__}")
+            check(op in str(seen) and f"{name} dtype" in str(seen),
+                  f"message does not name the op and {name}'s dtype: {seen}")
+            check(took < 20, f"{op} took {took:.1f} s to fail: a timeout, not the error")
+
+        agreed(ctx, checks)
+
     x = mine.x.double() if rank == bad else mine.x
-    start, seen = time.monotonic(), None
-    try:
-        mt.dispatch_v2(x, mine.ids, ctx.comm, moe_expert_num=spec.e)
-    except moe_ep.Error as err:
-        seen = err
-    took = time.monotonic() - start
-
-    def dispatch_checks():
-        check(type(seen) is want, f"dispatch_v2: rank {rank} raised {seen!r}, want {want.__name__}")
-        check("dispatch_v2" in str(seen) and "x dtype" in str(seen),
-              f"message does not name the op and x's dtype: {seen}")
-        check(took < 20, f"dispatch_v2 took {took:.1f} s to fail: a timeout, not the error")
-
-    agreed(ctx, dispatch_checks)
+    raised_everywhere("dispatch_v2", "x",
+                      lambda: mt.dispatch_v2(x, mine.ids, ctx.comm, moe_expert_num=spec.e))
     out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e)
     y = out[0].double() if rank == bad else out[0]
-    start, seen = time.monotonic(), None
-    try:
-        mt.combine_v2(y, mine.ids, out[2], out[4], mine.w, ctx.comm, moe_expert_num=spec.e)
-    except moe_ep.Error as err:
-        seen = err
-    took = time.monotonic() - start
-
-    def combine_checks():
-        check(type(seen) is want, f"combine_v2: rank {rank} raised {seen!r}, want {want.__name__}")
-        check("combine_v2" in str(seen) and "expand_x dtype" in str(seen),
-              f"message does not name the op and expand_x's dtype: {seen}")
-        check(took < 20, f"combine_v2 took {took:.1f} s to fail: a timeout, not the error")
-
-    agreed(ctx, combine_checks)
+    raised_everywhere("combine_v2", "expand_x",
+                      lambda: mt.combine_v2(y, mine.ids, out[2], out[4], mine.w, ctx.comm,
+                                            moe_expert_num=spec.e))
     round_trip(ctx, Spec(56, bs_all(ctx, 4), k=2, e=2 * w))  # the communicator still works
 
 
