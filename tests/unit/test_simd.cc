@@ -326,44 +326,58 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
               g[ui] = rng() % 4 == 0 ? 0.5f : -1.0f;
               for (auto& row : x) detail::store_f32(row.data(), dtype, i, rng() % 3 ? -0.0f : 0.0f);
             }
-          std::vector<float> want;
-          for (auto& row : x) {
-            xp.push_back(row.data());
-            want.push_back(blocked_dot(g.data(), row.data(), dtype, n));
+          for (auto& row : x) xp.push_back(row.data());
+          // g is read as fp32 (g_dtype kF32) and, rounded to x's dtype, as a row of that dtype
+          // (grad_out of unpermute_grad); gf holds the values the kernel must see in fp32.
+          std::vector<uint16_t> g_row(static_cast<std::size_t>(n) * dtype_size(dtype) / 2 + 1);
+          std::vector<float> g_rounded(g.size());
+          for (int64_t i = 0; i < n; ++i) {
+            detail::store_f32(g_row.data(), dtype, i, g[static_cast<std::size_t>(i)]);
+            g_rounded[static_cast<std::size_t>(i)] = detail::load_f32(g_row.data(), dtype, i);
           }
-          const float got = detail::dot_row_f32(g.data(), xp[0], dtype, n);
-          expect_same_or_nan(DType::kF32, &got, &want[0], 1);
-          // The fused pass over 1..9 rows (whole and partial groups of eight): the same dot
-          // products, each row of scale_row_f32, nothing past the ends.
-          for (DType out : kFloatDTypes)
-            for (int count : {1, 2, 3, 4, 5, 6, 7, 8, 9}) {
-              SCOPED_TRACE(std::string("scaled to ") + dtype_name(out) +
-                           " count=" + std::to_string(count));
-              const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
-              std::vector<std::vector<uint8_t>> a, b;
-              std::vector<void*> ap;
-              for (int r = 0; r < count; ++r) {
-                a.emplace_back(ob + 8, 0xa5);
-                b.emplace_back(ob + 8, 0xa5);
-                ap.push_back(a.back().data());
-                for (int64_t i = 0; i < n; ++i)
-                  detail::store_f32(
-                      b.back().data(), out, i,
-                      g[static_cast<std::size_t>(i)] * w[static_cast<std::size_t>(r)]);
-              }
-              std::vector<float> dots(static_cast<std::size_t>(count) + 1, 2.0f);
-              detail::scale_dot_rows_f32(dots.data(), ap.data(), out, g.data(), w.data(), xp.data(),
-                                         dtype, count, n);
-              for (int r = 0; r < count; ++r) {
-                SCOPED_TRACE("row " + std::to_string(r));
-                const std::size_t ur = static_cast<std::size_t>(r);
-                expect_same_or_nan(DType::kF32, &dots[ur], &want[ur], 1);
-                // g * w is one operation (w is never NaN): NaNs too have the scalar bits.
-                expect_same_bytes(a[ur].data(), b[ur].data(), ob);
-                expect_same_bytes(a[ur].data() + ob, b[ur].data() + ob, 8);
-              }
-              EXPECT_EQ(dots[static_cast<std::size_t>(count)], 2.0f);  // nothing past `count`
+          for (const DType g_dtype : {DType::kF32, dtype}) {
+            const bool rounded = g_dtype != DType::kF32;
+            SCOPED_TRACE(std::string("g as ") + dtype_name(g_dtype));
+            const std::vector<float>& gf = rounded ? g_rounded : g;
+            const void* const gp = rounded ? static_cast<const void*>(g_row.data()) : gf.data();
+            std::vector<float> want;
+            for (auto& row : x) want.push_back(blocked_dot(gf.data(), row.data(), dtype, n));
+            if (!rounded) {
+              const float got = detail::dot_row_f32(gf.data(), xp[0], dtype, n);
+              expect_same_or_nan(DType::kF32, &got, &want[0], 1);
             }
+            // The fused pass over 1..9 rows (whole and partial groups of eight): the same dot
+            // products, each row of scale_row_f32, nothing past the ends.
+            for (DType out : kFloatDTypes)
+              for (int count : {1, 2, 3, 4, 5, 6, 7, 8, 9}) {
+                SCOPED_TRACE(std::string("scaled to ") + dtype_name(out) +
+                             " count=" + std::to_string(count));
+                const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);
+                std::vector<std::vector<uint8_t>> a, b;
+                std::vector<void*> ap;
+                for (int r = 0; r < count; ++r) {
+                  a.emplace_back(ob + 8, 0xa5);
+                  b.emplace_back(ob + 8, 0xa5);
+                  ap.push_back(a.back().data());
+                  for (int64_t i = 0; i < n; ++i)
+                    detail::store_f32(
+                        b.back().data(), out, i,
+                        gf[static_cast<std::size_t>(i)] * w[static_cast<std::size_t>(r)]);
+                }
+                std::vector<float> dots(static_cast<std::size_t>(count) + 1, 2.0f);
+                detail::scale_dot_rows_f32(dots.data(), ap.data(), out, gp, g_dtype, w.data(),
+                                           xp.data(), dtype, count, n);
+                for (int r = 0; r < count; ++r) {
+                  SCOPED_TRACE("row " + std::to_string(r));
+                  const std::size_t ur = static_cast<std::size_t>(r);
+                  expect_same_or_nan(DType::kF32, &dots[ur], &want[ur], 1);
+                  // g * w is one operation (w is never NaN): NaNs too have the scalar bits.
+                  expect_same_bytes(a[ur].data(), b[ur].data(), ob);
+                  expect_same_bytes(a[ur].data() + ob, b[ur].data() + ob, 8);
+                }
+                EXPECT_EQ(dots[static_cast<std::size_t>(count)], 2.0f);  // nothing past `count`
+              }
+          }
         }
   });
 }

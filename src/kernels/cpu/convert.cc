@@ -130,29 +130,32 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
 // independent chains. kRows rows share g and are walked side by side, kDotBlock elements of each
 // in turn: several rows in flight keep more memory requests outstanding than one, and each row's
 // block of output is whole cache lines. With kScale the same pass writes dst[r] = round(g * w[r])
-// (scale_row_f32), so each row of x is read once and g (fp32, in cache) is loaded once per use.
+// (scale_row_f32), so each row of x is read once. g is read in its own dtype, one block at a
+// time into registers, by the same pass: its reads overlap those of the rows of x (a separate
+// conversion of g first would be a single stream the core waits for, about an eighth of the
+// time of unpermute_grad at top-8).
 constexpr size_t kDotLanes = 16;
 constexpr int64_t kDotBlock = 4 * kDotLanes;  // 128 bytes of a bf16 row
 // 8 rows' accumulators fit AVX-512's 32 registers; 4 on narrower targets (16 registers).
 constexpr int kMaxDotRows = HWY_TARGET <= HWY_AVX3 ? 8 : 4;
 
-// acc + g[at..] * x[at..] for one vector; with kScale also dst[at..] = round(g[at..] * w).
+// acc + g * x[at..] for one vector; with kScale also dst[at..] = round(g * w).
 template <DType kX, DType kOut, bool kScale>
-HWY_INLINE VF DotStep(DF df, VF acc, const float* g, VF w, const void* x, void* dst, int64_t at,
+HWY_INLINE VF DotStep(DF df, VF acc, VF g, VF w, const void* x, void* dst, int64_t at,
                       bool stream) {
-  const VF gv = hn::LoadU(df, g + at);
-  if constexpr (kScale) StoreF32<kOut>(df, hn::Mul(gv, w), dst, at, stream);
-  return hn::Add(acc, hn::Mul(gv, LoadF32<kX>(df, x, at)));  // the product rounded first
+  if constexpr (kScale) StoreF32<kOut>(df, hn::Mul(g, w), dst, at, stream);
+  return hn::Add(acc, hn::Mul(g, LoadF32<kX>(df, x, at)));  // the product rounded first
 }
 
 template <DType kX, DType kOut, bool kScale, int kRows>
-void ScaleDotT(float* out, void* const* dst, const float* g, const float* w, const void* const* x,
-               int64_t n, bool stream) {
+void ScaleDotT(float* out, void* const* dst, const void* g, DType g_dtype, const float* w,
+               const void* const* x, int64_t n, bool stream) {
   const DF df;
   constexpr size_t kLanes = hn::MaxLanes(DF());
   static_assert(kDotLanes % kLanes == 0, "dot_row_f32's 16 lanes must fill whole vectors");
   constexpr size_t kVecs = kDotLanes / kLanes;
   constexpr int64_t lanes = static_cast<int64_t>(kLanes);
+  constexpr size_t kBlockVecs = static_cast<size_t>(kDotBlock) / kLanes;
   VF vw[kRows];
   VF acc[kRows][kVecs];
   for (int r = 0; r < kRows; ++r) {
@@ -165,23 +168,33 @@ void ScaleDotT(float* out, void* const* dst, const float* g, const float* w, con
   // Element i + c (i a multiple of 16) belongs to lane (i + c) % 16, held by vector
   // (c / Lanes) % kVecs, and reaches it after the elements of that lane before it.
   int64_t i = 0;
-  for (; i + kDotBlock <= n; i += kDotBlock)
+  for (; i + kDotBlock <= n; i += kDotBlock) {
+    VF gv[kBlockVecs];
+    for (size_t v = 0; v < kBlockVecs; ++v)
+      gv[v] = LoadF32As(df, g_dtype, g, i + static_cast<int64_t>(v) * lanes);
+      // Unrolled, so that the accumulators stay in registers (indexed by a loop counter they
+      // would live on the stack).
+#pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r)
-      for (int64_t c = 0; c < kDotBlock; c += 2 * lanes) {  // two vectors, one pair of stores
-        const int64_t at = i + c;
-        const VF g0 = hn::LoadU(df, g + at), g1 = hn::LoadU(df, g + at + lanes);
+#pragma GCC unroll 16
+      for (size_t v = 0; v < kBlockVecs; v += 2) {  // two vectors, one pair of stores
+        const int64_t at = i + static_cast<int64_t>(v) * lanes;
         if constexpr (kScale)
-          StoreF32Pair<kOut>(df, hn::Mul(g0, vw[r]), hn::Mul(g1, vw[r]), d[r], at, stream);
-        VF& a0 = acc[r][static_cast<size_t>(c / lanes) % kVecs];
-        a0 = hn::Add(a0, hn::Mul(g0, LoadF32<kX>(df, x[r], at)));  // the product rounded first
-        VF& a1 = acc[r][static_cast<size_t>(c / lanes + 1) % kVecs];
-        a1 = hn::Add(a1, hn::Mul(g1, LoadF32<kX>(df, x[r], at + lanes)));
+          StoreF32Pair<kOut>(df, hn::Mul(gv[v], vw[r]), hn::Mul(gv[v + 1], vw[r]), d[r], at,
+                             stream);
+        VF& a0 = acc[r][v % kVecs];
+        a0 = hn::Add(a0, hn::Mul(gv[v], LoadF32<kX>(df, x[r], at)));  // the product rounded first
+        VF& a1 = acc[r][(v + 1) % kVecs];
+        a1 = hn::Add(a1, hn::Mul(gv[v + 1], LoadF32<kX>(df, x[r], at + lanes)));
       }
+  }
   for (; i + static_cast<int64_t>(kDotLanes) <= n; i += kDotLanes)
-    for (int r = 0; r < kRows; ++r)
-      for (size_t v = 0; v < kVecs; ++v)
-        acc[r][v] = DotStep<kX, kOut, kScale>(df, acc[r][v], g, vw[r], x[r], d[r],
-                                              i + static_cast<int64_t>(v) * lanes, stream);
+    for (size_t v = 0; v < kVecs; ++v) {
+      const int64_t at = i + static_cast<int64_t>(v) * lanes;
+      const VF gv = LoadF32As(df, g_dtype, g, at);
+      for (int r = 0; r < kRows; ++r)
+        acc[r][v] = DotStep<kX, kOut, kScale>(df, acc[r][v], gv, vw[r], x[r], d[r], at, stream);
+    }
   // The last n - i < 16 elements. A partial vector is padded with zeros, whose products (+0)
   // leave every lane unchanged: a lane starts at +0 and a sum rounded to nearest is -0 only when
   // both addends are -0, so no lane ever holds -0, and x + (+0) == x for every other x, NaN
@@ -190,12 +203,13 @@ void ScaleDotT(float* out, void* const* dst, const float* g, const float* w, con
     const int64_t at = i + static_cast<int64_t>(v) * lanes;
     if (at >= n) break;
     if (at + lanes <= n) {
+      const VF gv = LoadF32As(df, g_dtype, g, at);
       for (int r = 0; r < kRows; ++r)
-        acc[r][v] = DotStep<kX, kOut, kScale>(df, acc[r][v], g, vw[r], x[r], d[r], at, stream);
+        acc[r][v] = DotStep<kX, kOut, kScale>(df, acc[r][v], gv, vw[r], x[r], d[r], at, stream);
       continue;
     }
     const size_t rest = static_cast<size_t>(n - at);
-    const VF gv = Tail<DType::kF32>(g, at, rest).load(df);
+    const VF gv = TailF32As(df, g_dtype, g, at, rest);
     for (int r = 0; r < kRows; ++r) {
       acc[r][v] = hn::Add(acc[r][v], hn::Mul(gv, Tail<kX>(x[r], at, rest).load(df)));
       if constexpr (kScale) StoreTail<kOut>(df, hn::Mul(gv, vw[r]), d[r], at, rest);
@@ -211,13 +225,14 @@ void ScaleDotT(float* out, void* const* dst, const float* g, const float* w, con
 }
 
 template <DType kX, DType kOut, bool kScale>
-void ScaleDotRowsT(float* out, void* const* dst, const float* g, const float* w,
+void ScaleDotRowsT(float* out, void* const* dst, const void* g, DType g_dtype, const float* w,
                    const void* const* x, int64_t count, int64_t n, bool stream) {
   for (int64_t r = 0; r < count; r += kMaxDotRows) {
     void* const* dr = kScale ? dst + r : dst;
     const float* wr = kScale ? w + r : w;
     WithRowCount<kMaxDotRows>(std::min<int64_t>(count - r, kMaxDotRows), [&](auto rows) {
-      ScaleDotT<kX, kOut, kScale, decltype(rows)::value>(out + r, dr, g, wr, x + r, n, stream);
+      ScaleDotT<kX, kOut, kScale, decltype(rows)::value>(out + r, dr, g, g_dtype, wr, x + r, n,
+                                                         stream);
     });
   }
 }
@@ -261,12 +276,12 @@ template <DType kX>
 struct ScaleDotF {
   template <DType kOut>
   struct To {
-    static void run(float* out, void* const* dst, const float* g, const float* w,
+    static void run(float* out, void* const* dst, const void* g, DType g_dtype, const float* w,
                     const void* const* x, int64_t count, int64_t n, bool stream) {
       if (dst != nullptr) {
-        ScaleDotRowsT<kX, kOut, true>(out, dst, g, w, x, count, n, stream);
+        ScaleDotRowsT<kX, kOut, true>(out, dst, g, g_dtype, w, x, count, n, stream);
       } else {
-        ScaleDotRowsT<kX, kOut, false>(out, dst, g, w, x, count, n, stream);
+        ScaleDotRowsT<kX, kOut, false>(out, dst, g, g_dtype, w, x, count, n, stream);
       }
     }
   };
@@ -333,17 +348,18 @@ void AddRow(float* acc, const void* src, DType dtype, int64_t n) {
   ByDType<AddRowF>(dtype, acc, src, n);
 }
 // dst == null: dot products only (dst_dtype and w unused).
-void ScaleDot(float* out, void* const* dst, DType dst_dtype, const float* g, const float* w,
-              const void* const* x, DType x_dtype, int64_t count, int64_t n, bool stream) {
+void ScaleDot(float* out, void* const* dst, DType dst_dtype, const void* g, DType g_dtype,
+              const float* w, const void* const* x, DType x_dtype, int64_t count, int64_t n,
+              bool stream) {
   switch (x_dtype) {
     case DType::kBF16:
-      ByDType<ScaleDotF<DType::kBF16>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
+      ByDType<ScaleDotF<DType::kBF16>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream);
       break;
     case DType::kF16:
-      ByDType<ScaleDotF<DType::kF16>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
+      ByDType<ScaleDotF<DType::kF16>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream);
       break;
     default:
-      ByDType<ScaleDotF<DType::kF32>::To>(dst_dtype, out, dst, g, w, x, count, n, stream);
+      ByDType<ScaleDotF<DType::kF32>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream);
       break;
   }
   if (stream) hwy::FlushStream();
@@ -413,14 +429,16 @@ void add_row_f32(float* acc, const void* src, DType dtype, int64_t n) {
 }
 float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n) {
   float out;
-  HWY_DYNAMIC_DISPATCH(ScaleDot)(&out, nullptr, DType::kF32, g, nullptr, &x, dtype, 1, n, false);
+  HWY_DYNAMIC_DISPATCH(ScaleDot)
+  (&out, nullptr, DType::kF32, g, DType::kF32, nullptr, &x, dtype, 1, n, false);
   return out;
 }
-void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const float* g,
+void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const void* g, DType g_dtype,
                         const float* w, const void* const* x, DType x_dtype, int64_t count,
                         int64_t n, bool stream) {
   for (int64_t r = 0; r < count && stream; ++r) stream = can_stream(dst[r], stream);
-  HWY_DYNAMIC_DISPATCH(ScaleDot)(out, dst, dst_dtype, g, w, x, x_dtype, count, n, stream);
+  HWY_DYNAMIC_DISPATCH(ScaleDot)
+  (out, dst, dst_dtype, g, g_dtype, w, x, x_dtype, count, n, stream);
 }
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
               int64_t count, DType src_dtype, int64_t n, bool stream, bool from_zero) {

@@ -104,11 +104,12 @@ void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* 
 // acc[0] (+0 when n == 0). The lanes are vector lanes on every target (one AVX-512 vector, two
 // AVX2 or four SSE vectors, 16 scalars in the fallback), so the sum is one pass along the row.
 float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n);
-// The entries of a token in unpermute_grad, in one pass: for r < count, out[r] =
-// dot_row_f32(g, x[r], x_dtype, n) and dst[r][0..n) = round(g[0..n) * w[r]) in dst_dtype, as
-// scale_row_f32(dst[r], dst_dtype, g, w[r], n, stream). Each row of x is read once; up to eight
-// rows are walked side by side. The dst rows must not overlap g or the rows of x.
-void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const float* g,
+// The entries of a token in unpermute_grad, in one pass: with gf = fp32(g[0..n)) (g a row of
+// g_dtype), for r < count, out[r] = dot_row_f32(gf, x[r], x_dtype, n) and dst[r][0..n) =
+// round(gf * w[r]) in dst_dtype, as scale_row_f32(dst[r], dst_dtype, gf, w[r], n, stream). Each
+// row of x and g is read once per group of up to eight rows walked side by side. The dst rows must
+// not overlap g or the rows of x.
+void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const void* g, DType g_dtype,
                         const float* w, const void* const* x, DType x_dtype, int64_t count,
                         int64_t n, bool stream = false);
 

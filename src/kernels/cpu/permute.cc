@@ -356,14 +356,13 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   const TensorView& probs = *q.probs;
   const TensorView& x = *q.permuted_tokens;
   void* const gprobs = res.grad_probs.data();
-  // One token at a time: grad_out's row in fp32 once (it stays in L1/L2), then one pass over
-  // the token's present entries that reads each permuted row once, writes its scaled copy
-  // (grad_permuted) and computes its dot product (detail::scale_dot_rows_f32, in the order
-  // permute.h fixes).
+  // One token at a time: one pass over grad_out's row and the token's present entries that
+  // reads each permuted row once, writes its scaled copy (grad_permuted) and computes its dot
+  // product (detail::scale_dot_rows_f32, in the order permute.h fixes).
 #pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
   {
     const std::size_t ut = static_cast<std::size_t>(topk);
-    std::vector<float> gbuf(static_cast<std::size_t>(h)), w(ut), dots(ut);
+    std::vector<float> w(ut), dots(ut);
     std::vector<void*> dst(ut);
     std::vector<const void*> rows(ut);
     std::vector<int64_t> entry(ut);
@@ -383,8 +382,7 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
         entry[count++] = j;
       }
       if (count == 0) continue;
-      if (h > 0) detail::load_row_f32(gbuf.data(), row_ptr(g, i), g.dtype, h);
-      detail::scale_dot_rows_f32(dots.data(), dst.data(), q.dtype, gbuf.data(), w.data(),
+      detail::scale_dot_rows_f32(dots.data(), dst.data(), q.dtype, row_ptr(g, i), g.dtype, w.data(),
                                  rows.data(), x.dtype, static_cast<int64_t>(count), h, stream);
       for (std::size_t c = 0; c < count; ++c)
         detail::store_f32(gprobs, probs.dtype, entry[c], dots[c]);
