@@ -822,8 +822,10 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   // and its copies are row copies; with scales each copy is quantised on its own. Rows for MPI
   // destinations go to the send buffer, rows for shared-memory ones straight to their place.
   std::vector<int32_t> src_index, smooth_index;
-  std::vector<int32_t> tok_row;     // without scales: token i's row in tok_q (-1: not sent)
-  std::unique_ptr<int8_t[]> tok_q;  // (tokens, H), written before it is read: not zeroed
+  std::vector<int32_t> tok_row;  // without scales: token i's row in tok_q (-1: not sent)
+  // (tokens, H), written before it is read: not zeroed; from the library's block cache, so that
+  // repeated calls reuse one block (Tensor::empty) instead of allocating it on every call.
+  Tensor tok_q;
   std::vector<float> tok_scale;
   detail::QuantizeRowsInt8Args qa;
   if (quant) {
@@ -856,12 +858,12 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         }
       }
       const int64_t tokens = static_cast<int64_t>(src_index.size());
-      tok_q.reset(new int8_t[static_cast<std::size_t>(tokens * sh.H)]);
+      tok_q = Tensor::empty(DType::kI8, {tokens, sh.H});
       tok_scale.resize(static_cast<std::size_t>(tokens));
       detail::QuantizeRowsInt8Args a = qa;
       a.rows = tokens;
       a.src_index = src_index.data();
-      a.q = tok_q.get();
+      a.q = tok_q.ptr<int8_t>();
       a.scales = tok_scale.data();
       detail::quantize_rows_int8(a);
       for (int64_t j = 0; j < n; ++j) (*qsend_scale)[j] = tok_scale[tok_row[send.order[j] / sh.KS]];
@@ -869,7 +871,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   }
   // The int8 row of send-order entry j when each token was quantised once.
   auto tok_q_row = [&](int64_t j) {
-    return reinterpret_cast<const char*>(tok_q.get()) + tok_row[send.order[j] / sh.KS] * sh.H;
+    return tok_q.ptr<const char>() + tok_row[send.order[j] / sh.KS] * sh.H;
   };
   // Writes the int8 rows of send-order entries [first, first + n) to q.
   std::vector<RowCopy> copies;
