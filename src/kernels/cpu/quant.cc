@@ -197,6 +197,82 @@ float QuantizeRow(const void* x, DType dtype, const float* smooth, int64_t n, in
   }
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// The int8 values of four vectors from QuantizePass's rounding (each the low byte of a 32-bit
+// lane), in element order, as one full vector of bytes: one store per destination. (The scalar
+// target has no byte shuffles; there QuantizeToT quantises into the first destination and copies.)
+template <class DU>
+HWY_INLINE hn::Vec<hn::Repartition<uint8_t, DU>> PackLowBytes(DU, hn::Vec<DU> b0, hn::Vec<DU> b1,
+                                                              hn::Vec<DU> b2, hn::Vec<DU> b3) {
+  const hn::Repartition<uint16_t, DU> d16;
+  const hn::Repartition<uint8_t, DU> d8;
+  // ConcatEven(hi, lo): the even lanes of lo, then those of hi. The even 16-bit half of a 32-bit
+  // lane is its low half (little endian), and the even byte of that is the low byte.
+  const auto t01 = hn::ConcatEven(d16, hn::BitCast(d16, b1), hn::BitCast(d16, b0));
+  const auto t23 = hn::ConcatEven(d16, hn::BitCast(d16, b3), hn::BitCast(d16, b2));
+  return hn::ConcatEven(d8, hn::BitCast(d8, t23), hn::BitCast(d8, t01));
+}
+#endif
+
+// quantize_row_int8 of one row without smoothing, its int8 row written to each of count
+// destinations: a max pass over x, then one pass that quantises four vectors at a time and stores
+// them to every destination. The arithmetic runs between the stores, which bound the time when a
+// token goes to several places (dispatch_v2: one copy per expert), so it costs little on top of
+// the copies. Zero, non-finite and tiny rows go through QuantizeWithAmax once, then are copied.
+template <DType kT>
+float QuantizeToT(const void* x, int64_t n, int8_t* const* dst, int64_t count) {
+  uint32_t mb;
+  AmaxBitsRows<kT, false, 1>(&x, nullptr, n, &mb);
+  float amax;
+  std::memcpy(&amax, &mb, 4);
+  const float s = mb == 0 || mb >= kInfBits ? 0.0f : kQMax / amax;
+  if (s == 0.0f || s > std::numeric_limits<float>::max()) {
+    const float scale = QuantizeWithAmax<kT, false>(mb, x, nullptr, n, dst[0]);
+    for (int64_t r = 1; r < count; ++r) std::memcpy(dst[r], dst[0], static_cast<std::size_t>(n));
+    return scale;
+  }
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::Repartition<uint8_t, DF> d8;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const VF vs = hn::Set(df, s), magic = hn::Set(df, kRoundMagic);
+  const VF lo = hn::Set(df, kRoundMagic - kQMax), hi = hn::Set(df, kRoundMagic + kQMax);
+  auto bits = [&](int64_t at) {  // as QuantizePass<kT, false, false>
+    const VF p = hn::Mul(LoadF32<kT>(df, x, at), vs);
+    return hn::BitCast(du, hn::Min(hn::Max(hn::Add(p, magic), lo), hi));
+  };
+  int64_t i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  for (; i + 4 * lanes <= n; i += 4 * lanes) {
+    const auto v =
+        PackLowBytes(du, bits(i), bits(i + lanes), bits(i + 2 * lanes), bits(i + 3 * lanes));
+    for (int64_t r = 0; r < count; ++r) hn::StoreU(v, d8, reinterpret_cast<uint8_t*>(dst[r]) + i);
+  }
+#else
+  (void)bits;
+  (void)d8;
+  (void)lanes;
+#endif
+  if (i < n) {  // fewer than four vectors left
+    const auto* xi = static_cast<const char*>(x) + i * static_cast<int64_t>(dtype_size(kT));
+    QuantizePass<kT, false, false>(xi, nullptr, n - i, 1.0f, s, dst[0] + i);
+    for (int64_t r = 1; r < count; ++r)
+      std::memcpy(dst[r] + i, dst[0] + i, static_cast<std::size_t>(n - i));
+  }
+  return 1.0f / s;
+}
+
+float QuantizeTo(const void* x, DType dtype, int64_t n, int8_t* const* dst, int64_t count) {
+  switch (dtype) {
+    case DType::kBF16:
+      return QuantizeToT<DType::kBF16>(x, n, dst, count);
+    case DType::kF16:
+      return QuantizeToT<DType::kF16>(x, n, dst, count);
+    default:
+      return QuantizeToT<DType::kF32>(x, n, dst, count);
+  }
+}
+
 // fl(fp32(q[i]) * scale), Lanes values at i (rest > 0: a partial last vector, zero-padded).
 HWY_INLINE VF Dequant(DF df, const int8_t* q, VF scale, int64_t i, size_t rest) {
   const hn::RebindToSigned<DF> di;
@@ -250,6 +326,7 @@ namespace moe_ep::detail {
 
 HWY_EXPORT(QuantizeRow);
 HWY_EXPORT(QuantizeRows);
+HWY_EXPORT(QuantizeTo);
 HWY_EXPORT(AxpyRowInt8);
 HWY_EXPORT(DequantizeRowInt8);
 
@@ -260,6 +337,14 @@ float quantize_row_int8(const void* src, DType dtype, const float* smooth, int64
     fail(ErrorKind::kInternal, "quantize_row_int8: dtype ", dtype_name(dtype),
          " is not bf16, fp16 or fp32 (please report this bug)");
   return HWY_DYNAMIC_DISPATCH(QuantizeRow)(src, dtype, smooth, n, q);
+}
+
+float quantize_row_int8_to(const void* src, DType dtype, int64_t n, int8_t* const* dst,
+                           int64_t count) {
+  MOE_EP_CHECK(n >= 0 && count >= 1);
+  MOE_EP_CHECK(n == 0 || src != nullptr);
+  MOE_EP_CHECK(dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32);
+  return HWY_DYNAMIC_DISPATCH(QuantizeTo)(src, dtype, n, dst, count);
 }
 
 void axpy_row_int8(float* acc, float w, const int8_t* q, float scale, int64_t n) {

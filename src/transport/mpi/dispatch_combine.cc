@@ -374,6 +374,37 @@ void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
                         static_cast<std::size_t>(row_bytes));
 }
 
+// quant_mode 2 without smoothing scales: every copy of a token quantises to the same bytes. Like
+// parallel_copy, grouped by source row, but each group is one quantize_row_int8_to: the token is
+// quantised once and its int8 row stored to all its destinations in the same pass, so the
+// quantisation runs between the stores instead of before them. scales[j] gets the dynamic scale
+// of each entry j. Reorders rows.
+struct QuantCopy {
+  const char* src;  // the token's row of x
+  char* dst;        // H int8 values
+  int64_t j;        // send-order entry
+};
+void parallel_quantize(std::vector<QuantCopy>& rows, int64_t h, DType dtype, float* scales) {
+  const int64_t n = static_cast<int64_t>(rows.size());
+  std::stable_sort(rows.begin(), rows.end(), [](const QuantCopy& a, const QuantCopy& b) {
+    return std::less<>()(a.src, b.src);
+  });
+  std::vector<int64_t> first;  // group t is rows [first[t], first[t + 1])
+  std::vector<int8_t*> dst(rows.size());
+  for (int64_t j = 0; j < n; ++j) {
+    if (j == 0 || rows[j].src != rows[j - 1].src) first.push_back(j);
+    dst[j] = reinterpret_cast<int8_t*>(rows[j].dst);
+  }
+  first.push_back(n);
+  const int64_t groups = static_cast<int64_t>(first.size()) - 1;
+#pragma omp parallel for schedule(static) if (n * h > (int64_t{1} << 16))
+  for (int64_t t = 0; t < groups; ++t) {
+    const float scale = detail::quantize_row_int8_to(
+        rows[first[t]].src, dtype, h, dst.data() + first[t], first[t + 1] - first[t]);
+    for (int64_t r = first[t]; r < first[t + 1]; ++r) scales[rows[r].j] = scale;
+  }
+}
+
 // ---- Tensor parallelism, tp_world_size 2 (SPEC §1.1 step 3, §2) --------------------------------
 // A TP pair (group_tp, 2 ranks) is the same EP rank (same expert, L = 1) of two EP groups.
 // dispatch_v2 appends the peer's rows after this rank's own, PACKED: own rows [0, valid_own), the
@@ -818,15 +849,11 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
 
   // quant_mode 2 (SPEC §1.5): every (token, destination) copy in send order, smoothed by its
   // expert's row of scales (Ns + e for MoE expert e, s for shared expert s). Without scales every
-  // copy of a token quantises to the same bytes, so each sent token is quantised once (tok_q)
-  // and its copies are row copies; with scales each copy is quantised on its own. Rows for MPI
-  // destinations go to the send buffer, rows for shared-memory ones straight to their place.
+  // copy of a token quantises to the same bytes, so each sent token is quantised once and stored
+  // to all its destinations in the same pass (parallel_quantize); with scales each copy is
+  // quantised on its own. Rows for MPI destinations go to the send buffer, rows for
+  // shared-memory ones straight to their place.
   std::vector<int32_t> src_index, smooth_index;
-  std::vector<int32_t> tok_row;  // without scales: token i's row in tok_q (-1: not sent)
-  // (tokens, H), written before it is read: not zeroed; from the library's block cache, so that
-  // repeated calls reuse one block (Tensor::empty) instead of allocating it on every call.
-  Tensor tok_q;
-  std::vector<float> tok_scale;
   detail::QuantizeRowsInt8Args qa;
   if (quant) {
     const int64_t n = static_cast<int64_t>(send.order.size());
@@ -848,38 +875,20 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       }
       qa.smooth = in.scales->ptr<float>();
       qa.smooth_stride = sh.H;
-    } else {
-      tok_row.assign(static_cast<std::size_t>(sh.BS), -1);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t i = send.order[j] / sh.KS;
-        if (tok_row[i] < 0) {
-          tok_row[i] = static_cast<int32_t>(src_index.size());
-          src_index.push_back(static_cast<int32_t>(i));
-        }
-      }
-      const int64_t tokens = static_cast<int64_t>(src_index.size());
-      tok_q = Tensor::empty(DType::kI8, {tokens, sh.H});
-      tok_scale.resize(static_cast<std::size_t>(tokens));
-      detail::QuantizeRowsInt8Args a = qa;
-      a.rows = tokens;
-      a.src_index = src_index.data();
-      a.q = tok_q.ptr<int8_t>();
-      a.scales = tok_scale.data();
-      detail::quantize_rows_int8(a);
-      for (int64_t j = 0; j < n; ++j) (*qsend_scale)[j] = tok_scale[tok_row[send.order[j] / sh.KS]];
     }
   }
-  // The int8 row of send-order entry j when each token was quantised once.
-  auto tok_q_row = [&](int64_t j) {
-    return tok_q.ptr<const char>() + tok_row[send.order[j] / sh.KS] * sh.H;
-  };
-  // Writes the int8 rows of send-order entries [first, first + n) to q.
+  // Writes the int8 rows of send-order entries [first, first + n) to q (without scales: queued
+  // in qcopies, written by parallel_quantize).
   std::vector<RowCopy> copies;
+  std::vector<QuantCopy> qcopies;
   auto quantise = [&](int64_t first, int64_t n, int8_t* q) {
     if (n == 0) return;
     if (!in.scales) {
-      for (int64_t r = 0; r < n; ++r)
-        copies.push_back({tok_q_row(first + r), reinterpret_cast<char*>(q) + r * sh.H});
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t i = send.order[first + r] / sh.KS;
+        qcopies.push_back({in.x.ptr<char>() + i * in.x.strides[0] * esize,
+                           reinterpret_cast<char*>(q) + r * sh.H, first + r});
+      }
       return;
     }
     detail::QuantizeRowsInt8Args a = qa;
@@ -895,8 +904,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       if (!shm_to[d])
         quantise(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d],
                  qsend->data() + send.rank_offset[d] * sh.H);
-    parallel_copy(copies, sh.H);  // MPI's send buffer
-    copies.clear();
+    parallel_quantize(qcopies, sh.H, sh.dtype, qsend_scale->data());  // MPI's send buffer
+    qcopies.clear();
   }
 
   // Phase "rows": rows and their metadata, one message each per peer and direction. With shared
@@ -965,7 +974,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     }
     // Shared memory: each (destination, local expert) run of the send order is contiguous at
     // its destination; bf16/fp16/fp32 rows are copied there in parallel (the one copy), int8
-    // rows copied from tok_q, or, with smoothing scales, quantised there.
+    // rows quantised there (once per token without smoothing scales, once per copy with them).
     for (int d = 0; d < W; ++d) {
       if (!shm_to[d]) continue;
       int64_t j = send.rank_offset[d];
@@ -985,6 +994,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       MOE_EP_CHECK(j == send.rank_offset[d + 1]);
     }
     parallel_copy(copies, out_row_bytes);
+    parallel_quantize(qcopies, sh.H, sh.dtype, quant ? qsend_scale->data() : nullptr);
     if (shm) shm->sync();  // the rows are in place before their metadata announces them
     for (int d = 0; d < W; ++d) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
