@@ -484,19 +484,27 @@ TEST(Simd, QuantMatchesReferenceOnEveryTarget) {
 
 // quantize_rows_int8, the path the ops use: rows in groups (the max pass walks up to 4 rows side
 // by side), gathered through src_index and smooth_index; every row equals the ref/ oracle.
-// quantize_row_int8_to: the reference's int8 row and scale, written to every destination, on
-// every target; rows with fewer than four vectors left at the end, zero, non-finite and tiny rows.
-TEST(Simd, QuantizeRowToEveryDestinationMatchesReference) {
+// quantize_rows_int8_to: each row's reference int8 row and scale, written to every one of its
+// destinations, on every target: rows with fewer than four vectors left at the end, and zero,
+// non-finite and tiny rows between ordinary ones (each row's max is read during the row before).
+TEST(Simd, QuantizeRowsToEveryDestinationMatchReference) {
   for_each_target([] {
     std::mt19937_64 rng(29);
     for (DType dtype : kFloatDTypes)
       for (int64_t n : {0, 1, 15, 64, 65, 127, 200, 517, 7168})
-        for (int kind = 0; kind < 5; ++kind)  // 0: awkward, 1: zero, 2: Inf, 3: NaN, 4: tiny
-          for (int64_t count : {1, 2, 3, 8}) {
-            SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
-                         " kind=" + std::to_string(kind) + " count=" + std::to_string(count));
-            const std::size_t un = static_cast<std::size_t>(n);
-            std::vector<uint16_t> x(un * dtype_size(dtype) / 2 + 1);
+        for (int64_t rows : {1, 2, 7}) {
+          SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
+                       " rows=" + std::to_string(rows));
+          const std::size_t un = static_cast<std::size_t>(n);
+          const std::size_t row_elems = un * dtype_size(dtype) / 2 + 1;
+          std::vector<std::vector<uint16_t>> x;
+          std::vector<const void*> xp;
+          std::vector<int64_t> first = {0};
+          for (int64_t t = 0; t < rows; ++t) {
+            // kind 0: awkward values, 1: zero, 2: an Inf, 3: a NaN, 4: tiny (rows = 7: each once,
+            // between ordinary rows)
+            const int kind = rows == 7 ? static_cast<int>(t % 5) : static_cast<int>(rng() % 5);
+            x.emplace_back(row_elems);
             for (int64_t i = 0; i < n; ++i) {
               float v = awkward(rng, false);
               if (std::isinf(v)) v = -2.5f;
@@ -504,24 +512,31 @@ TEST(Simd, QuantizeRowToEveryDestinationMatchesReference) {
               if (kind == 2 && i == n / 2) v = -INFINITY;
               if (kind == 3 && i == n - 1) v = NAN;
               if (kind == 4) v = std::ldexp(v, -130);
-              detail::store_f32(x.data(), dtype, i, v);
+              detail::store_f32(x.back().data(), dtype, i, v);
             }
-            std::vector<int8_t> want(un + 1, 99);
-            const float want_scale =
-                ref::quantize_row_int8(dtype, x.data(), nullptr, n, want.data());
-            std::vector<std::vector<int8_t>> q;
-            std::vector<int8_t*> qp;
-            for (int64_t r = 0; r < count; ++r) q.emplace_back(un + 1, 99);
-            for (auto& row : q) qp.push_back(row.data());
-            const float scale = detail::quantize_row_int8_to(x.data(), dtype, n, qp.data(), count);
-            EXPECT_TRUE(bits(scale) == bits(want_scale) ||
-                        (std::isnan(scale) && std::isnan(want_scale)))
-                << scale << " vs " << want_scale;
-            for (int64_t r = 0; r < count; ++r) {
-              SCOPED_TRACE("destination " + std::to_string(r));
-              expect_same_bytes(q[static_cast<std::size_t>(r)].data(), want.data(), un + 1);
-            }
+            first.push_back(first.back() + 1 + static_cast<int64_t>(rng() % 8));  // 1..8 copies
           }
+          for (auto& row : x) xp.push_back(row.data());
+          std::vector<std::vector<int8_t>> q(static_cast<std::size_t>(first.back()),
+                                             std::vector<int8_t>(un + 1, 99));
+          std::vector<int8_t*> qp;
+          for (auto& row : q) qp.push_back(row.data());
+          std::vector<float> scales(static_cast<std::size_t>(rows) + 1, 7.0f);
+          detail::quantize_rows_int8_to(xp.data(), dtype, rows, n, qp.data(), first.data(),
+                                        scales.data());
+          for (int64_t t = 0; t < rows; ++t) {
+            SCOPED_TRACE("row " + std::to_string(t));
+            const std::size_t ut = static_cast<std::size_t>(t);
+            std::vector<int8_t> want(un + 1, 99);
+            const float want_scale = ref::quantize_row_int8(dtype, xp[ut], nullptr, n, want.data());
+            EXPECT_TRUE(bits(scales[ut]) == bits(want_scale) ||
+                        (std::isnan(scales[ut]) && std::isnan(want_scale)))
+                << scales[ut] << " vs " << want_scale;
+            for (int64_t r = first[ut]; r < first[ut + 1]; ++r)
+              expect_same_bytes(q[static_cast<std::size_t>(r)].data(), want.data(), un + 1);
+          }
+          EXPECT_EQ(scales[static_cast<std::size_t>(rows)], 7.0f);  // nothing past `rows`
+        }
   });
 }
 

@@ -66,14 +66,15 @@ namespace moe_ep::detail {
 // non-finite row. Throws only Error(kInternal) for a dtype other than bf16/fp16/fp32.
 float quantize_row_int8(const void* src, DType dtype, const float* smooth, int64_t n, int8_t* q);
 
-// quantize_row_int8(src, dtype, nullptr, n, dst[0]) with the same n int8 values also written to
-// dst[1..count): one token's row for each of its destinations, quantised once and stored to all
-// of them in the same pass (dispatch_v2, quant_mode 2 without smoothing scales).
-//   src:   [in] n elements of `dtype` (bf16, fp16 or fp32), contiguous; may be null when n == 0.
-//   dst:   [in] count >= 1 pointers to n writable int8 each (not overlapping src or each other).
-// Returns the dynamic scale, as quantize_row_int8.
-float quantize_row_int8_to(const void* src, DType dtype, int64_t n, int8_t* const* dst,
-                           int64_t count);
+// quantize_row_int8 without smoothing of rows rows in turn, each written to several places: row t
+// (src[t], n contiguous elements of `dtype`, bf16/fp16/fp32) is quantised once and its n int8
+// values stored to each of dst[first[t]], ..., dst[first[t + 1] - 1] (first: rows + 1 increasing
+// offsets, first[t + 1] > first[t]); scales[t] gets its dynamic scale. One token's row for each of
+// its destinations (dispatch_v2, quant_mode 2 without smoothing scales), in one pass per row that
+// also reads the next row for its max. The dst rows must not overlap the src rows or each other.
+// One thread; the bits equal quantize_row_int8's.
+void quantize_rows_int8_to(const void* const* src, DType dtype, int64_t rows, int64_t n,
+                           int8_t* const* dst, const int64_t* first, float* scales);
 
 // acc[0..n) += w * fl(fp32(q[i]) * scale): the dequantised value rounded to fp32, then the product
 // with w rounded to fp32, then the add (no FMA), exactly as axpy_row_f32 on dequantize_row_int8's

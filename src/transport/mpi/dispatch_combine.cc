@@ -23,6 +23,8 @@
 // even when empty, so a disagreement between ranks shows up as a count mismatch (an error)
 // instead of a stray message that would poison the next op; dispatch's per-block messages follow
 // the counts the senders themselves sent, so they cannot disagree.
+#include <omp.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
@@ -375,10 +377,11 @@ void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
 }
 
 // quant_mode 2 without smoothing scales: every copy of a token quantises to the same bytes. Like
-// parallel_copy, grouped by source row, but each group is one quantize_row_int8_to: the token is
-// quantised once and its int8 row stored to all its destinations in the same pass, so the
-// quantisation runs between the stores instead of before them. scales[j] gets the dynamic scale
-// of each entry j. Reorders rows.
+// parallel_copy, grouped by source row, but each group is quantised once and its int8 row stored
+// to all its destinations in the same pass (detail::quantize_rows_int8_to), so the quantisation
+// runs between the stores instead of before them. Each thread takes a contiguous run of groups
+// (the kernel reads each row's max during the previous row's stores). scales[j] gets the dynamic
+// scale of each send-order entry j. Reorders rows.
 struct QuantCopy {
   const char* src;  // the token's row of x
   char* dst;        // H int8 values
@@ -390,19 +393,27 @@ void parallel_quantize(std::vector<QuantCopy>& rows, int64_t h, DType dtype, flo
     return std::less<>()(a.src, b.src);
   });
   std::vector<int64_t> first;  // group t is rows [first[t], first[t + 1])
+  std::vector<const void*> src;
   std::vector<int8_t*> dst(rows.size());
   for (int64_t j = 0; j < n; ++j) {
-    if (j == 0 || rows[j].src != rows[j - 1].src) first.push_back(j);
+    if (j == 0 || rows[j].src != rows[j - 1].src) {
+      first.push_back(j);
+      src.push_back(rows[j].src);
+    }
     dst[j] = reinterpret_cast<int8_t*>(rows[j].dst);
   }
   first.push_back(n);
-  const int64_t groups = static_cast<int64_t>(first.size()) - 1;
-#pragma omp parallel for schedule(static) if (n * h > (int64_t{1} << 16))
-  for (int64_t t = 0; t < groups; ++t) {
-    const float scale = detail::quantize_row_int8_to(
-        rows[first[t]].src, dtype, h, dst.data() + first[t], first[t + 1] - first[t]);
-    for (int64_t r = first[t]; r < first[t + 1]; ++r) scales[rows[r].j] = scale;
+  const int64_t groups = static_cast<int64_t>(src.size());
+  std::vector<float> group_scale(src.size());
+#pragma omp parallel if (n * h > (int64_t{1} << 16))
+  {
+    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t lo = groups * me / nt, hi = groups * (me + 1) / nt;
+    detail::quantize_rows_int8_to(src.data() + lo, dtype, hi - lo, h, dst.data(), first.data() + lo,
+                                  group_scale.data() + lo);
   }
+  for (int64_t t = 0; t < groups; ++t)
+    for (int64_t r = first[t]; r < first[t + 1]; ++r) scales[rows[r].j] = group_scale[t];
 }
 
 // ---- Tensor parallelism, tp_world_size 2 (SPEC §1.1 step 3, §2) --------------------------------
