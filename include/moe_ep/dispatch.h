@@ -71,8 +71,9 @@
 // Data flow (docs/design.md): a header exchange, then per-(destination, local expert) counts, then
 // the rows, packed by the sender in send order and sent as contiguous messages (dispatch: one per
 // (destination, local expert) block, received straight into place; combine: one per peer), plus
-// a per-row metadata message (int8 rows: their fp32 scale travels there). Row counts and offsets are 64-bit; one message
-// holds at most INT32_MAX rows of at most INT_MAX bytes each (Error(kUnsupported) beyond).
+// a per-row metadata message (int8 rows: their fp32 scale travels there). Row counts and offsets
+// are 64-bit; one message holds at most INT32_MAX rows of at most INT_MAX bytes each
+// (Error(kUnsupported) beyond).
 #pragma once
 
 #include <cstdint>
@@ -265,20 +266,20 @@ MOE_EP_API Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg);
 // before any call (a size query: plan memory, and size the shared-memory window up front with
 // CommOptions::shm_window_bytes so that no call has to grow it). All in bytes.
 struct DispatchWorkspace {
-  int64_t recv_rows = 0;       // A (SPEC §1.4): expand_x has max(1,T)*A rows
+  int64_t recv_rows = 0;       // A (SPEC §1.4); expand_x has max(1,T)*A rows (2A with T = 2)
   int64_t expand_x_bytes = 0;  // max(1,T)*A x H x (1 with quant_mode 2, else x's element size)
   // dispatch_v2's other outputs together: assist_info_for_combine (max(BS*K, A*128) x 4),
-  // expand_scales and dynamic_scales (max(1,T)*A x 4 each), ep_recv_counts, tp_recv_counts and
-  // expert_token_nums.
+  // expand_scales and, with quant_mode 2, dynamic_scales (max(1,T)*A x 4 each), ep_recv_counts,
+  // tp_recv_counts and expert_token_nums.
   int64_t other_outputs_bytes = 0;
   // Shared-memory transport (0 when the calls use MPI only: transport "mpi", tp_world_size 2):
   // shm_slot_bytes: the part of this rank's window segment one dispatch_v2 output holds while any
-  // copy of its expand_x lives (expand_x_bytes rounded up to 4 KiB). shm_stage_bytes: what a
-  // combine_v2 holds during the call when its expand_x is not such a slot (the experts wrote
-  // their outputs elsewhere) or comm_quant_mode is 2: its valid rows staged, at most A rows of
-  // H x (1 with comm_quant_mode 2, else x's element size: the experts' outputs in x's dtype).
-  // A window of n x shm_slot_bytes + shm_stage_bytes (CommOptions::shm_window_bytes) holds n
-  // live dispatch_v2 outputs and the combine_v2 of any of them without growing; when a call
+  // copy of its expand_x lives (expand_x_bytes rounded up to 4 KiB, at least 4 KiB).
+  // shm_stage_bytes: what a combine_v2 holds during the call when its expand_x is not such a slot
+  // (the experts wrote their outputs elsewhere) or comm_quant_mode is 2: its valid rows staged, at
+  // most A rows of H x (1 with comm_quant_mode 2, else x's element size: the experts' outputs in
+  // x's dtype). A window of n x shm_slot_bytes + shm_stage_bytes (CommOptions::shm_window_bytes)
+  // holds n live dispatch_v2 outputs and the combine_v2 of any of them without growing; when a call
   // finds no room in a window that is big enough, it uses MPI for that call (slower, same bits).
   int64_t shm_slot_bytes = 0;
   int64_t shm_stage_bytes = 0;

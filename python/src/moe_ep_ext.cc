@@ -95,9 +95,15 @@ nb::object to_python(Tensor t) {
   return nb::cast(array, nb::rv_policy::reference);
 }
 
-DType parse_dtype(const std::string& name, const char* op, const char* param) {
-  for (DType d : {DType::kBF16, DType::kF16, DType::kF32}) {
-    if (name == moe_ep::dtype_name(d)) return d;
+// A dtype by its C++ name (moe_ep::dtype_name): bf16, fp16 or fp32. any_dtype: every DType's
+// name (int8, int32, ...), for an op that checks the dtype itself, so that a wrong one gets the
+// op's own message.
+DType parse_dtype(const std::string& name, const char* op, const char* param,
+                  bool any_dtype = false) {
+  for (DType d : {DType::kBF16, DType::kF16, DType::kF32, DType::kI8, DType::kI32, DType::kI64,
+                  DType::kBool}) {
+    const bool is_float = d == DType::kBF16 || d == DType::kF16 || d == DType::kF32;
+    if ((any_dtype || is_float) && name == moe_ep::dtype_name(d)) return d;
   }
   throw moe_ep::Error(
       moe_ep::ErrorKind::kInvalidArgument,
@@ -137,7 +143,8 @@ class InUse {
   std::shared_ptr<std::atomic<bool>> flag_;
 };
 
-PyCommunicator make_communicator(int64_t fortran_handle, std::optional<double> timeout_s) {
+PyCommunicator make_communicator(int64_t fortran_handle, std::optional<double> timeout_s,
+                                 int64_t shm_window_bytes) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -154,6 +161,7 @@ PyCommunicator make_communicator(int64_t fortran_handle, std::optional<double> t
   }
   moe_ep::CommOptions options;
   options.timeout_s = timeout_s;
+  options.shm_window_bytes = shm_window_bytes;  // from_mpi rejects < 0 before MPI_Comm_dup
   nb::gil_scoped_release release;
   return PyCommunicator{moe_ep::Communicator::from_mpi(c, options)};
 }
@@ -510,6 +518,35 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
   return to_python(std::move(r));
 }
 
+// The size query (dispatch.h, DispatchWorkspace). Local: reads the communicator's rank and size
+// only, so it needs neither the other ranks nor the in-use guard of the collective ops.
+nb::dict dispatch_workspace(int64_t bs, int64_t hidden, int64_t top_k, const std::string& dtype,
+                            const PyCommunicator& group_ep, int64_t ep_world_size,
+                            int64_t ep_rank_id, int64_t moe_expert_num,
+                            std::optional<PyCommunicator> group_tp, int64_t tp_world_size,
+                            int64_t tp_rank_id, int64_t expert_shard_type,
+                            int64_t shared_expert_num, int64_t shared_expert_rank_num,
+                            int64_t quant_mode, int64_t global_bs, int64_t comm_quant_mode,
+                            const std::string& comm_alg, int64_t zero_expert_num,
+                            int64_t copy_expert_num, int64_t const_expert_num) {
+  const moe_ep::EpConfig cfg = ep_config(
+      group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
+                 expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
+                 zero_expert_num, copy_expert_num, const_expert_num});
+  // Any DType's name: dispatch_workspace names a wrong one itself ("dtype = int32 must be ...").
+  const DType d = parse_dtype(dtype, "dispatch_workspace", "dtype", /*any_dtype=*/true);
+  const moe_ep::DispatchWorkspace w =
+      moe_ep::dispatch_workspace(cfg, bs, hidden, top_k, d, quant_mode, comm_quant_mode);
+  nb::dict out;
+  out["recv_rows"] = w.recv_rows;
+  out["expand_x_bytes"] = w.expand_x_bytes;
+  out["other_outputs_bytes"] = w.other_outputs_bytes;
+  out["shm_slot_bytes"] = w.shm_slot_bytes;
+  out["shm_stage_bytes"] = w.shm_stage_bytes;
+  out["combine_output_bytes"] = w.combine_output_bytes;
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -517,15 +554,22 @@ NB_MODULE(_C, m) {
   register_errors(m);
 
   nb::class_<PyCommunicator>(m, "Communicator",
-                             "An MPI communicator (duplicated) with moe-ep's deadline settings")
+                             "An MPI communicator (duplicated) with moe-ep's settings (deadline, "
+                             "shared-memory window size)")
       .def_static("from_fortran", &make_communicator, "fortran_handle"_a,
-                  "timeout_s"_a = nb::none(),
+                  "timeout_s"_a = nb::none(), "shm_window_bytes"_a = 0,
                   "Collective over the communicator whose Fortran handle is given (mpi4py: "
                   "comm.py2f()). timeout_s: the deadline of every wait (default "
-                  "$MOE_EP_TIMEOUT_S, else 300)")
+                  "$MOE_EP_TIMEOUT_S, else 300). shm_window_bytes: bytes of this rank's "
+                  "shared-memory window segment when the first op creates it (>= 0; 0: twice "
+                  "that op's need, at least 1 MiB; size it with dispatch_workspace). "
+                  "CommOptions, comm.h. Raises InvalidArgumentError for a bad timeout_s or a "
+                  "negative shm_window_bytes (on this rank, before duplicating)")
       .def_prop_ro("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
       .def_prop_ro("size", [](const PyCommunicator& c) { return c.comm->size(); })
-      .def_prop_ro("timeout_s", [](const PyCommunicator& c) { return c.comm->timeout_s(); });
+      .def_prop_ro("timeout_s", [](const PyCommunicator& c) { return c.comm->timeout_s(); })
+      .def_prop_ro("shm_window_bytes",
+                   [](const PyCommunicator& c) { return c.comm->shm_window_bytes(); });
 
   m.def("strategies", &strategies, "op"_a, "has_probs"_a, "has_permuted_tokens"_a = true,
         "SPEC §5: the two sharding strategies of a local op, R first, as the C++ table gives "
@@ -572,4 +616,16 @@ NB_MODULE(_C, m) {
         "expert_shard_type"_a = 0, "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0,
         "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
         "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "SPEC §2. Returns x (BS, H)");
+  m.def("dispatch_workspace", &dispatch_workspace, "bs"_a, "hidden"_a, "top_k"_a, "dtype"_a,
+        "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(),
+        "group_tp"_a = nb::none(), "tp_world_size"_a = 0, "tp_rank_id"_a = 0,
+        "expert_shard_type"_a = 0, "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0,
+        "quant_mode"_a = 0, "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "",
+        "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
+        "The bytes one dispatch_v2 and its combine_v2 take on this rank (dispatch.h, "
+        "DispatchWorkspace). Local: no communication. dtype: x's, by name ('bf16', 'fp16', "
+        "'fp32'). Returns {'recv_rows', 'expand_x_bytes', 'other_outputs_bytes', "
+        "'shm_slot_bytes', 'shm_stage_bytes', 'combine_output_bytes'}, all but recv_rows in "
+        "bytes. Raises InvalidArgumentError / UnsupportedError (dispatch_v2's checks of the EP "
+        "arguments, and bs, hidden, top_k, dtype, quant_mode, comm_quant_mode)");
 }

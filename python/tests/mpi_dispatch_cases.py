@@ -936,6 +936,282 @@ def tensor_parallel_pairs(ctx):
     tp_round_trip(ctx, "halves", 132, (4, 4), 4, k=2, p_off=0.25)
 
 
+# ---------------------------------------------------------------------------------------------
+# The size query (dispatch_workspace) and the window option (group_id's shm_window_bytes).
+
+
+def nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def shm_transport() -> bool:
+    """Whether the ops use the shared-memory transport (the default; $MOE_EP_TRANSPORT=mpi: not),
+    which is what shm_slot_bytes and shm_stage_bytes size (dispatch.h)."""
+    import os
+
+    return os.environ.get("MOE_EP_TRANSPORT", "") in ("", "shm")
+
+
+def window_slot(nbytes_: int) -> int:
+    """A window slot holding nbytes_ (dispatch.h: rounded up to 4 KiB; the window hands out at
+    least one 4 KiB granule, even for 0 bytes)."""
+    return -(-max(nbytes_, 1) // 4096) * 4096
+
+
+def check_workspace(what: str, ws, a: int, rows: int, h: int, bs: int, dtype, quant: bool,
+                    comm_quant: bool, out, got, shm: bool) -> None:
+    """ws (dispatch_workspace) against the real outputs of the dispatch_v2 and combine_v2 that
+    followed it, and against SPEC §1.4's A: expand_x (rows = max(1,T) * A, H), the other six
+    dispatch outputs (dynamic_scales is (0,) without quant_mode 2), combine's x (BS, H)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    check(type(ws) is mt.DispatchWorkspace and all(type(v) is int for v in ws),
+          f"{what}: {ws!r} is not a DispatchWorkspace of ints")
+    check(ws.recv_rows == a, f"{what}: recv_rows {ws.recv_rows} != A = {a}")
+    check(out.expand_x.shape[0] == rows, f"{what}: expand_x has {out.expand_x.shape[0]} rows, "
+          f"not {rows}")
+    check(ws.expand_x_bytes == nbytes(out.expand_x) == rows * h * (1 if quant else esize),
+          f"{what}: expand_x_bytes {ws.expand_x_bytes}, expand_x {tuple(out.expand_x.shape)} "
+          f"{out.expand_x.dtype} holds {nbytes(out.expand_x)}")
+    others = {name: nbytes(t) for name, t in zip(out._fields[1:], out[1:])}
+    check(ws.other_outputs_bytes == sum(others.values()),
+          f"{what}: other_outputs_bytes {ws.other_outputs_bytes} != {sum(others.values())} "
+          f"({others})")
+    check(ws.combine_output_bytes == nbytes(got) == bs * h * esize,
+          f"{what}: combine_output_bytes {ws.combine_output_bytes}, combine_v2's x "
+          f"{tuple(got.shape)} {got.dtype} holds {nbytes(got)}")
+    want_slot = window_slot(ws.expand_x_bytes) if shm else 0
+    want_stage = window_slot(a * h * (1 if comm_quant else esize)) if shm else 0
+    check((ws.shm_slot_bytes, ws.shm_stage_bytes) == (want_slot, want_stage),
+          f"{what}: (shm_slot_bytes, shm_stage_bytes) = ({ws.shm_slot_bytes}, "
+          f"{ws.shm_stage_bytes}), want ({want_slot}, {want_stage})")
+
+
+def workspace_of(ctx, spec: Spec, quant=False, comm_quant=False, group_ep=None):
+    """dispatch_workspace with the arguments round_trip gives dispatch_v2 and combine_v2; an
+    error is returned, not raised (the query is local: the ranks stay in step either way)."""
+    try:
+        return mt.dispatch_workspace(
+            spec.bs[ctx.rank], spec.h, spec.k, spec.dtype,
+            ctx.comm if group_ep is None else group_ep, moe_expert_num=spec.e,
+            shared_expert_num=spec.ns, shared_expert_rank_num=spec.s, global_bs=spec.global_bs,
+            quant_mode=2 if quant else 0, comm_quant_mode=2 if comm_quant else 0,
+            **special_kwargs(spec),
+        )
+    except Exception as err:  # noqa: BLE001 (reported by the checks)
+        return err
+
+
+@case()
+def workspace_matches_outputs(ctx):
+    """moe_ep.torch.dispatch_workspace (dispatch.h, DispatchWorkspace) equals what the
+    dispatch_v2 and combine_v2 that follow it return, byte for byte, across dtypes, quant_mode 0
+    and 2, comm_quant_mode 0 and 2, shared-expert ranks, special experts, no tokens and uneven
+    BS with global_bs; with tp_world_size 2 (group_tp) at 4 ranks. The query is local: one rank
+    alone calls it. Bad arguments raise the C++ messages (docs/errors.md, tests/mpi/
+    test_workspace.cc)."""
+    w, rank = ctx.world, ctx.rank
+    shm = shm_transport()
+    configs = [  # (spec, quant_mode 2, comm_quant_mode 2)
+        (Spec(150, bs_all(ctx, 5), k=2, e=2 * w, p_off=0.2), False, False),
+        (Spec(151, bs_all(ctx, 7), k=3, e=3 * w, dtype=torch.bfloat16), True, False),
+        # rows of more than one 4 KiB granule, so that the window sizes tell 1 byte per element
+        # (int8) from x's element size
+        (Spec(152, bs_all(ctx, 4), k=2, e=2 * w, dtype=torch.bfloat16, h=520), False, True),
+        (Spec(153, bs_all(ctx, 6), k=3, e=3 * w, h=200, smooth=True), True, True),
+        (Spec(154, bs_all(ctx, 0), k=2, e=2 * w), False, False),  # A = 0
+        (Spec(155, tuple((3, 0, 5, 1)[r % 4] for r in range(w)), k=2, e=2 * w,
+              dtype=torch.bfloat16, global_bs=6 * w), False, False),
+        (Spec(156, bs_all(ctx, 5), k=3, e=2 * w, z=1, c=1, q=1), False, False),
+    ]
+    if w >= 2:  # S = 1: rank 0's A is (G / W) * ceil(W / (S / Ns))
+        configs += [
+            (Spec(157, bs_all(ctx, 5), k=2, e=2 * (w - 1), s=1, dtype=torch.bfloat16), True,
+             False),
+            (Spec(158, bs_all(ctx, 4), k=2, e=2 * (w - 1), s=1), False, True),
+        ]
+    if w >= 3:
+        configs.append((Spec(159, bs_all(ctx, 5), k=1, e=w - 2, s=2, ns=2), False, False))
+    for spec, quant, comm_quant in configs:
+        ws = workspace_of(ctx, spec, quant, comm_quant)
+        out, got = round_trip(ctx, spec, quant=quant, comm_quant=comm_quant)
+
+        def checks():
+            what = f"seed {spec.seed}"
+            if isinstance(ws, Exception):
+                raise CaseFailure(f"{what}: dispatch_workspace raised {ws!r}")
+            check_workspace(what, ws, capacity(spec, w, rank), capacity(spec, w, rank), spec.h,
+                            spec.bs[rank], spec.dtype, quant, comm_quant, out, got, shm)
+
+        agreed(ctx, checks)
+
+    # Local: the last rank alone queries, by group id as well. Were it collective, that rank
+    # would wait in it for the others, which go straight on to the agreement below.
+    spec = configs[0][0]
+    alone = []
+    if rank == w - 1:
+        alone = [workspace_of(ctx, spec, group_ep=g) for g in (ctx.comm, mt.group_id(ctx.comm))]
+    want = workspace_of(ctx, spec)
+
+    def local_checks():
+        for got in alone:
+            check(got == want, f"queried alone: {got!r} != {want!r}")
+
+    agreed(ctx, local_checks)
+
+    # Bad arguments: on every rank alike (local checks), exact messages.
+    e = 2 * w
+    bad_rank = (rank + 1) % (w + 1)  # never this rank
+    bad = [
+        (dict(hidden=0), moe_ep.InvalidArgumentError,
+         "dispatch_workspace: hidden = 0 must be in [1, 2147483647] (x.shape[1])"),
+        (dict(bs=-1), moe_ep.InvalidArgumentError,
+         "dispatch_workspace: bs = -1 must be in [0, 2147483647] (x.shape[0])"),
+        (dict(top_k=e + 1), moe_ep.InvalidArgumentError,
+         f"dispatch_workspace: top_k = {e + 1} must be in [1, {e}] (moe_expert_num + "
+         "zero/copy/const experts)"),
+        (dict(dtype=torch.int32), moe_ep.InvalidArgumentError,
+         "dispatch_workspace: dtype = int32 must be bf16, fp16 or fp32"),
+        (dict(quant_mode=1), moe_ep.InvalidArgumentError,
+         "dispatch_workspace: quant_mode = 1 is not one of {0, 2}"),
+        (dict(quant_mode=2, comm_quant_mode=1), moe_ep.InvalidArgumentError,
+         "dispatch_workspace: comm_quant_mode = 1 is not one of {0, 2}"),
+        (dict(dtype=torch.float64), moe_ep.UnsupportedError,
+         "dispatch_workspace: dtype = torch.float64 is not one of torch.bfloat16, torch.float16, "
+         "torch.float32"),
+        (dict(ep_rank_id=bad_rank), moe_ep.InvalidArgumentError, f"ep_rank_id = {bad_rank}"),
+    ]
+    raised = []
+    for change, cls, message in bad:
+        args = dict(bs=4, hidden=8, top_k=2, dtype=torch.bfloat16, group_ep=ctx.comm,
+                    moe_expert_num=e)
+        args.update(change)
+        try:
+            mt.dispatch_workspace(**args)
+            raised.append((change, cls, message, None))
+        except moe_ep.Error as err:
+            raised.append((change, cls, message, err))
+
+    def error_checks():
+        for change, cls, message, err in raised:
+            check(type(err) is cls, f"{change}: raised {err!r}, want {cls.__name__}")
+            exact = not message.startswith("ep_rank_id")
+            check(str(err) == message if exact else message in str(err),
+                  f"{change}: message {str(err)!r}, want {message!r}")
+
+    agreed(ctx, error_checks)
+
+    if w == 4:  # tp_world_size 2: EP groups {0, 1}, {2, 3}; TP pairs {0, 2}, {1, 3}
+        ep_rank, tp_rank = rank % 2, rank // 2
+        ep, tp = ctx.comm.Split(tp_rank, ep_rank), ctx.comm.Split(ep_rank, tp_rank)
+        try:
+            mt.group_id(ep), mt.group_id(tp)  # collective: the same order everywhere
+            spec = Spec(141, (4, 4), k=1, e=2, dtype=torch.bfloat16, h=16)
+            mine = make_inputs(spec, ep_rank)
+            tpkw = dict(group_tp=tp, tp_world_size=2, tp_rank_id=tp_rank)
+            try:
+                ws = mt.dispatch_workspace(4, spec.h, 1, spec.dtype, ep, moe_expert_num=2, **tpkw)
+            except Exception as err:  # noqa: BLE001 (reported by the checks)
+                ws = err
+            out = mt.dispatch_v2(mine.x, mine.ids, ep, moe_expert_num=2, expert_scales=mine.w,
+                                 **tpkw)
+            got = mt.combine_v2(out.expand_x, mine.ids, out.assist_info_for_combine,
+                                out.ep_recv_counts, mine.w, ep, moe_expert_num=2,
+                                tp_send_counts=out.tp_recv_counts, **tpkw)
+
+            def tp_checks():
+                if isinstance(ws, Exception):
+                    raise CaseFailure(f"tp_world_size 2: dispatch_workspace raised {ws!r}")
+                a = capacity(spec, 2, ep_rank)
+                # expand_x holds both TP ranks' rows (2A); every call uses MPI (no window)
+                check_workspace("tp_world_size 2", ws, a, 2 * a, spec.h, 4, spec.dtype, False,
+                                False, out, got, shm=False)
+
+            agreed(ctx, tp_checks)
+        finally:
+            for c in (ep, tp):
+                mt.release_group(c)
+                c.Free()
+
+
+@case()
+def shm_window_bytes_option(ctx):
+    """group_id(comm, shm_window_bytes=N) (CommOptions::shm_window_bytes, comm.h): the duplicate
+    has N; a later different value (of timeout_s too) raises InvalidArgumentError naming it and
+    the registered one (by communicator and by group id); -1 raises the C++ message on every rank
+    at once, leaving the communicator unregistered (no rank went into the collective
+    MPI_Comm_dup). N sized with dispatch_workspace for n live outputs and a combine: n round
+    trips on it, their outputs all kept alive, lie side by side within N bytes, as in one window
+    of N bytes (without the reservation the window holds fewer, and a later call receives into
+    ordinary memory elsewhere)."""
+    w, rank, n = ctx.world, ctx.rank, 5
+    # H large enough that n slots exceed the default window (max(twice one call, 1 MiB))
+    spec = Spec(160, bs_all(ctx, 10), k=3, e=4 * w, dtype=torch.bfloat16, h=4096)
+    ws = workspace_of(ctx, spec)
+    shm = shm_transport()
+    reserve = n * ws.shm_slot_bytes + ws.shm_stage_bytes if shm else 1 << 21
+    dup, other = ctx.comm.Dup(), ctx.comm.Dup()
+    groups = mt.distributed._groups
+    try:
+        gid = mt.group_id(dup, shm_window_bytes=reserve)
+        registered = groups[gid].shm_window_bytes
+        again = [mt.group_id(dup, shm_window_bytes=reserve), mt.group_id(dup),
+                 mt.group_id(gid, shm_window_bytes=reserve)]
+        timeout = groups[gid].timeout_s
+        differ = []  # (the error, the message it must have)
+        for target in (dup, gid):
+            for option, value, have, unit in (("shm_window_bytes", reserve + 4096, reserve,
+                                               "bytes"), ("timeout_s", timeout + 1, timeout, "s")):
+                want = (f"group_id: {option} = {value} differs from the {have} {unit} this "
+                        "communicator was registered with (release_group it first, on every rank)")
+                try:
+                    mt.group_id(target, **{option: value})
+                    differ.append((None, want))
+                except moe_ep.Error as err:
+                    differ.append((err, want))
+        start, negative = time.monotonic(), None
+        try:
+            mt.group_id(other, shm_window_bytes=-1)
+        except moe_ep.Error as err:
+            negative = err
+        took = time.monotonic() - start
+        other_registered = id(other) in mt.distributed._by_object
+
+        def option_checks():
+            check(registered == reserve, f"shm_window_bytes {registered}, registered {reserve}")
+            check(again == [gid] * 3, f"group_id again: {again}, want {gid}")
+            for err, want in differ:
+                check(type(err) is moe_ep.InvalidArgumentError and str(err) == want,
+                      f"raised {err!r}, want InvalidArgumentError({want!r})")
+            check(type(negative) is moe_ep.InvalidArgumentError
+                  and str(negative) == "Communicator: shm_window_bytes = -1 must be >= 0 (0: "
+                  "sized by the first op)", f"shm_window_bytes = -1 raised {negative!r}")
+            check(took < 20, f"shm_window_bytes = -1 took {took:.1f} s to fail")
+            check(not other_registered, "the communicator was registered despite the error")
+
+        agreed(ctx, option_checks)
+        # registered afterwards (collective, every rank), with the default 0
+        default = groups[mt.group_id(other)].shm_window_bytes
+        sub = Ctx(dup, w, rank)
+        live = [round_trip(sub, replace(spec, seed=160 + i))[0].expand_x for i in range(n)]
+
+        def window_checks():
+            check(default == 0, f"default shm_window_bytes {default}")
+            if not shm:
+                return
+            spans = sorted((t.data_ptr(), t.data_ptr() + nbytes(t)) for t in live)
+            for (_, end), (begin, _) in zip(spans, spans[1:]):
+                check(end <= begin, f"two live expand_x overlap: {spans}")
+            extent = spans[-1][1] - spans[0][0]
+            check(extent <= reserve, f"the {n} live expand_x span {extent} bytes, more than "
+                  f"the {reserve}-byte window: not all in it ({spans})")
+
+        agreed(ctx, window_checks)
+    finally:
+        for c in (dup, other):
+            mt.release_group(c)
+            c.Free()
+
+
 @case()
 def performance_info_in_place(ctx):
     w = ctx.world

@@ -34,6 +34,28 @@ def test_unknown_group_id_is_named():
         mt.group_id(777)
 
 
+def test_dispatch_workspace_refuses_dtype_and_group_before_mpi():
+    # Checked by the front before any communicator is touched (MPI is not started here): a dtype
+    # moe_ep cannot represent, then an unknown group id. The C++ checks (int32, hidden = 0, ...)
+    # run under mpirun: mpi_dispatch_cases.py workspace_matches_outputs.
+    with pytest.raises(moe_ep.UnsupportedError) as info:
+        mt.dispatch_workspace(4, 8, 2, torch.float64, 12345, moe_expert_num=2)
+    assert str(info.value) == (
+        "dispatch_workspace: dtype = torch.float64 is not one of torch.bfloat16, torch.float16, "
+        "torch.float32"
+    )
+    with pytest.raises(moe_ep.InvalidArgumentError, match="group_id: 12345 is not a registered"):
+        mt.dispatch_workspace(4, 8, 2, torch.bfloat16, 12345, moe_expert_num=2)
+
+
+def test_dispatch_workspace_is_exported():
+    assert {"dispatch_workspace", "DispatchWorkspace"} <= set(mt.__all__)
+    assert mt.DispatchWorkspace._fields == (
+        "recv_rows", "expand_x_bytes", "other_outputs_bytes", "shm_slot_bytes",
+        "shm_stage_bytes", "combine_output_bytes",
+    )
+
+
 def test_not_a_communicator_is_named():
     with pytest.raises(moe_ep.InvalidArgumentError, match="is not an mpi4py communicator"):
         mt.group_id("x")

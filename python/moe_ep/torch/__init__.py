@@ -4,7 +4,8 @@ Importing this module registers the custom ops ``torch.ops.moe_ep.*`` (SPEC §4:
 token_permute_grad, token_permute_grad_v2, token_unpermute, _token_unpermute,
 token_unpermute_grad, token_unpermute_grad_v2; SPEC §1-2: dispatch_v2, combine_v2), their fake
 implementations for torch.compile, autograd for permute and unpermute, and the DTensor sharding
-rules of SPEC §5 (generated from the C++ strategy table).
+rules of SPEC §5 (generated from the C++ strategy table). dispatch_workspace is dispatch_v2's size
+query (local, a plain function).
 
 dispatch_v2 / combine_v2 take mpi4py communicators (default: MPI.COMM_WORLD); start the processes
 with mpirun.
@@ -12,8 +13,10 @@ with mpirun.
 
 from moe_ep.torch.distributed import (
     DispatchOutputs,
+    DispatchWorkspace,
     combine_v2,
     dispatch_v2,
+    dispatch_workspace,
     group_id,
     release_group,
 )
@@ -36,9 +39,11 @@ if _dist.is_available():  # DTensor needs torch.distributed (the CPU wheels have
 
 __all__ = [
     "DispatchOutputs",
+    "DispatchWorkspace",
     "_token_unpermute",
     "combine_v2",
     "dispatch_v2",
+    "dispatch_workspace",
     "group_id",
     "release_group",
     "token_permute",

@@ -7,20 +7,20 @@ from typing import Optional
 import torch
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# Every dtype moe_ep._C can represent, by its C++ name (moe_ep::dtype_name).
+_ALL_DTYPE_NAMES = {
+    **_DTYPE_NAMES,
+    torch.int8: "int8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
+}
 
 
 # The dtypes moe_ep._C can represent. Others (fp64, int16, ...) would be refused by the binding
 # with a message naming neither the op nor the torch dtype, so dl() refuses them first when told
 # the op and parameter. Representable but wrong dtypes are left to the C++ checks.
-_BINDING_DTYPES = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.int8,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-)
+_BINDING_DTYPES = tuple(_ALL_DTYPE_NAMES)
 
 
 def dl(t: Optional[torch.Tensor], op: Optional[str] = None, param: Optional[str] = None):
@@ -49,10 +49,13 @@ def tt(a) -> torch.Tensor:
     return torch.from_dlpack(a)
 
 
-def dtype_name(op: str, param: str, dtype: torch.dtype) -> str:
-    """The binding's name of a float dtype, or moe_ep.UnsupportedError naming op and param."""
+def dtype_name(op: str, param: str, dtype: torch.dtype, any_dtype: bool = False) -> str:
+    """The binding's name of a float dtype, or moe_ep.UnsupportedError naming op and param.
+    any_dtype: also the other dtypes moe_ep._C can represent (int8, int32, int64, bool), for an
+    op that checks the dtype itself (InvalidArgumentError with its own message); dtypes it
+    cannot represent (fp64, ...) still raise UnsupportedError here, as dl() does for tensors."""
     try:
-        return _DTYPE_NAMES[dtype]
+        return (_ALL_DTYPE_NAMES if any_dtype else _DTYPE_NAMES)[dtype]
     except KeyError:
         from moe_ep import UnsupportedError
 

@@ -1,4 +1,5 @@
-"""SPEC §1-2 from Python: dispatch_v2 / combine_v2 on torch CPU tensors over MPI.
+"""SPEC §1-2 from Python: dispatch_v2 / combine_v2 on torch CPU tensors over MPI, and their size
+query dispatch_workspace.
 
 The communicators are mpi4py communicators (default MPI.COMM_WORLD); start the processes with
 mpirun. The torch custom ops ``torch.ops.moe_ep.dispatch_v2`` / ``combine_v2`` take the
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from moe_ep import InvalidArgumentError, UnsupportedError, _C
-from moe_ep.torch._convert import dl, tt
+from moe_ep.torch._convert import dl, dtype_name, tt
 from moe_ep.torch.ops import _ndim
 
 # ---------------------------------------------------------------------------------------------
@@ -64,20 +65,39 @@ def _world():
     return MPI.COMM_WORLD
 
 
-def group_id(comm=None, timeout_s: Optional[float] = None) -> int:
+def group_id(
+    comm=None, timeout_s: Optional[float] = None, shm_window_bytes: Optional[int] = None
+) -> int:
     """The group id of an mpi4py communicator (None: MPI.COMM_WORLD) for the torch custom ops.
 
     The first call for a communicator object duplicates it (MPI_Comm_dup: collective over it, so
     every rank makes that call at the same point); later calls with the same object return the
-    same id. timeout_s: the deadline of every wait of the ops on it (default $MOE_EP_TIMEOUT_S,
-    else 300), fixed by the first call (a different value later raises InvalidArgumentError).
-    A group id (int) is returned as it is if registered. Calls on one communicator must not
-    overlap (threads): use one communicator per thread."""
+    same id. A group id (int) is returned as it is if registered. Calls on one communicator must
+    not overlap (threads): use one communicator per thread.
+
+    The options are moe_ep::CommOptions (include/moe_ep/comm.h), fixed by the first call: a later
+    call (with the communicator or its group id) that passes a different value raises
+    InvalidArgumentError naming the option, the value and the registered one; None leaves the
+    registered value as it is.
+    timeout_s: the deadline of every wait of the ops on it, in seconds (> 0; None: default
+    $MOE_EP_TIMEOUT_S, else 300).
+    shm_window_bytes: the shared-memory transport's window, in bytes: this rank's segment when
+    the first op that uses the window creates it (>= 0; None or 0: twice that op's need, at least
+    1 MiB). Size it with dispatch_workspace(): n * shm_slot_bytes + shm_stage_bytes holds n
+    dispatch_v2 outputs alive at once and a combine_v2, so that no call grows the window (a call
+    that needs more still grows it).
+
+    Errors: InvalidArgumentError for an unregistered group id, an object that is not an mpi4py
+    communicator, an option that differs from the registered one, a bad timeout_s (or
+    $MOE_EP_TIMEOUT_S) and a negative shm_window_bytes. The last two are checked on this rank
+    before the duplication: when every rank passes the same value, every rank raises and none
+    is left waiting; a rank that raises alone leaves the others in MPI_Comm_dup."""
     if comm is None:
         comm = _world()
     if isinstance(comm, int):
         if comm not in _groups:
             raise InvalidArgumentError(f"group_id: {comm} is not a registered group id")
+        _check_options(comm, timeout_s, shm_window_bytes)
         return comm
     try:
         handle = comm.py2f()
@@ -89,20 +109,34 @@ def group_id(comm=None, timeout_s: Optional[float] = None) -> int:
     if hit is not None and hit[0] is comm:
         _, old_handle, gid = hit
         if old_handle == handle:
-            have = _groups[gid].timeout_s
-            if timeout_s is not None and timeout_s != have:
-                raise InvalidArgumentError(
-                    f"group_id: timeout_s = {timeout_s} differs from the {have} s this "
-                    "communicator was registered with (release_group it first, on every rank)"
-                )
+            _check_options(gid, timeout_s, shm_window_bytes)
             return gid
         release_group(gid)  # the object was freed (Free()) and now holds another handle
-    g = _C.Communicator.from_fortran(handle, timeout_s)
+    # shm_window_bytes < 0 is refused by moe_ep::Communicator::from_mpi (before MPI_Comm_dup)
+    g = _C.Communicator.from_fortran(
+        handle, timeout_s, 0 if shm_window_bytes is None else shm_window_bytes
+    )
     gid = next(_next_id)
     _groups[gid] = g
     _size_rank[gid] = (g.size, g.rank)
     _by_object[id(comm)] = (comm, handle, gid)
     return gid
+
+
+def _check_options(gid: int, timeout_s: Optional[float], shm_window_bytes: Optional[int]) -> None:
+    """A registered communicator's options stay those of its first group_id call."""
+    if timeout_s is None and shm_window_bytes is None:
+        return  # no property reads: _resolve's lookups stay plain Python for torch.compile
+    g = _groups[gid]
+    for name, value, have, unit in (
+        ("timeout_s", timeout_s, g.timeout_s, "s"),
+        ("shm_window_bytes", shm_window_bytes, g.shm_window_bytes, "bytes"),
+    ):
+        if value is not None and value != have:
+            raise InvalidArgumentError(
+                f"group_id: {name} = {value} differs from the {have} {unit} this "
+                "communicator was registered with (release_group it first, on every rank)"
+            )
 
 
 def release_group(comm) -> None:
@@ -447,4 +481,98 @@ def combine_v2(
     )
 
 
-__all__: List[str] = ["DispatchOutputs", "combine_v2", "dispatch_v2", "group_id", "release_group"]
+# ---------------------------------------------------------------------------------------------
+# The size query
+
+
+class DispatchWorkspace(NamedTuple):
+    """The memory one dispatch_v2 call and the combine_v2 that follows it take on this rank
+    (moe_ep::DispatchWorkspace, include/moe_ep/dispatch.h). Ints; all but recv_rows in bytes."""
+
+    recv_rows: int  # A (SPEC §1.4): expand_x has max(1,T)*A rows
+    expand_x_bytes: int  # max(1,T)*A * H * (1 with quant_mode 2, else x's element size)
+    # the other dispatch_v2 outputs together: assist_info_for_combine (max(BS*K, A*128) * 4),
+    # expand_scales and (quant_mode 2) dynamic_scales (max(1,T)*A * 4 each), ep_recv_counts,
+    # tp_recv_counts and expert_token_nums
+    other_outputs_bytes: int
+    # shared-memory transport (0 when the calls use MPI only: $MOE_EP_TRANSPORT=mpi,
+    # tp_world_size 2): the window part one dispatch_v2 output holds while its expand_x lives
+    # (expand_x_bytes rounded up to 4 KiB, at least 4 KiB), and what a combine_v2 stages when its
+    # expand_x is not such a slot or comm_quant_mode is 2 (A rows, 1 byte per element with
+    # comm_quant_mode 2, else x's element size; rounded up likewise)
+    shm_slot_bytes: int
+    shm_stage_bytes: int
+    combine_output_bytes: int  # combine_v2's x: BS * H * x's element size
+
+
+def dispatch_workspace(
+    bs: int,
+    hidden: int,
+    top_k: int,
+    dtype: torch.dtype,
+    group_ep=None,
+    ep_world_size: Optional[int] = None,
+    ep_rank_id: Optional[int] = None,
+    moe_expert_num: int = 0,
+    *,
+    group_tp=None,
+    **kwargs,
+) -> DispatchWorkspace:
+    """The bytes one dispatch_v2 and the combine_v2 that follows it take on this rank, before any
+    call: plan memory, and size the shared-memory window up front (group_id(comm,
+    shm_window_bytes=n * shm_slot_bytes + shm_stage_bytes) for n dispatch_v2 outputs alive at
+    once, so that no call grows it). moe_ep::dispatch_workspace, include/moe_ep/dispatch.h;
+    sizes of SPEC §1.4's outputs.
+
+    Local: no communication, so the other ranks need not call it. But the first use of an mpi4py
+    communicator registers it (group_id: MPI_Comm_dup, collective); pass a communicator already
+    used (or registered with group_id) or its group id when only some ranks query.
+
+    bs: this rank's tokens (x.shape[0], >= 0). hidden: H (x.shape[1], >= 1). top_k: K
+    (expert_ids.shape[1], in [1, moe_expert_num + zero/copy/const experts]). dtype: x's,
+    torch.bfloat16, torch.float16 or torch.float32. group_ep: an mpi4py communicator (None:
+    MPI.COMM_WORLD) or a group id; ep_world_size / ep_rank_id default to its size and rank.
+    moe_expert_num: E. group_tp: the TP pair's communicator when tp_world_size = 2. Keyword
+    arguments as dispatch_v2's (tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num,
+    shared_expert_rank_num, global_bs, comm_alg, zero_expert_num, copy_expert_num,
+    const_expert_num, quant_mode: 0 or 2), and combine_v2's comm_quant_mode (0 or 2); no
+    elastic_info (a scale-in changes W and A: query with the new world's arguments). The
+    transport is $MOE_EP_TRANSPORT's (default shm), as for the ops.
+
+    Returns DispatchWorkspace (recv_rows, expand_x_bytes, other_outputs_bytes, shm_slot_bytes,
+    shm_stage_bytes, combine_output_bytes): ints, all but recv_rows in bytes.
+    Errors: moe_ep.InvalidArgumentError / UnsupportedError for the EP arguments (dispatch_v2's
+    checks, e.g. ep_rank_id not group_ep's rank) and for bs, hidden, top_k, dtype (int8, int32,
+    int64, bool), quant_mode, comm_quant_mode out of range, with the C++ message
+    ("dispatch_workspace: hidden = 0 must be in [1, 2147483647] (x.shape[1])", docs/errors.md);
+    UnsupportedError for a dtype moe_ep cannot represent (torch.float64, ...); TypeError for an
+    unknown keyword argument.
+    """
+    op = "dispatch_workspace"
+    name = dtype_name(op, "dtype", dtype, any_dtype=True)
+    gid, size, rank = _resolve(group_ep)
+    tp = _group(op, "group_tp", _resolve(group_tp)[0]) if group_tp is not None else None
+    sizes = _C.dispatch_workspace(
+        bs,
+        hidden,
+        top_k,
+        name,
+        _group(op, "group_ep", gid),
+        size if ep_world_size is None else ep_world_size,
+        rank if ep_rank_id is None else ep_rank_id,
+        moe_expert_num,
+        group_tp=tp,
+        **kwargs,
+    )
+    return DispatchWorkspace(**sizes)
+
+
+__all__: List[str] = [
+    "DispatchOutputs",
+    "DispatchWorkspace",
+    "combine_v2",
+    "dispatch_v2",
+    "dispatch_workspace",
+    "group_id",
+    "release_group",
+]
