@@ -1206,6 +1206,38 @@ def shm_window_bytes_option(ctx):
                   f"the {reserve}-byte window: not all in it ({spans})")
 
         agreed(ctx, window_checks)
+
+        # The README's order on one communicator: query the sizes with it (which registers it),
+        # then give it its window: registered again with the option, until an op uses it (on
+        # `queried` the option is set before the op, on `used` only after it: refused).
+        queried, used = ctx.comm.Dup(), ctx.comm.Dup()
+        try:
+            first = workspace_of(ctx, spec, group_ep=queried)
+            set_to = groups[mt.group_id(queried, shm_window_bytes=reserve)].shm_window_bytes
+            workspace_of(ctx, spec, group_ep=used)
+            late = []
+            for c in (queried, used):
+                round_trip(Ctx(c, w, rank), replace(spec, seed=170))
+                try:
+                    mt.group_id(c, shm_window_bytes=reserve + 4096)
+                    late.append(None)
+                except moe_ep.Error as err:
+                    late.append(err)
+
+            def query_then_window_checks():
+                check(isinstance(first, mt.DispatchWorkspace), f"query raised {first!r}")
+                check(set_to == reserve,
+                      f"shm_window_bytes {set_to} after the query, registered {reserve}")
+                for err in late:
+                    check(type(err) is moe_ep.InvalidArgumentError,
+                          f"a new shm_window_bytes after an op raised {err!r}, want "
+                          "InvalidArgumentError (fixed once an op has used the communicator)")
+
+            agreed(ctx, query_then_window_checks)
+        finally:
+            for c in (queried, used):
+                mt.release_group(c)
+                c.Free()
     finally:
         for c in (dup, other):
             mt.release_group(c)

@@ -458,6 +458,20 @@ TEST_F(EpLayoutAdversarial, ZeroHiddenSize) {
     EXPECT_TRUE(e.kind() == ErrorKind::kInvalidArgument || e.kind() == ErrorKind::kUnsupported)
         << e.what();
   }
+  // quant_mode 2: empty int8 rows, each with the scale of an empty row (+0; SPEC §1.5's zero row).
+  try {
+    DispatchInputs in = dispatch_inputs(c0, rank);
+    in.quant_mode = 2;
+    const DispatchOutputs out = dispatch_v2(in, config(c0));
+    EXPECT_EQ(out.expand_x.dtype(), DType::kI8);
+    EXPECT_EQ(out.expand_x.size(1), 0);
+    EXPECT_EQ(values<int32_t>(out.ep_recv_counts), want[rank].ep_recv_counts);
+    const std::vector<float> scales = values<float>(out.dynamic_scales, want[rank].valid);
+    EXPECT_EQ(scales, std::vector<float>(static_cast<std::size_t>(want[rank].valid), 0.0f));
+  } catch (const Error& e) {
+    EXPECT_TRUE(e.kind() == ErrorKind::kInvalidArgument || e.kind() == ErrorKind::kUnsupported)
+        << e.what();
+  }
   good_round_trip();
 }
 

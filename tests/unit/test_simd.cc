@@ -482,17 +482,22 @@ TEST(Simd, QuantMatchesReferenceOnEveryTarget) {
   });
 }
 
-// quantize_rows_int8, the path the ops use: rows in groups (the max pass walks up to 4 rows side
-// by side), gathered through src_index and smooth_index; every row equals the ref/ oracle.
 // quantize_rows_int8_to: each row's reference int8 row and scale, written to every one of its
-// destinations, on every target: rows with fewer than four vectors left at the end, and zero,
-// non-finite and tiny rows between ordinary ones (each row's max is read during the row before).
+// destinations, on every target. Lengths that end in each loop of the kernel (eight vectors, four,
+// the scalar tail); a fixed run of kinds so that every kind follows and precedes an ordinary row
+// (each row's max is read during the row before it), ordinary rows with their max at a random
+// place (in any of the loops); 1-8 destinations per row; and, at n = 7168 with 9 rows, enough
+// work for the rows to be split over threads.
 TEST(Simd, QuantizeRowsToEveryDestinationMatchReference) {
   for_each_target([] {
     std::mt19937_64 rng(29);
+    std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+    // 0: ordinary (awkward values, or values in [-1, 1] with one spike of 100 at a random place),
+    // 1: zero, 2: an Inf, 3: a NaN, 4: tiny (|x| < 2^-130: the 2^64 pre-scale; zero in fp16)
+    const int kinds[] = {0, 0, 4, 0, 2, 0, 3, 0, 1, 0};
     for (DType dtype : kFloatDTypes)
       for (int64_t n : {0, 1, 15, 64, 65, 127, 200, 517, 7168})
-        for (int64_t rows : {1, 2, 7}) {
+        for (int64_t rows : {1, 2, 9}) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
                        " rows=" + std::to_string(rows));
           const std::size_t un = static_cast<std::size_t>(n);
@@ -501,17 +506,17 @@ TEST(Simd, QuantizeRowsToEveryDestinationMatchReference) {
           std::vector<const void*> xp;
           std::vector<int64_t> first = {0};
           for (int64_t t = 0; t < rows; ++t) {
-            // kind 0: awkward values, 1: zero, 2: an Inf, 3: a NaN, 4: tiny (rows = 7: each once,
-            // between ordinary rows)
-            const int kind = rows == 7 ? static_cast<int>(t % 5) : static_cast<int>(rng() % 5);
+            const int kind = rows == 9 ? kinds[t] : static_cast<int>(rng() % 5);
+            const bool spiked = rng() % 2 == 0;
+            const int64_t spike = n > 0 ? static_cast<int64_t>(rng() % un) : 0;
             x.emplace_back(row_elems);
             for (int64_t i = 0; i < n; ++i) {
-              float v = awkward(rng, false);
+              float v = spiked ? (i == spike ? 100.0f : unit(rng)) : awkward(rng, false);
               if (std::isinf(v)) v = -2.5f;
               if (kind == 1) v = rng() % 2 ? 0.0f : -0.0f;
               if (kind == 2 && i == n / 2) v = -INFINITY;
               if (kind == 3 && i == n - 1) v = NAN;
-              if (kind == 4) v = std::ldexp(v, -130);
+              if (kind == 4) v = std::ldexp(unit(rng), -130);
               detail::store_f32(x.back().data(), dtype, i, v);
             }
             first.push_back(first.back() + 1 + static_cast<int64_t>(rng() % 8));  // 1..8 copies
@@ -540,6 +545,9 @@ TEST(Simd, QuantizeRowsToEveryDestinationMatchReference) {
   });
 }
 
+// quantize_rows_int8, the path combine and smoothed dispatch use: rows in groups (the max pass
+// walks up to 4 rows side by side), gathered through src_index and smooth_index; every row equals
+// the ref/ oracle.
 TEST(Simd, QuantizeRowsMatchReferenceOnEveryTarget) {
   for_each_target([] {
     std::mt19937_64 rng(23);

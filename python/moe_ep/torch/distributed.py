@@ -48,6 +48,10 @@ _size_rank: Dict[int, Tuple[int, int]] = {}  # group id -> (size, rank)
 # communicator with other members. The reference keeps the id from being reused.
 _by_object: Dict[int, Tuple[object, int, int]] = {}
 _next_id = itertools.count(1)
+# Group ids registered by dispatch_workspace's first use of a communicator and not yet used by an
+# op: group_id(comm, ...) may still give such a communicator its options (it is duplicated again),
+# so that the documented order (query the sizes, then register the window) works on one comm.
+_query_only: set = set()
 
 
 @atexit.register
@@ -78,7 +82,10 @@ def group_id(
     The options are moe_ep::CommOptions (include/moe_ep/comm.h), fixed by the first call: a later
     call (with the communicator or its group id) that passes a different value raises
     InvalidArgumentError naming the option, the value and the registered one; None leaves the
-    registered value as it is.
+    registered value as it is. One exception: a communicator registered by dispatch_workspace
+    and not yet used by an op is registered again with the options given (MPI_Comm_dup:
+    collective, every rank at the same point), so the sizes can be queried on the communicator
+    whose window they size.
     timeout_s: the deadline of every wait of the ops on it, in seconds (> 0; None: default
     $MOE_EP_TIMEOUT_S, else 300).
     shm_window_bytes: the shared-memory transport's window, in bytes: this rank's segment when
@@ -109,8 +116,11 @@ def group_id(
     if hit is not None and hit[0] is comm:
         _, old_handle, gid = hit
         if old_handle == handle:
-            _check_options(gid, timeout_s, shm_window_bytes)
-            return gid
+            if gid not in _query_only or (timeout_s is None and shm_window_bytes is None):
+                _check_options(gid, timeout_s, shm_window_bytes)
+                return gid
+            # only dispatch_workspace used it: registered again below with these options
+            # (collective, like its first registration)
         release_group(gid)  # the object was freed (Free()) and now holds another handle
     # shm_window_bytes < 0 is refused by moe_ep::Communicator::from_mpi (before MPI_Comm_dup)
     g = _C.Communicator.from_fortran(
@@ -152,6 +162,7 @@ def release_group(comm) -> None:
         return
     _groups.pop(gid, None)
     _size_rank.pop(gid, None)
+    _query_only.discard(gid)
     for key in [k for k, (_, _, g) in _by_object.items() if g == gid]:
         del _by_object[key]
 
@@ -189,6 +200,7 @@ def _binding_args(op: str, args: Dict[str, object]) -> Dict[str, object]:
     for name, value in args.items():
         if name == "group_ep" or (name == "group_tp" and value):
             out[name] = _group(op, name, value)
+            _query_only.discard(value)  # used by an op: its options are now fixed
         elif name == "group_tp":
             out[name] = None
         elif isinstance(value, Tensor) and name != "performance_info":
@@ -526,7 +538,10 @@ def dispatch_workspace(
 
     Local: no communication, so the other ranks need not call it. But the first use of an mpi4py
     communicator registers it (group_id: MPI_Comm_dup, collective); pass a communicator already
-    used (or registered with group_id) or its group id when only some ranks query.
+    used (or registered with group_id) or its group id when only some ranks query. A
+    communicator that only this query has registered can still be given its options:
+    group_id(comm, shm_window_bytes=...) (on every rank, before any op on it) registers it again
+    with them.
 
     bs: this rank's tokens (x.shape[0], >= 0). hidden: H (x.shape[1], >= 1). top_k: K
     (expert_ids.shape[1], in [1, moe_expert_num + zero/copy/const experts]). dtype: x's,
@@ -550,7 +565,10 @@ def dispatch_workspace(
     """
     op = "dispatch_workspace"
     name = dtype_name(op, "dtype", dtype, any_dtype=True)
+    known = set(_groups)
     gid, size, rank = _resolve(group_ep)
+    if gid not in known:  # registered by this call: group_id may still set its options
+        _query_only.add(gid)
     tp = _group(op, "group_tp", _resolve(group_tp)[0]) if group_tp is not None else None
     sizes = _C.dispatch_workspace(
         bs,

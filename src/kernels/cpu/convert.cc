@@ -170,10 +170,11 @@ void ScaleDotT(float* out, void* const* dst, const void* g, DType g_dtype, const
   int64_t i = 0;
   for (; i + kDotBlock <= n; i += kDotBlock) {
     VF gv[kBlockVecs];
-    for (size_t v = 0; v < kBlockVecs; ++v)
+    for (size_t v = 0; v < kBlockVecs; ++v) {
       gv[v] = LoadF32As(df, g_dtype, g, i + static_cast<int64_t>(v) * lanes);
-      // Unrolled, so that the accumulators stay in registers (indexed by a loop counter they
-      // would live on the stack).
+    }
+    // Unrolled, so that the accumulators stay in registers on AVX-512 (indexed by a loop counter
+    // they would live on the stack; narrower targets have too few registers for them anyway).
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 16

@@ -13,6 +13,8 @@
 
 #ifndef MOE_EP_KERNELS_CPU_QUANT_CONSTANTS_
 #define MOE_EP_KERNELS_CPU_QUANT_CONSTANTS_
+#include <omp.h>
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -215,12 +217,12 @@ HWY_INLINE hn::Vec<hn::Repartition<uint8_t, DU>> PackLowBytes(DU, hn::Vec<DU> b0
 #endif
 
 // quantize_row_int8 of one row without smoothing whose max bits mb are known, its int8 row
-// written to each of count destinations: one pass that quantises four vectors at a time and stores
-// them to every destination. The arithmetic runs between the stores, which bound the time when a
-// token goes to several places (dispatch_v2: one copy per expert). The same pass reads the next
-// row (next, may be null) for its max (*next_mb): its reads overlap these stores instead of
-// making a pass of their own that the core waits for. Zero, non-finite and tiny rows go through
-// QuantizeWithAmax once, then are copied.
+// written to each of count destinations: one pass that quantises eight vectors at a time and
+// stores them (two vectors of bytes) to each destination in turn. The arithmetic runs between the
+// stores, which bound the time when a token goes to several places (dispatch_v2: one copy per
+// expert). The same pass reads the next row (next, may be null) for its max (*next_mb): its reads
+// overlap these stores instead of making a pass of their own that the core waits for. Zero,
+// non-finite and tiny rows go through QuantizeWithAmax once, then are copied.
 template <DType kT>
 float QuantizeToT(const void* x, uint32_t mb, int64_t n, int8_t* const* dst, int64_t count,
                   const void* next, uint32_t* next_mb) {
@@ -234,7 +236,8 @@ float QuantizeToT(const void* x, uint32_t mb, int64_t n, int8_t* const* dst, int
   const float s = mb == 0 || mb >= kInfBits ? 0.0f : kQMax / amax;
   if (s == 0.0f || s > std::numeric_limits<float>::max()) {
     scale = QuantizeWithAmax<kT, false>(mb, x, nullptr, n, dst[0]);
-    for (int64_t r = 1; r < count; ++r) std::memcpy(dst[r], dst[0], static_cast<std::size_t>(n));
+    for (int64_t r = 1; r < count && n > 0; ++r)
+      std::memcpy(dst[r], dst[0], static_cast<std::size_t>(n));
   } else {
 #if HWY_TARGET != HWY_SCALAR
     const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
@@ -391,7 +394,15 @@ void quantize_rows_int8_to(const void* const* src, DType dtype, int64_t rows, in
   MOE_EP_CHECK(dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32);
   if (rows == 0) return;
   for (int64_t t = 0; t < rows; ++t) MOE_EP_CHECK(first[t + 1] > first[t]);
-  HWY_DYNAMIC_DISPATCH(QuantizeRowsTo)(src, dtype, rows, n, dst, first, scales);
+    // Each thread takes a contiguous run of rows (the kernel reads a row's max during the stores
+    // of the row before it); rows are independent, so any split gives the same bits.
+#pragma omp parallel if (rows > 1 && (first[rows] - first[0]) * n >= (int64_t{1} << 15))
+  {
+    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t lo = rows * me / nt, hi = rows * (me + 1) / nt;
+    if (hi > lo) HWY_DYNAMIC_DISPATCH(QuantizeRowsTo)
+    (src + lo, dtype, hi - lo, n, dst, first + lo, scales + lo);
+  }
 }
 
 void axpy_row_int8(float* acc, float w, const int8_t* q, float scale, int64_t n) {

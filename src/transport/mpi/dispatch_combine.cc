@@ -23,8 +23,6 @@
 // even when empty, so a disagreement between ranks shows up as a count mismatch (an error)
 // instead of a stray message that would poison the next op; dispatch's per-block messages follow
 // the counts the senders themselves sent, so they cannot disagree.
-#include <omp.h>
-
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
@@ -347,28 +345,35 @@ detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
   return *ctx;
 }
 
-// Row copies over all threads (large buffers: the copy is the transport).
+// A row to copy (parallel_copy).
 struct RowCopy {
   const char* src;
   char* dst;
 };
 
-// Row copies over all threads (large buffers: the copy is the transport). The copies are grouped
-// by source row (sorted by src, stable) and each group is one copy_row_to: a token sent to
-// several experts is read once and its destinations are written side by side, which keeps more
-// stores in flight than one row at a time (measured faster: docs/performance.md). Ordinary
-// stores: non-temporal ones were measured slower here, the rows being read soon. Reorders rows.
-void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
-  const int64_t n = static_cast<int64_t>(rows.size());
+// Sorts rows by source row (stable) and returns the start of each run of one source, then
+// rows.size(): group t is rows [first[t], first[t + 1]).
+template <class Row>
+std::vector<int64_t> group_by_src(std::vector<Row>& rows) {
   std::stable_sort(rows.begin(), rows.end(),
-                   [](const RowCopy& a, const RowCopy& b) { return std::less<>()(a.src, b.src); });
-  std::vector<int64_t> first;  // group t is rows [first[t], first[t + 1])
-  std::vector<void*> dst(rows.size());
-  for (int64_t j = 0; j < n; ++j) {
-    if (j == 0 || rows[j].src != rows[j - 1].src) first.push_back(j);
-    dst[j] = rows[j].dst;
-  }
-  first.push_back(n);
+                   [](const Row& a, const Row& b) { return std::less<>()(a.src, b.src); });
+  std::vector<int64_t> first;
+  for (std::size_t j = 0; j < rows.size(); ++j)
+    if (j == 0 || rows[j].src != rows[j - 1].src) first.push_back(static_cast<int64_t>(j));
+  first.push_back(static_cast<int64_t>(rows.size()));
+  return first;
+}
+
+// Row copies over all threads (large buffers: the copy is the transport). The copies are grouped
+// by source row and each group is one copy_row_to: a token sent to several experts is read once
+// and its destinations are written side by side, which keeps more stores in flight than one row
+// at a time (measured faster: docs/performance.md). Ordinary stores: non-temporal ones were
+// measured slower here, the rows being read soon. Reorders rows.
+void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
+  const std::vector<int64_t> first = group_by_src(rows);
+  std::vector<void*> dst;
+  for (const RowCopy& r : rows) dst.push_back(r.dst);
+  const int64_t n = static_cast<int64_t>(rows.size());
   const int64_t groups = static_cast<int64_t>(first.size()) - 1;
 #pragma omp parallel for schedule(static) if (n * row_bytes > (int64_t{1} << 16))
   for (int64_t t = 0; t < groups; ++t)
@@ -378,40 +383,29 @@ void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
 
 // quant_mode 2 without smoothing scales: every copy of a token quantises to the same bytes. Like
 // parallel_copy, grouped by source row, but each group is quantised once and its int8 row stored
-// to all its destinations in the same pass (detail::quantize_rows_int8_to), so the quantisation
-// runs between the stores instead of before them. Each thread takes a contiguous run of groups
-// (the kernel reads each row's max during the previous row's stores). scales[j] gets the dynamic
-// scale of each send-order entry j. Reorders rows.
+// to all its destinations in the same pass (detail::quantize_rows_int8_to, OpenMP inside), so
+// the quantisation runs between the stores instead of before them. scales[j] gets the dynamic
+// scale of each send-order entry j (+0 for every entry when h == 0: an empty row). Reorders rows.
 struct QuantCopy {
-  const char* src;  // the token's row of x
-  char* dst;        // H int8 values
+  const char* src;  // the token's row of x (null when h == 0)
+  char* dst;        // h int8 values
   int64_t j;        // send-order entry
 };
 void parallel_quantize(std::vector<QuantCopy>& rows, int64_t h, DType dtype, float* scales) {
-  const int64_t n = static_cast<int64_t>(rows.size());
-  std::stable_sort(rows.begin(), rows.end(), [](const QuantCopy& a, const QuantCopy& b) {
-    return std::less<>()(a.src, b.src);
-  });
-  std::vector<int64_t> first;  // group t is rows [first[t], first[t + 1])
+  if (rows.empty()) return;
+  if (h == 0) {
+    for (const QuantCopy& r : rows) scales[r.j] = 0.0f;
+    return;
+  }
+  const std::vector<int64_t> first = group_by_src(rows);
+  const int64_t groups = static_cast<int64_t>(first.size()) - 1;
   std::vector<const void*> src;
-  std::vector<int8_t*> dst(rows.size());
-  for (int64_t j = 0; j < n; ++j) {
-    if (j == 0 || rows[j].src != rows[j - 1].src) {
-      first.push_back(j);
-      src.push_back(rows[j].src);
-    }
-    dst[j] = reinterpret_cast<int8_t*>(rows[j].dst);
-  }
-  first.push_back(n);
-  const int64_t groups = static_cast<int64_t>(src.size());
+  std::vector<int8_t*> dst;
+  for (int64_t t = 0; t < groups; ++t) src.push_back(rows[first[t]].src);
+  for (const QuantCopy& r : rows) dst.push_back(reinterpret_cast<int8_t*>(r.dst));
   std::vector<float> group_scale(src.size());
-#pragma omp parallel if (n * h > (int64_t{1} << 16))
-  {
-    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t lo = groups * me / nt, hi = groups * (me + 1) / nt;
-    detail::quantize_rows_int8_to(src.data() + lo, dtype, hi - lo, h, dst.data(), first.data() + lo,
-                                  group_scale.data() + lo);
-  }
+  detail::quantize_rows_int8_to(src.data(), dtype, groups, h, dst.data(), first.data(),
+                                group_scale.data());
   for (int64_t t = 0; t < groups; ++t)
     for (int64_t r = first[t]; r < first[t + 1]; ++r) scales[rows[r].j] = group_scale[t];
 }
@@ -897,8 +891,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     if (!in.scales) {
       for (int64_t r = 0; r < n; ++r) {
         const int64_t i = send.order[first + r] / sh.KS;
-        qcopies.push_back({in.x.ptr<char>() + i * in.x.strides[0] * esize,
-                           reinterpret_cast<char*>(q) + r * sh.H, first + r});
+        const char* src = sh.H > 0 ? in.x.ptr<char>() + i * in.x.strides[0] * esize : nullptr;
+        qcopies.push_back({src, reinterpret_cast<char*>(q) + r * sh.H, first + r});
       }
       return;
     }
@@ -1005,7 +999,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       MOE_EP_CHECK(j == send.rank_offset[d + 1]);
     }
     parallel_copy(copies, out_row_bytes);
-    parallel_quantize(qcopies, sh.H, sh.dtype, quant ? qsend_scale->data() : nullptr);
+    if (quant) parallel_quantize(qcopies, sh.H, sh.dtype, qsend_scale->data());
     if (shm) shm->sync();  // the rows are in place before their metadata announces them
     for (int d = 0; d < W; ++d) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
