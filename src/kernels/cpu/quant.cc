@@ -172,14 +172,9 @@ void QuantizeRowsSmooth(const void* const* x, const float* const* smooth, int64_
 
 void QuantizeRows(const void* const* x, DType dtype, const float* const* smooth, int64_t count,
                   int64_t n, int8_t* const* q, float* scales) {
-  switch (dtype) {
-    case DType::kBF16:
-      return QuantizeRowsSmooth<DType::kBF16>(x, smooth, count, n, q, scales);
-    case DType::kF16:
-      return QuantizeRowsSmooth<DType::kF16>(x, smooth, count, n, q, scales);
-    default:
-      return QuantizeRowsSmooth<DType::kF32>(x, smooth, count, n, q, scales);
-  }
+  WithFloatDType(dtype, [&](auto t) {
+    QuantizeRowsSmooth<decltype(t)::value>(x, smooth, count, n, q, scales);
+  });
 }
 
 template <DType kT>
@@ -189,14 +184,8 @@ float QuantizeSmooth(const void* x, const float* smooth, int64_t n, int8_t* q) {
 }
 
 float QuantizeRow(const void* x, DType dtype, const float* smooth, int64_t n, int8_t* q) {
-  switch (dtype) {
-    case DType::kBF16:
-      return QuantizeSmooth<DType::kBF16>(x, smooth, n, q);
-    case DType::kF16:
-      return QuantizeSmooth<DType::kF16>(x, smooth, n, q);
-    default:
-      return QuantizeSmooth<DType::kF32>(x, smooth, n, q);
-  }
+  return WithFloatDType(
+      dtype, [&](auto t) { return QuantizeSmooth<decltype(t)::value>(x, smooth, n, q); });
 }
 
 #if HWY_TARGET != HWY_SCALAR
@@ -312,14 +301,8 @@ void QuantizeRowsToT(const void* const* x, int64_t rows, int64_t n, int8_t* cons
 
 void QuantizeRowsTo(const void* const* x, DType dtype, int64_t rows, int64_t n, int8_t* const* dst,
                     const int64_t* first, float* scales) {
-  switch (dtype) {
-    case DType::kBF16:
-      return QuantizeRowsToT<DType::kBF16>(x, rows, n, dst, first, scales);
-    case DType::kF16:
-      return QuantizeRowsToT<DType::kF16>(x, rows, n, dst, first, scales);
-    default:
-      return QuantizeRowsToT<DType::kF32>(x, rows, n, dst, first, scales);
-  }
+  WithFloatDType(
+      dtype, [&](auto t) { QuantizeRowsToT<decltype(t)::value>(x, rows, n, dst, first, scales); });
 }
 
 // fl(fp32(q[i]) * scale), Lanes values at i (rest > 0: a partial last vector, zero-padded).

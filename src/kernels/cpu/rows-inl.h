@@ -154,27 +154,28 @@ HWY_INLINE void StoreTail(DF df, VF v, void* row, int64_t i, size_t count) {
               count * dtype_size(kT));
 }
 
+// f(std::integral_constant<DType, d>{}) for a run-time float dtype d (bf16, fp16; anything else
+// as fp32): a row's dtype as the template argument of a kernel, one switch for all of them.
+template <class F>
+HWY_INLINE decltype(auto) WithFloatDType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kBF16:
+      return f(std::integral_constant<DType, DType::kBF16>{});
+    case DType::kF16:
+      return f(std::integral_constant<DType, DType::kF16>{});
+    default:
+      return f(std::integral_constant<DType, DType::kF32>{});
+  }
+}
+
 // LoadF32 and Tail for a row whose dtype is known only at run time (one predictable branch per
 // vector), for a kernel that reads such a row beside rows of a template dtype.
 HWY_INLINE VF LoadF32As(DF df, DType dtype, const void* row, int64_t i) {
-  switch (dtype) {
-    case DType::kBF16:
-      return LoadF32<DType::kBF16>(df, row, i);
-    case DType::kF16:
-      return LoadF32<DType::kF16>(df, row, i);
-    default:
-      return LoadF32<DType::kF32>(df, row, i);
-  }
+  return WithFloatDType(dtype, [&](auto t) { return LoadF32<decltype(t)::value>(df, row, i); });
 }
 HWY_INLINE VF TailF32As(DF df, DType dtype, const void* row, int64_t i, size_t count) {
-  switch (dtype) {
-    case DType::kBF16:
-      return Tail<DType::kBF16>(row, i, count).load(df);
-    case DType::kF16:
-      return Tail<DType::kF16>(row, i, count).load(df);
-    default:
-      return Tail<DType::kF32>(row, i, count).load(df);
-  }
+  return WithFloatDType(dtype,
+                        [&](auto t) { return Tail<decltype(t)::value>(row, i, count).load(df); });
 }
 
 // NOLINTNEXTLINE(google-readability-namespace-comments)
