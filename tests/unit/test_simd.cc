@@ -14,6 +14,7 @@
 #include <hwy/targets.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -497,51 +498,59 @@ TEST(Simd, QuantizeRowsToEveryDestinationMatchReference) {
     const int kinds[] = {0, 0, 4, 0, 2, 0, 3, 0, 1, 0};
     for (DType dtype : kFloatDTypes)
       for (int64_t n : {0, 1, 15, 64, 65, 127, 200, 517, 7168})
-        for (int64_t rows : {1, 2, 9}) {
-          SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
-                       " rows=" + std::to_string(rows));
-          const std::size_t un = static_cast<std::size_t>(n);
-          const std::size_t row_elems = un * dtype_size(dtype) / 2 + 1;
-          std::vector<std::vector<uint16_t>> x;
-          std::vector<const void*> xp;
-          std::vector<int64_t> first = {0};
-          for (int64_t t = 0; t < rows; ++t) {
-            const int kind = rows == 9 ? kinds[t] : static_cast<int>(rng() % 5);
-            const bool spiked = rng() % 2 == 0;
-            const int64_t spike = n > 0 ? static_cast<int64_t>(rng() % un) : 0;
-            x.emplace_back(row_elems);
-            for (int64_t i = 0; i < n; ++i) {
-              float v = spiked ? (i == spike ? 100.0f : unit(rng)) : awkward(rng, false);
-              if (std::isinf(v)) v = -2.5f;
-              if (kind == 1) v = rng() % 2 ? 0.0f : -0.0f;
-              if (kind == 2 && i == n / 2) v = -INFINITY;
-              if (kind == 3 && i == n - 1) v = NAN;
-              if (kind == 4) v = std::ldexp(unit(rng), -130);
-              detail::store_f32(x.back().data(), dtype, i, v);
+        for (int64_t rows : {1, 2, 9})
+          for (int stream : {0, 1, 2}) {  // 1: non-temporal, 64-byte aligned; 2: some not
+            SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
+                         " rows=" + std::to_string(rows) + " stream=" + std::to_string(stream));
+            const std::size_t un = static_cast<std::size_t>(n);
+            const std::size_t row_elems = un * dtype_size(dtype) / 2 + 1;
+            std::vector<std::vector<uint16_t>> x;
+            std::vector<const void*> xp;
+            std::vector<int64_t> first = {0};
+            for (int64_t t = 0; t < rows; ++t) {
+              const int kind = rows == 9 ? kinds[t] : static_cast<int>(rng() % 5);
+              const bool spiked = rng() % 2 == 0;
+              const int64_t spike = n > 0 ? static_cast<int64_t>(rng() % un) : 0;
+              x.emplace_back(row_elems);
+              for (int64_t i = 0; i < n; ++i) {
+                float v = spiked ? (i == spike ? 100.0f : unit(rng)) : awkward(rng, false);
+                if (std::isinf(v)) v = -2.5f;
+                if (kind == 1) v = rng() % 2 ? 0.0f : -0.0f;
+                if (kind == 2 && i == n / 2) v = -INFINITY;
+                if (kind == 3 && i == n - 1) v = NAN;
+                if (kind == 4) v = std::ldexp(unit(rng), -130);
+                detail::store_f32(x.back().data(), dtype, i, v);
+              }
+              first.push_back(first.back() + 1 + static_cast<int64_t>(rng() % 8));  // 1..8 copies
             }
-            first.push_back(first.back() + 1 + static_cast<int64_t>(rng() % 8));  // 1..8 copies
+            for (auto& row : x) xp.push_back(row.data());
+            // Destination r at r * stride (+1 for every third with stream 2) of a 64-aligned
+            // buffer, the byte after each row a sentinel.
+            const std::size_t stride = (un + 1 + 63) / 64 * 64 + 64;
+            const std::size_t dsts = static_cast<std::size_t>(first.back());
+            std::vector<int8_t> buf(dsts * stride + 128, 99);
+            int8_t* base =
+                buf.data() + (64 - reinterpret_cast<std::uintptr_t>(buf.data()) % 64) % 64;
+            std::vector<int8_t*> qp;
+            for (std::size_t r = 0; r < dsts; ++r)
+              qp.push_back(base + r * stride + (stream == 2 && r % 3 == 2 ? 1 : 0));
+            std::vector<float> scales(static_cast<std::size_t>(rows) + 1, 7.0f);
+            detail::quantize_rows_int8_to(xp.data(), dtype, rows, n, qp.data(), first.data(),
+                                          scales.data(), stream > 0);
+            for (int64_t t = 0; t < rows; ++t) {
+              SCOPED_TRACE("row " + std::to_string(t));
+              const std::size_t ut = static_cast<std::size_t>(t);
+              std::vector<int8_t> want(un + 1, 99);
+              const float want_scale =
+                  ref::quantize_row_int8(dtype, xp[ut], nullptr, n, want.data());
+              EXPECT_TRUE(bits(scales[ut]) == bits(want_scale) ||
+                          (std::isnan(scales[ut]) && std::isnan(want_scale)))
+                  << scales[ut] << " vs " << want_scale;
+              for (int64_t r = first[ut]; r < first[ut + 1]; ++r)
+                expect_same_bytes(qp[static_cast<std::size_t>(r)], want.data(), un + 1);
+            }
+            EXPECT_EQ(scales[static_cast<std::size_t>(rows)], 7.0f);  // nothing past `rows`
           }
-          for (auto& row : x) xp.push_back(row.data());
-          std::vector<std::vector<int8_t>> q(static_cast<std::size_t>(first.back()),
-                                             std::vector<int8_t>(un + 1, 99));
-          std::vector<int8_t*> qp;
-          for (auto& row : q) qp.push_back(row.data());
-          std::vector<float> scales(static_cast<std::size_t>(rows) + 1, 7.0f);
-          detail::quantize_rows_int8_to(xp.data(), dtype, rows, n, qp.data(), first.data(),
-                                        scales.data());
-          for (int64_t t = 0; t < rows; ++t) {
-            SCOPED_TRACE("row " + std::to_string(t));
-            const std::size_t ut = static_cast<std::size_t>(t);
-            std::vector<int8_t> want(un + 1, 99);
-            const float want_scale = ref::quantize_row_int8(dtype, xp[ut], nullptr, n, want.data());
-            EXPECT_TRUE(bits(scales[ut]) == bits(want_scale) ||
-                        (std::isnan(scales[ut]) && std::isnan(want_scale)))
-                << scales[ut] << " vs " << want_scale;
-            for (int64_t r = first[ut]; r < first[ut + 1]; ++r)
-              expect_same_bytes(q[static_cast<std::size_t>(r)].data(), want.data(), un + 1);
-          }
-          EXPECT_EQ(scales[static_cast<std::size_t>(rows)], 7.0f);  // nothing past `rows`
-        }
   });
 }
 

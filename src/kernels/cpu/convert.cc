@@ -83,10 +83,11 @@ void AddRowT(float* acc, const void* src, int64_t n) {
 // is written.
 template <DType kIn, DType kOut, bool kWeighted, bool kFromZero>
 void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n,
-              bool stream) {
+              bool stream, const void* const* ahead, int64_t ahead_count) {
   const DF df;
   constexpr int64_t kBlock = 4;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t esize = static_cast<int64_t>(dtype_size(kIn));
   auto term = [&](const VF& x, int64_t r) {
     if constexpr (kWeighted) return hn::Mul(hn::Set(df, w[r]), x);
     return x;
@@ -97,6 +98,9 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
   };
   int64_t i = 0;
   for (; i + kBlock * lanes <= n; i += kBlock * lanes) {
+    for (int64_t r = 0; r < ahead_count; ++r)  // the same block of the next call's rows
+      for (int64_t b = 0; b < kBlock * lanes * esize; b += 64)
+        hwy::Prefetch(static_cast<const char*>(ahead[r]) + i * esize + b);
     VF a0 = first(LoadF32<kIn>(df, rows[0], i));
     VF a1 = first(LoadF32<kIn>(df, rows[0], i + lanes));
     VF a2 = first(LoadF32<kIn>(df, rows[0], i + 2 * lanes));
@@ -292,15 +296,15 @@ struct SumRowsF {
   template <DType kOut>
   struct To {
     static void run(void* dst, const void* const* rows, const float* w, int64_t count, int64_t n,
-                    bool stream, bool from_zero) {
+                    bool stream, bool from_zero, const void* const* ahead, int64_t ahead_count) {
       if (w != nullptr && from_zero) {
-        SumRowsT<kIn, kOut, true, true>(dst, rows, w, count, n, stream);
+        SumRowsT<kIn, kOut, true, true>(dst, rows, w, count, n, stream, ahead, ahead_count);
       } else if (w != nullptr) {
-        SumRowsT<kIn, kOut, true, false>(dst, rows, w, count, n, stream);
+        SumRowsT<kIn, kOut, true, false>(dst, rows, w, count, n, stream, ahead, ahead_count);
       } else if (from_zero) {
-        SumRowsT<kIn, kOut, false, true>(dst, rows, w, count, n, stream);
+        SumRowsT<kIn, kOut, false, true>(dst, rows, w, count, n, stream, ahead, ahead_count);
       } else {
-        SumRowsT<kIn, kOut, false, false>(dst, rows, w, count, n, stream);
+        SumRowsT<kIn, kOut, false, false>(dst, rows, w, count, n, stream, ahead, ahead_count);
       }
     }
   };
@@ -366,16 +370,20 @@ void ScaleDot(float* out, void* const* dst, DType dst_dtype, const void* g, DTyp
   if (stream) hwy::FlushStream();
 }
 void SumRows(void* dst, DType dst_dtype, const void* const* rows, const float* w, int64_t count,
-             DType src_dtype, int64_t n, bool stream, bool from_zero) {
+             DType src_dtype, int64_t n, bool stream, bool from_zero, const void* const* ahead,
+             int64_t ahead_count) {
   switch (src_dtype) {
     case DType::kBF16:
-      ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero);
+      ByDType<SumRowsF<DType::kBF16>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero,
+                                          ahead, ahead_count);
       break;
     case DType::kF16:
-      ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero);
+      ByDType<SumRowsF<DType::kF16>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero,
+                                         ahead, ahead_count);
       break;
     default:
-      ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero);
+      ByDType<SumRowsF<DType::kF32>::To>(dst_dtype, dst, rows, w, count, n, stream, from_zero,
+                                         ahead, ahead_count);
       break;
   }
   if (stream) hwy::FlushStream();
@@ -442,13 +450,15 @@ void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const voi
   (out, dst, dst_dtype, g, g_dtype, w, x, x_dtype, count, n, stream);
 }
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
-              int64_t count, DType src_dtype, int64_t n, bool stream, bool from_zero) {
+              int64_t count, DType src_dtype, int64_t n, bool stream, bool from_zero,
+              const void* const* ahead, int64_t ahead_count) {
   if (count == 0) {
     std::memset(dst, 0, static_cast<std::size_t>(n) * dtype_size(dst_dtype));
     return;
   }
   HWY_DYNAMIC_DISPATCH(SumRows)
-  (dst, dst_dtype, rows, weights, count, src_dtype, n, can_stream(dst, stream), from_zero);
+  (dst, dst_dtype, rows, weights, count, src_dtype, n, can_stream(dst, stream), from_zero, ahead,
+   ahead_count);
 }
 
 }  // namespace moe_ep::detail

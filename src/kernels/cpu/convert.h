@@ -93,10 +93,15 @@ void copy_row_to(void* const* dst, int64_t count, const void* src, std::size_t b
 // each product is rounded to fp32 before it is added and the first term starts the sum (no +0
 // added first; from_zero: +0 starts it and every term is added, so a sum of -0 terms is +0).
 // weights == null: the plain sum of the rows. count == 0 writes zeros. Each source row is read
-// once (the accumulators stay in registers), so this is one pass over the inputs.
+// once (the accumulators stay in registers), so this is one pass over the inputs. ahead: the
+// ahead_count rows (of src_dtype, n elements each) the caller reads next, typically the next
+// token's; their lines are prefetched block by block during this pass, so that the reads of two
+// tokens' rows are in flight at once (values unchanged; measured 15-20 % faster when rows come
+// from memory: docs/performance.md). They are only prefetched, never read, so any address is
+// harmless.
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
               int64_t count, DType src_dtype, int64_t n, bool stream = false,
-              bool from_zero = false);
+              bool from_zero = false, const void* const* ahead = nullptr, int64_t ahead_count = 0);
 // The fp32 dot product of grad_probs (SPEC §4.3), in the order include/moe_ep/permute.h fixes
 // for it: 16 partial sums, lane l (0..15) the sum from +0, in increasing element order, of the
 // products g[c] * fp32(x[c]) for c = l, l+16, l+32, ... < n, each product rounded to fp32 before

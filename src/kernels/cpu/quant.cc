@@ -6,6 +6,7 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/quant.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // (after foreach_target.h, which re-includes this file once per target)
+#include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
 #include "kernels/cpu/quant.h"
@@ -16,6 +17,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -211,10 +213,11 @@ HWY_INLINE hn::Vec<hn::Repartition<uint8_t, DU>> PackLowBytes(DU, hn::Vec<DU> b0
 // stores, which bound the time when a token goes to several places (dispatch_v2: one copy per
 // expert). The same pass reads the next row (next, may be null) for its max (*next_mb): its reads
 // overlap these stores instead of making a pass of their own that the core waits for. Zero,
-// non-finite and tiny rows go through QuantizeWithAmax once, then are copied.
+// non-finite and tiny rows go through QuantizeWithAmax once, then are copied. stream: every dst
+// is 64-byte aligned and the full vectors are stored non-temporally (the caller flushes).
 template <DType kT>
 float QuantizeToT(const void* x, uint32_t mb, int64_t n, int8_t* const* dst, int64_t count,
-                  const void* next, uint32_t* next_mb) {
+                  const void* next, uint32_t* next_mb, [[maybe_unused]] bool stream) {
   [[maybe_unused]] const DF df;  // unused on the scalar target
   const hn::RebindToUnsigned<DF> du;
   auto next_max = hn::Zero(du);  // of next's elements [0, i)
@@ -230,6 +233,8 @@ float QuantizeToT(const void* x, uint32_t mb, int64_t n, int8_t* const* dst, int
   } else {
 #if HWY_TARGET != HWY_SCALAR
     const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
+    const int64_t esize = static_cast<int64_t>(dtype_size(kT));
+    constexpr int64_t kPrefetchAhead = 4096;
     const VF vs = hn::Set(df, s), magic = hn::Set(df, kRoundMagic);
     const VF lo = hn::Set(df, kRoundMagic - kQMax), hi = hn::Set(df, kRoundMagic + kQMax);
     const hn::Repartition<uint8_t, DF> d8;
@@ -245,6 +250,13 @@ float QuantizeToT(const void* x, uint32_t mb, int64_t n, int8_t* const* dst, int
       return PackLowBytes(du, bits(at), bits(at + lanes), bits(at + 2 * lanes),
                           bits(at + 3 * lanes));
     };
+    auto put = [&](auto v, int64_t r, int64_t at) {
+      auto* out = reinterpret_cast<uint8_t*>(dst[r]) + at;
+      if (stream)
+        hn::Stream(v, d8, out);
+      else
+        hn::StoreU(v, d8, out);
+    };
     auto next_step = [&](int64_t at) {
       next_max = hn::Max(hn::Max(next_max, hn::Max(abs_bits(at), abs_bits(at + lanes))),
                          hn::Max(abs_bits(at + 2 * lanes), abs_bits(at + 3 * lanes)));
@@ -253,17 +265,22 @@ float QuantizeToT(const void* x, uint32_t mb, int64_t n, int8_t* const* dst, int
     for (; i + 8 * lanes <= n; i += 8 * lanes) {
       const auto v0 = packed(i), v1 = packed(i + 4 * lanes);
       for (int64_t r = 0; r < count; ++r) {
-        hn::StoreU(v0, d8, reinterpret_cast<uint8_t*>(dst[r]) + i);
-        hn::StoreU(v1, d8, reinterpret_cast<uint8_t*>(dst[r]) + i + 4 * lanes);
+        put(v0, r, i);
+        put(v1, r, i + 4 * lanes);
       }
       if (next != nullptr) {
+        // The next row's lines 4 KiB ahead of its reads (measured 2-5 % faster with
+        // non-temporal stores, which leave these reads the most waiting; prefetches never fault,
+        // so those past the row's end are harmless).
+        const char* ahead = static_cast<const char*>(next) + i * esize + kPrefetchAhead;
+        for (int64_t c = 0; c < 8 * lanes * esize; c += 64) hwy::Prefetch(ahead + c);
         next_step(i);
         next_step(i + 4 * lanes);
       }
     }
     for (; i + 4 * lanes <= n; i += 4 * lanes) {
       const auto v = packed(i);
-      for (int64_t r = 0; r < count; ++r) hn::StoreU(v, d8, reinterpret_cast<uint8_t*>(dst[r]) + i);
+      for (int64_t r = 0; r < count; ++r) put(v, r, i);
       if (next != nullptr) next_step(i);
     }
 #endif
@@ -285,24 +302,32 @@ float QuantizeToT(const void* x, uint32_t mb, int64_t n, int8_t* const* dst, int
 }
 
 // rows rows one after the other, row t to dst[first[t] .. first[t + 1]) (QuantizeToT), each
-// row's max read during the previous row's stores.
+// row's max read during the previous row's stores. stream: non-temporal stores for the rows whose
+// destinations are all 64-byte aligned, flushed before returning.
 template <DType kT>
 void QuantizeRowsToT(const void* const* x, int64_t rows, int64_t n, int8_t* const* dst,
-                     const int64_t* first, float* scales) {
+                     const int64_t* first, float* scales, bool stream) {
   uint32_t mb;
   AmaxBitsRows<kT, false, 1>(x, nullptr, n, &mb);
+  bool streamed = false;
   for (int64_t t = 0; t < rows; ++t) {
+    bool aligned = stream;
+    for (int64_t r = first[t]; r < first[t + 1] && aligned; ++r)
+      aligned = reinterpret_cast<uintptr_t>(dst[r]) % 64 == 0;
+    streamed |= aligned;
     uint32_t next_mb = 0;
     scales[t] = QuantizeToT<kT>(x[t], mb, n, dst + first[t], first[t + 1] - first[t],
-                                t + 1 < rows ? x[t + 1] : nullptr, &next_mb);
+                                t + 1 < rows ? x[t + 1] : nullptr, &next_mb, aligned);
     mb = next_mb;
   }
+  if (streamed) hwy::FlushStream();
 }
 
 void QuantizeRowsTo(const void* const* x, DType dtype, int64_t rows, int64_t n, int8_t* const* dst,
-                    const int64_t* first, float* scales) {
-  WithFloatDType(
-      dtype, [&](auto t) { QuantizeRowsToT<decltype(t)::value>(x, rows, n, dst, first, scales); });
+                    const int64_t* first, float* scales, bool stream) {
+  WithFloatDType(dtype, [&](auto t) {
+    QuantizeRowsToT<decltype(t)::value>(x, rows, n, dst, first, scales, stream);
+  });
 }
 
 // fl(fp32(q[i]) * scale), Lanes values at i (rest > 0: a partial last vector, zero-padded).
@@ -372,7 +397,7 @@ float quantize_row_int8(const void* src, DType dtype, const float* smooth, int64
 }
 
 void quantize_rows_int8_to(const void* const* src, DType dtype, int64_t rows, int64_t n,
-                           int8_t* const* dst, const int64_t* first, float* scales) {
+                           int8_t* const* dst, const int64_t* first, float* scales, bool stream) {
   MOE_EP_CHECK(rows >= 0 && n >= 0);
   MOE_EP_CHECK(dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32);
   if (rows == 0) return;
@@ -384,7 +409,7 @@ void quantize_rows_int8_to(const void* const* src, DType dtype, int64_t rows, in
     const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t lo = rows * me / nt, hi = rows * (me + 1) / nt;
     if (hi > lo) HWY_DYNAMIC_DISPATCH(QuantizeRowsTo)
-    (src + lo, dtype, hi - lo, n, dst, first + lo, scales + lo);
+    (src + lo, dtype, hi - lo, n, dst, first + lo, scales + lo, stream);
   }
 }
 

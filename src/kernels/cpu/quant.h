@@ -72,9 +72,12 @@ float quantize_row_int8(const void* src, DType dtype, const float* smooth, int64
 // offsets, first[t + 1] > first[t]); scales[t] gets its dynamic scale. One token's row for each of
 // its destinations (dispatch_v2, quant_mode 2 without smoothing scales), in one pass per row that
 // also reads the next row for its max. The dst rows must not overlap the src rows or each other.
-// OpenMP-parallel over contiguous runs of rows; the bits equal quantize_row_int8's.
+// OpenMP-parallel over contiguous runs of rows; the bits equal quantize_row_int8's. stream:
+// non-temporal stores for each row whose destinations are all 64-byte aligned (large outputs not
+// read again soon: they skip the cache and the read of each destination line; same values).
 void quantize_rows_int8_to(const void* const* src, DType dtype, int64_t rows, int64_t n,
-                           int8_t* const* dst, const int64_t* first, float* scales);
+                           int8_t* const* dst, const int64_t* first, float* scales,
+                           bool stream = false);
 
 // acc[0..n) += w * fl(fp32(q[i]) * scale): the dequantised value rounded to fp32, then the product
 // with w rounded to fp32, then the add (no FMA), exactly as axpy_row_f32 on dequantize_row_int8's
