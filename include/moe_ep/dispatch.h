@@ -274,7 +274,9 @@ struct DispatchWorkspace {
   int64_t other_outputs_bytes = 0;
   // Shared-memory transport (0 when the calls use MPI only: transport "mpi", tp_world_size 2):
   // shm_slot_bytes: the part of this rank's window segment one dispatch_v2 output holds while any
-  // copy of its expand_x lives (expand_x_bytes rounded up to 4 KiB, at least 4 KiB).
+  // copy of its expand_x lives: expand_x_bytes rounded up to 64, plus 16 bytes of per-row metadata
+  // (the senders on this machine write it next to their rows) per row of expand_x, all rounded
+  // up to 4 KiB.
   // shm_stage_bytes: what a combine_v2 holds during the call when its expand_x is not such a slot
   // (the experts wrote their outputs elsewhere) or comm_quant_mode is 2: its valid rows staged, at
   // most A rows of H x (1 with comm_quant_mode 2, else x's element size: the experts' outputs in

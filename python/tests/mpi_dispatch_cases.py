@@ -979,7 +979,8 @@ def check_workspace(what: str, ws, a: int, rows: int, h: int, bs: int, dtype, qu
     check(ws.combine_output_bytes == nbytes(got) == bs * h * esize,
           f"{what}: combine_output_bytes {ws.combine_output_bytes}, combine_v2's x "
           f"{tuple(got.shape)} {got.dtype} holds {nbytes(got)}")
-    want_slot = window_slot(ws.expand_x_bytes) if shm else 0
+    # expand_x, then from a 64-byte boundary 16 bytes of metadata per row (dispatch.h).
+    want_slot = window_slot(-(-ws.expand_x_bytes // 64) * 64 + rows * 16) if shm else 0
     want_stage = window_slot(a * h * (1 if comm_quant else esize)) if shm else 0
     check((ws.shm_slot_bytes, ws.shm_stage_bytes) == (want_slot, want_stage),
           f"{what}: (shm_slot_bytes, shm_stage_bytes) = ({ws.shm_slot_bytes}, "

@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -51,7 +52,8 @@ struct Case {
   bool in_place = true;  // experts write into dispatch's expand_x (when not int8)
   int64_t y_pad = 0;     // otherwise: y's row stride is H + y_pad
   int iters = 3;
-  bool hold = false;  // keep every call's outputs alive until the end
+  bool hold = false;                 // keep every call's outputs alive until the end
+  const char* stream_min = nullptr;  // $MOE_EP_STREAM_MIN_BYTES for the shm calls (null: unset)
   uint64_t seed = 7;
 };
 
@@ -161,8 +163,15 @@ Result run(const Case& c, const std::string& transport, int iter) {
     din.scales = smooth.view();
   }
   Result r;
+  if (c.stream_min != nullptr && transport == "shm")
+    setenv("MOE_EP_STREAM_MIN_BYTES", c.stream_min, 1);
   DispatchOutputs d = dispatch_v2(din, cfg);
+  unsetenv("MOE_EP_STREAM_MIN_BYTES");
   r.in_window = in_window(d.expand_x);
+  // A window slot starts on a page boundary, whatever address MPI gave the segment.
+  if (r.in_window) {
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(d.expand_x.data()) % 4096, 0u);
+  }
   // Only the first `valid` rows of expand_x and 3 * valid entries of assist_info_for_combine are
   // meaningful (SPEC §1.4; the rest is whatever the memory held, and differs between the
   // transports' buffers), so only those prefixes are compared; every shape is compared whole.
@@ -293,6 +302,25 @@ std::vector<Case> grid() {
   add("big_rows_unaligned_out_of_place",
       [](Case& c) { c.H = 4099, c.K = 4, c.BS = 160, c.iters = 1, c.in_place = false; });
   add("big_quant", [](Case& c) { c.H = 8192, c.K = 4, c.BS = 160, c.iters = 1, c.quant = true; });
+  // Non-temporal window stores ($MOE_EP_STREAM_MIN_BYTES 0: every call), on rows on and off
+  // 64-byte boundaries (bf16 H 64 and 4096: 128 B and 8 KiB rows; H 4099 and 24: not), int8
+  // rows of 64 B and 8 KiB (and 4099: not), with and without tails past the last full vectors.
+  add("stream_bf16",
+      [](Case& c) { c.H = 4096, c.K = 4, c.BS = 40, c.iters = 2, c.stream_min = "0"; });
+  add("stream_bf16_small_rows", [](Case& c) { c.H = 64, c.K = 8, c.L = 4, c.stream_min = "0"; });
+  add("stream_unaligned",
+      [](Case& c) { c.H = 4099, c.K = 4, c.BS = 40, c.iters = 1, c.stream_min = "0"; });
+  add("stream_tiny_rows", [](Case& c) { c.stream_min = "0"; });
+  add("stream_quant", [](Case& c) {
+    c.H = 8192, c.K = 4, c.BS = 40, c.iters = 2, c.quant = true, c.stream_min = "0";
+  });
+  add("stream_quant_small_rows",
+      [](Case& c) { c.H = 64, c.K = 8, c.L = 4, c.quant = true, c.stream_min = "0"; });
+  add("stream_quant_unaligned", [](Case& c) {
+    c.H = 4099, c.K = 4, c.BS = 40, c.iters = 1, c.quant = true, c.stream_min = "0";
+  });
+  add("stream_hold_quant",
+      [](Case& c) { c.H = 192, c.hold = true, c.quant = true, c.iters = 4, c.stream_min = "1"; });
   return g;
 }
 
@@ -352,6 +380,26 @@ TEST(Transport, MalformedEnvironment) {
   if (test::world_rank() == bad) setenv("MOE_EP_TRANSPORT", "tcp", 1);
   small_call([](EpConfig& c) { c.transport = "mpi"; });
   unsetenv("MOE_EP_TRANSPORT");
+}
+
+TEST(Transport, MalformedStreamThreshold) {
+  const int bad = test::world_size() - 1;
+  for (const char* v : {"-1", "16MiB", "", "99999999999999999999"}) {
+    SCOPED_TRACE(v);
+    if (*v == '\0') {  // empty: the default, no error
+      if (test::world_rank() == bad) setenv("MOE_EP_STREAM_MIN_BYTES", v, 1);
+      small_call([](EpConfig&) {});
+      unsetenv("MOE_EP_STREAM_MIN_BYTES");
+      continue;
+    }
+    if (test::world_rank() == bad) setenv("MOE_EP_STREAM_MIN_BYTES", v, 1);
+    test::expect_collective_error([] { small_call([](EpConfig&) {}); }, test::world_rank(), bad,
+                                  ErrorKind::kInvalidArgument,
+                                  {std::string("dispatch_v2: MOE_EP_STREAM_MIN_BYTES = \"") + v +
+                                   "\" is not a byte count (an integer in [0, 2^63 - 1])"});
+    unsetenv("MOE_EP_STREAM_MIN_BYTES");
+  }
+  small_call([](EpConfig&) {});  // the communicator is still usable
 }
 
 // A bad argument on one rank, after the shared-memory path is set up: the others get kRemote.

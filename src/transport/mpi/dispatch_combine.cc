@@ -24,6 +24,7 @@
 // instead of a stray message that would poison the next op; dispatch's per-block messages follow
 // the counts the senders themselves sent, so they cannot disagree.
 #include <algorithm>
+#include <cerrno>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -61,6 +62,14 @@ struct RowMeta {
   float scale;
   float qscale;  // quant_mode 2: the row's dynamic scale (SPEC §1.5); else 0
 };
+
+// dispatch_v2's slot in a receiver's shared-memory window: expand_x (expand_bytes), then, from
+// the next 64-byte boundary, one RowMeta per row of expand_x (rows), which each sender on the
+// machine writes next to its rows (no MPI message of metadata: a small one announces them).
+int64_t dispatch_meta_offset(int64_t expand_bytes) { return (expand_bytes + 63) / 64 * 64; }
+int64_t dispatch_slot_need(int64_t expand_bytes, int64_t rows) {
+  return dispatch_meta_offset(expand_bytes) + rows * static_cast<int64_t>(sizeof(RowMeta));
+}
 
 // What combine_v2 sends back with each row, so the source can check that the row is the one its
 // expert_ids expect at that position (a caller who reorders or edits expert_ids between dispatch
@@ -295,6 +304,24 @@ int64_t resolve_transport(const char* op, const EpConfig& cfg) {
   detail::invalid(op, ": transport = \"", v, "\" is not one of \"\", \"mpi\", \"shm\"");
 }
 
+// dispatch_v2's stores into the receivers' windows bypass the cache (non-temporal) when this rank
+// writes at least this many bytes there in one call, $MOE_EP_STREAM_MIN_BYTES (default 16 MiB;
+// 0: always). Such a store needs no read of the destination line first and evicts nothing, which
+// made dispatch about 1.6x faster at the issue's size (58 MB per rank); below, the rows stay in
+// cache for whoever reads them next (combine_v2 read them about 1.2x faster at 15 MB).
+// docs/performance.md. An invalid value: kInvalidArgument.
+int64_t stream_min_bytes(const char* op) {
+  const char* env = std::getenv("MOE_EP_STREAM_MIN_BYTES");
+  if (env == nullptr || *env == '\0') return int64_t{16} << 20;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(env, &end, 10);
+  if (*end != '\0' || errno != 0 || v < 0 || end == env)
+    detail::invalid(op, ": MOE_EP_STREAM_MIN_BYTES = \"", env,
+                    "\" is not a byte count (an integer in [0, 2^63 - 1])");
+  return static_cast<int64_t>(v);
+}
+
 // Whether a call uses the shared-memory transport: decided from agreed values only (transport,
 // tp_world_size, the elastic_info hash), so every rank decides the same.
 bool shm_applies(int64_t transport, const EpConfig& cfg, const World& w) {
@@ -349,27 +376,35 @@ detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
 struct RowCopy {
   const char* src;
   char* dst;
+  int64_t key;  // the source row's index (>= 0): rows with one key have one src
 };
 
-// Sorts rows by source row (stable) and returns the start of each run of one source, then
+// Orders rows by key (a counting sort: stable, linear in rows and keys; a comparison sort of
+// dispatch's 4096 copies took about 0.1 ms) and returns the start of each run of one key, then
 // rows.size(): group t is rows [first[t], first[t + 1]).
 template <class Row>
 std::vector<int64_t> group_by_src(std::vector<Row>& rows) {
-  std::stable_sort(rows.begin(), rows.end(),
-                   [](const Row& a, const Row& b) { return std::less<>()(a.src, b.src); });
-  std::vector<int64_t> first;
-  for (std::size_t j = 0; j < rows.size(); ++j)
-    if (j == 0 || rows[j].src != rows[j - 1].src) first.push_back(static_cast<int64_t>(j));
+  int64_t keys = 0;
+  for (const Row& r : rows) keys = std::max(keys, r.key + 1);
+  std::vector<int64_t> first, at(static_cast<std::size_t>(keys) + 1, 0);
+  for (const Row& r : rows) ++at[static_cast<std::size_t>(r.key) + 1];
+  for (int64_t k = 0; k < keys; ++k) {
+    if (at[k + 1] > 0) first.push_back(at[k]);
+    at[k + 1] += at[k];
+  }
   first.push_back(static_cast<int64_t>(rows.size()));
+  std::vector<Row> sorted(rows.size());
+  for (const Row& r : rows) sorted[static_cast<std::size_t>(at[r.key]++)] = r;
+  rows.swap(sorted);
   return first;
 }
 
 // Row copies over all threads (large buffers: the copy is the transport). The copies are grouped
 // by source row and each group is one copy_row_to: a token sent to several experts is read once
 // and its destinations are written side by side, which keeps more stores in flight than one row
-// at a time (measured faster: docs/performance.md). Ordinary stores: non-temporal ones were
-// measured slower here, the rows being read soon. Reorders rows.
-void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
+// at a time (measured faster: docs/performance.md). stream: non-temporal stores (stream_min_bytes).
+// Reorders rows.
+void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes, bool stream = false) {
   const std::vector<int64_t> first = group_by_src(rows);
   std::vector<void*> dst;
   for (const RowCopy& r : rows) dst.push_back(r.dst);
@@ -378,7 +413,7 @@ void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
 #pragma omp parallel for schedule(static) if (n * row_bytes > (int64_t{1} << 16))
   for (int64_t t = 0; t < groups; ++t)
     detail::copy_row_to(dst.data() + first[t], first[t + 1] - first[t], rows[first[t]].src,
-                        static_cast<std::size_t>(row_bytes));
+                        static_cast<std::size_t>(row_bytes), stream);
 }
 
 // quant_mode 2 without smoothing scales: every copy of a token quantises to the same bytes. Like
@@ -389,9 +424,11 @@ void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes) {
 struct QuantCopy {
   const char* src;  // the token's row of x (null when h == 0)
   char* dst;        // h int8 values
+  int64_t key;      // the token
   int64_t j;        // send-order entry
 };
-void parallel_quantize(std::vector<QuantCopy>& rows, int64_t h, DType dtype, float* scales) {
+void parallel_quantize(std::vector<QuantCopy>& rows, int64_t h, DType dtype, float* scales,
+                       bool stream = false) {
   if (rows.empty()) return;
   if (h == 0) {
     for (const QuantCopy& r : rows) scales[r.j] = 0.0f;
@@ -405,7 +442,7 @@ void parallel_quantize(std::vector<QuantCopy>& rows, int64_t h, DType dtype, flo
   for (const QuantCopy& r : rows) dst.push_back(reinterpret_cast<int8_t*>(r.dst));
   std::vector<float> group_scale(src.size());
   detail::quantize_rows_int8_to(src.data(), dtype, groups, h, dst.data(), first.data(),
-                                group_scale.data());
+                                group_scale.data(), stream);
   for (int64_t t = 0; t < groups; ++t)
     for (int64_t r = first[t]; r < first[t + 1]; ++r) scales[rows[r].j] = group_scale[t];
 }
@@ -695,10 +732,11 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   // first grow, its allocation deferred until after the header agreement.
   bool shm_want = false, shm_defer = false;
   std::optional<detail::ShmSlot> slot;
-  int64_t expand_bytes = 0;
+  int64_t expand_bytes = 0, slot_need = 0, stream_min = 0;
   capture(hdr, local, [&] {
     if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
+    stream_min = stream_min_bytes(op);
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
@@ -731,13 +769,14 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     // every rank instead of leaving them waiting for its rows.
     const DType out_dtype = quant ? DType::kI8 : sh.dtype;
     expand_bytes = tp_rows(cfg, sh.A) * sh.H * static_cast<int64_t>(dtype_size(out_dtype));
+    slot_need = dispatch_slot_need(expand_bytes, tp_rows(cfg, sh.A));
     shm_want = shm_applies(hdr.transport, cfg, world);
     if (shm_want) {
       const auto& ctx = detail::CommInternals::shm(comm);
-      if (ctx) slot = ctx->try_alloc(expand_bytes);
+      if (ctx) slot = ctx->try_alloc(slot_need);
       // No window yet, or one too small: all ranks of the machine grow it after the agreement.
       // A window big enough but full (earlier outputs still held): MPI for this call.
-      if (!slot && (!ctx || ctx->capacity() < expand_bytes)) hdr.shm_grow = 1, shm_defer = true;
+      if (!slot && (!ctx || ctx->capacity() < slot_need)) hdr.shm_grow = 1, shm_defer = true;
     }
     if (slot)
       out.expand_x = detail::TensorInternals::wrap(slot->token, slot->ptr, out_dtype,
@@ -780,9 +819,9 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   detail::ShmContext* shm = nullptr;
   if (shm_applies(headers[0].transport, cfg, world)) {
     MOE_EP_CHECK(shm_want);
-    shm = &ensure_shm(comm, op, headers, peers, expand_bytes);
+    shm = &ensure_shm(comm, op, headers, peers, slot_need);
     if (shm_defer) {
-      slot = shm->try_alloc(expand_bytes);
+      slot = shm->try_alloc(slot_need);
       MOE_EP_CHECK(slot.has_value());
       out.expand_x = detail::TensorInternals::wrap(
           slot->token, slot->ptr, quant ? DType::kI8 : sh.dtype, {tp_rows(cfg, sh.A), sh.H});
@@ -811,17 +850,22 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   const int64_t out_row_bytes = quant ? sh.H : row_bytes;  // of expand_x (int8 with quant_mode 2)
 
   // Phase "shm offsets": each receiver on this machine tells each sender on it where, in its
-  // window, that sender's block of each local expert starts (gen -1: "use MPI this time", when
-  // the receiver has no slot). to[d]: what receiver d said; shm_to / shm_from: pairs that use
-  // shared memory in each direction.
+  // window, that sender's block of each local expert starts, and where the block's RowMeta
+  // entries go (gen -1: "use MPI this time", when the receiver has no slot). to[d]: what
+  // receiver d said (gen, then L row offsets, then L metadata offsets, in bytes); shm_to /
+  // shm_from: pairs that use shared memory in each direction.
   std::vector<char> shm_to(W, 0), shm_from(W, 0);
   std::vector<std::vector<int64_t>> to(W);
+  const int64_t meta_at = dispatch_meta_offset(expand_bytes);
   if (shm) {
-    auto where_for = [&](int p) {  // what this rank tells sender p: gen, then L byte offsets
-      std::vector<int64_t> o(1 + L, 0);
+    auto where_for = [&](int p) {  // what this rank tells sender p
+      std::vector<int64_t> o(1 + 2 * L, 0);
       o[0] = slot ? slot->gen : -1;
-      for (int l = 0; l < L && slot; ++l)
+      for (int l = 0; l < L && slot; ++l) {
         o[1 + l] = slot->offset + recv.block_offset[l * W + p] * out_row_bytes;
+        o[1 + L + l] = slot->offset + meta_at +
+                       recv.block_offset[l * W + p] * static_cast<int64_t>(sizeof(RowMeta));
+      }
       return o;
     };
     Exchange ex(comm, op, "shm offsets");
@@ -831,12 +875,12 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       shm_from[p] = slot.has_value();
       if (p == me) continue;
       out_off[p] = std::make_shared<std::vector<int64_t>>(where_for(p));
-      in_off[p] = std::make_shared<std::vector<int64_t>>(1 + sh.pl.local_experts(p));
+      in_off[p] = std::make_shared<std::vector<int64_t>>(1 + 2 * sh.pl.local_experts(p));
       ex.keep_alive(out_off[p]);
       ex.keep_alive(in_off[p]);
-      ex.irecv(in_off[p]->data(), to_int(1 + sh.pl.local_experts(p)), MPI_INT64_T, peers[p],
+      ex.irecv(in_off[p]->data(), to_int(1 + 2 * sh.pl.local_experts(p)), MPI_INT64_T, peers[p],
                detail::kTagShmOffsets);
-      ex.isend(out_off[p]->data(), 1 + L, MPI_INT64_T, peers[p], detail::kTagShmOffsets);
+      ex.isend(out_off[p]->data(), 1 + 2 * L, MPI_INT64_T, peers[p], detail::kTagShmOffsets);
     }
     ex.wait();
     if (perf) ex.add_recv_wait_us(perf);
@@ -892,7 +936,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       for (int64_t r = 0; r < n; ++r) {
         const int64_t i = send.order[first + r] / sh.KS;
         const char* src = sh.H > 0 ? in.x.ptr<char>() + i * in.x.strides[0] * esize : nullptr;
-        qcopies.push_back({src, reinterpret_cast<char*>(q) + r * sh.H, first + r});
+        qcopies.push_back({src, reinterpret_cast<char*>(q) + r * sh.H, i, first + r});
       }
       return;
     }
@@ -914,8 +958,9 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   }
 
   // Phase "rows": rows and their metadata, one message each per peer and direction. With shared
-  // memory the sender writes the rows itself, then sends the metadata, which doubles as the
-  // notification that they are in place.
+  // memory the sender writes the rows and their metadata itself, then sends their count, which
+  // announces them (a message of 8 bytes instead of 16 per row: such a message of a few
+  // thousand rows went through MPI's rendezvous, which stalled about 0.25 ms in half the calls).
   {
     Exchange ex(comm, op, "rows");
     auto expand_x = std::make_shared<Tensor>(out.expand_x);
@@ -924,6 +969,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     const MpiType meta_type = detail::contiguous_bytes(sizeof(RowMeta), op);
     if (qsend) ex.keep_alive(qsend);
     std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in(W), meta_out(W);
+    auto announced = std::make_shared<std::vector<int64_t>>(2 * W, 0);  // received, then sent
+    ex.keep_alive(announced);
     for (int s = 0; s < W; ++s) {
       // One contiguous message per non-empty block (l, s), straight into place: OpenMPI moves
       // contiguous messages with its single-copy path, derived datatypes through copy-in/out.
@@ -935,6 +982,10 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
             ex.irecv(out.expand_x.ptr<char>() + recv.block_offset[b] * out_row_bytes,
                      recv.block_rows[b], row.get(), peers[s], detail::kTagRows);
         }
+      if (shm_from[s]) {
+        ex.irecv(announced->data() + s, 1, MPI_INT64_T, peers[s], detail::kTagMeta);
+        continue;
+      }
       meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
       ex.keep_alive(meta_in[s]);
       ex.irecv(meta_in[s]->data(), to_int(recv.source_rows[s]), meta_type.get(), peers[s],
@@ -956,7 +1007,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
           if (!shm_to[d])
             for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
               pack.push_back({in.x.ptr<char>() + (send.order[j] / sh.KS) * x_row_stride,
-                              send_rows->ptr<char>() + j * row_bytes});
+                              send_rows->ptr<char>() + j * row_bytes, send.order[j] / sh.KS});
         parallel_copy(pack, row_bytes);
       }
       ex.keep_alive(send_rows);
@@ -992,15 +1043,18 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         } else {
           for (int64_t r = 0; r < n; ++r)
             copies.push_back({in.x.ptr<char>() + (send.order[j + r] / sh.KS) * x_row_stride,
-                              dst + r * row_bytes});
+                              dst + r * row_bytes, send.order[j + r] / sh.KS});
         }
         j += n;
       }
       MOE_EP_CHECK(j == send.rank_offset[d + 1]);
     }
-    parallel_copy(copies, out_row_bytes);
-    if (quant) parallel_quantize(qcopies, sh.H, sh.dtype, qsend_scale->data());
-    if (shm) shm->sync();  // the rows are in place before their metadata announces them
+    // Window stores only (stream_min_bytes): MPI's send buffer above is read at once.
+    parallel_copy(copies, out_row_bytes,
+                  static_cast<int64_t>(copies.size()) * out_row_bytes >= stream_min);
+    if (quant)
+      parallel_quantize(qcopies, sh.H, sh.dtype, qsend_scale->data(),
+                        static_cast<int64_t>(qcopies.size()) * sh.H >= stream_min);
     for (int d = 0; d < W; ++d) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
       for (int64_t j = 0; j < n; ++j) {
@@ -1011,19 +1065,49 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
                     in.expert_scales && k < sh.K ? detail::float_at(*in.expert_scales, i, k) : 0.0f,
                     quant ? (*qsend_scale)[first + j] : 0.0f};
       }
-      ex.isend(meta_out[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagMeta);
+      if (!shm_to[d]) continue;
+      // Each (d, local expert) run of metadata next to its rows, at the offset d gave.
+      const int64_t ld = sh.pl.local_experts(d);
+      for (int64_t l = 0, j = 0; l < ld; ++l) {
+        const int64_t rows = send.counts[sh.pl.block_base(d) + l];
+        const int64_t bytes = rows * static_cast<int64_t>(sizeof(RowMeta));
+        if (rows > 0)
+          std::memcpy(shm->peer_ptr(static_cast<int>(to[d][0]), peers[d], to[d][1 + ld + l], bytes),
+                      meta_out[d]->data() + j, static_cast<std::size_t>(bytes));
+        j += rows;
+      }
+    }
+    if (shm) shm->sync();  // rows and metadata are in place before their count announces them
+    for (int d = 0; d < W; ++d) {
+      const int64_t n = send.rank_offset[d + 1] - send.rank_offset[d];
+      if (shm_to[d]) {
+        (*announced)[W + d] = n;
+        ex.isend(announced->data() + W + d, 1, MPI_INT64_T, peers[d], detail::kTagMeta);
+      } else {
+        ex.isend(meta_out[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagMeta);
+      }
     }
     ex.wait();
     if (perf) ex.add_recv_wait_us(perf);
-    if (shm) shm->sync();  // the peers' rows, announced by their metadata, are visible
+    if (shm) shm->sync();  // the peers' rows and metadata, announced, are visible
+    for (int s = 0; s < W; ++s)
+      if (shm_from[s] && (*announced)[s] != recv.source_rows[s])
+        detail::fail(ErrorKind::kInternal, op, ": rank ", peers[s], " announced ", (*announced)[s],
+                     " rows in shared memory, its counts said ", recv.source_rows[s],
+                     " (please report this bug)");
 
     int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
     float* scales = out.expand_scales.ptr<float>();
     float* dyn = quant ? out.dynamic_scales.ptr<float>() : nullptr;
+    // Metadata from a sender on this machine lies in this rank's window, at its rows' indices.
+    const auto* window_meta =
+        slot ? reinterpret_cast<const RowMeta*>(static_cast<char*>(slot->ptr) + meta_at) : nullptr;
     for (int s = 0; s < W; ++s) {
-      const RowMeta* m = meta_in[s]->data();
+      const RowMeta* next = shm_from[s] ? nullptr : meta_in[s]->data();  // s's rows in MPI order
       for (int l = 0; l < L; ++l) {
         const int64_t b = static_cast<int64_t>(l) * W + s;
+        const RowMeta* m = shm_from[s] ? window_meta + recv.block_offset[b] : next;
+        if (!shm_from[s]) next += recv.block_rows[b];
         for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
              ++j, ++m) {
           assist[3 * j] = s;
@@ -1278,7 +1362,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     std::vector<RowCopy> copies(back_rows.size());
     for (std::size_t r = 0; r < back_rows.size(); ++r)
       copies[r] = {static_cast<const char*>(rows_src.data) + back_rows[r] * src_stride,
-                   dst + static_cast<int64_t>(r) * row_bytes};
+                   dst + static_cast<int64_t>(r) * row_bytes, back_rows[r]};
     parallel_copy(copies, row_bytes);
   };
   if (cq) {
@@ -1508,24 +1592,31 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
 #pragma omp parallel if (BS * H > (1 << 16))
   {
     std::vector<float> acc(static_cast<std::size_t>(H)), c(static_cast<std::size_t>(H));
-    std::vector<const void*> rows(static_cast<std::size_t>(KS + 1));
-    std::vector<float> ws(static_cast<std::size_t>(KS + 1));
+    std::vector<const void*> rows(static_cast<std::size_t>(KS + 1)), next(rows.size());
+    std::vector<float> ws(static_cast<std::size_t>(KS + 1)), next_ws(ws.size());
+    // Token i's terms in the SPEC §2.3 order: rows r[0..n) and their weights w; returns n.
+    auto terms = [&](int64_t i, const void** r, float* w) {
+      int64_t n = 0;
+      if (i >= BS || !act.token(i)) return n;
+      for (int64_t k = 0; k < K; ++k) {
+        if (!act.entry(i, k)) continue;
+        const int64_t e = detail::index_at(in.expert_ids, i, k);
+        if (e >= E && e < E + Z) continue;                              // zero expert
+        r[n] = e < E ? yp[i * KS + k] : detail::row_ptr(*in.ori_x, i);  // else copy expert
+        w[n++] = detail::float_at(in.expert_scales, i, k);
+      }
+      for (int64_t s = 0; s < Ns; ++s) r[n] = yp[i * KS + K + s], w[n++] = 1;
+      if (in.shared_expert_x) r[n] = shared_row(*in.shared_expert_x, i), w[n++] = 1;
+      return n;
+    };
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < BS; ++i) {
       if (by_rows) {
-        int64_t n = 0;
-        for (int64_t k = 0; k < K && act.token(i); ++k) {
-          if (!act.entry(i, k)) continue;
-          const int64_t e = detail::index_at(in.expert_ids, i, k);
-          if (e >= E && e < E + Z) continue;                                 // zero expert
-          rows[n] = e < E ? yp[i * KS + k] : detail::row_ptr(*in.ori_x, i);  // else copy expert
-          ws[n++] = detail::float_at(in.expert_scales, i, k);
-        }
-        for (int64_t s = 0; s < Ns && act.token(i); ++s) rows[n] = yp[i * KS + K + s], ws[n++] = 1;
-        if (in.shared_expert_x && act.token(i))
-          rows[n] = shared_row(*in.shared_expert_x, i), ws[n++] = 1;
+        // Token i + 1's rows are prefetched during token i's sum (sum_rows' ahead).
+        const int64_t n = terms(i, rows.data(), ws.data());
+        const int64_t ahead = terms(i + 1, next.data(), next_ws.data());
         detail::sum_rows(obase + i * row_bytes, dtype, rows.data(), ws.data(), n, dtype, H, false,
-                         true);
+                         true, next.data(), ahead);
         continue;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
@@ -1610,7 +1701,7 @@ DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hi
                           sh.W * sh.L * std::max<int64_t>(1, cfg.tp_world_size) * 4 +
                           std::max<int64_t>(1, cfg.tp_world_size) * 4 + sh.L * 8;
   if (shm_applies(transport, cfg, world)) {
-    w.shm_slot_bytes = detail::ShmContext::slot_bytes(w.expand_x_bytes);
+    w.shm_slot_bytes = detail::ShmContext::slot_bytes(dispatch_slot_need(w.expand_x_bytes, rows));
     w.shm_stage_bytes =
         detail::ShmContext::slot_bytes(sh.A * sh.H * (comm_quant_mode == 2 ? 1 : esize));
   }
