@@ -509,9 +509,10 @@ class DispatchWorkspace(NamedTuple):
     other_outputs_bytes: int
     # shared-memory transport (0 when the calls use MPI only: $MOE_EP_TRANSPORT=mpi,
     # tp_world_size 2): the window part one dispatch_v2 output holds while its expand_x lives
-    # (expand_x_bytes rounded up to 4 KiB, at least 4 KiB), and what a combine_v2 stages when its
-    # expand_x is not such a slot or comm_quant_mode is 2 (A rows, 1 byte per element with
-    # comm_quant_mode 2, else x's element size; rounded up likewise)
+    # (expand_x_bytes rounded up to 64, plus 16 bytes of metadata per row of expand_x, all rounded
+    # up to 4 KiB), and what a combine_v2 stages when its expand_x is not such a slot or
+    # comm_quant_mode is 2 (A rows, 1 byte per element with comm_quant_mode 2, else x's element
+    # size; rounded up to 4 KiB)
     shm_slot_bytes: int
     shm_stage_bytes: int
     combine_output_bytes: int  # combine_v2's x: BS * H * x's element size
