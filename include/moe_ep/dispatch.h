@@ -281,8 +281,11 @@ struct DispatchWorkspace {
   // (the experts wrote their outputs elsewhere) or comm_quant_mode is 2: its valid rows staged, at
   // most A rows of H x (1 with comm_quant_mode 2, else x's element size: the experts' outputs in
   // x's dtype). A window of n x shm_slot_bytes + shm_stage_bytes (CommOptions::shm_window_bytes)
-  // holds n live dispatch_v2 outputs and the combine_v2 of any of them without growing; when a call
-  // finds no room in a window that is big enough, it uses MPI for that call (slower, same bits).
+  // holds n live dispatch_v2 outputs and the combine_v2 of any of them without growing. A call
+  // that finds no room in a window big enough for it grows the window (a new generation) while
+  // this rank's windows together map less than 4 times its largest request; beyond that it uses
+  // MPI for that call (slower, same bits), so holding many outputs does not grow memory without
+  // bound.
   int64_t shm_slot_bytes = 0;
   int64_t shm_stage_bytes = 0;
   int64_t combine_output_bytes = 0;  // combine_v2's x: BS x H x x's element size

@@ -382,6 +382,54 @@ TEST(Transport, MalformedEnvironment) {
   unsetenv("MOE_EP_TRANSPORT");
 }
 
+// Outputs held across calls: a window big enough but full grows (a new generation) while this
+// rank's windows map less than ShmContext::kFullGrowthFactor (4) times its largest request;
+// beyond that a call receives through MPI. Same inputs every call, so every output is the same.
+TEST(Transport, FullWindowGrowsWithinABound) {
+  auto c = Communicator::from_mpi(MPI_COMM_WORLD);
+  const int W = test::world_size(), rank = test::world_rank();
+  const int64_t BS = 64, H = 4096;  // a request of W * 128 rows of 8 KiB: over 1 MiB
+  Tensor x = Tensor::empty(DType::kBF16, {BS, H});
+  for (int64_t i = 0; i < BS * H; ++i) ref::store(DType::kBF16, x.data(), i, float(i % 251) - 125);
+  Tensor ids = Tensor::empty(DType::kI32, {BS, 2});
+  for (int64_t i = 0; i < BS; ++i)
+    for (int64_t k = 0; k < 2; ++k)
+      ids.ptr<int32_t>()[i * 2 + k] = static_cast<int32_t>((i + k) % (2 * W));
+  EpConfig cfg;
+  cfg.group_ep = c.get();
+  cfg.ep_world_size = W;
+  cfg.ep_rank_id = rank;
+  cfg.moe_expert_num = 2 * W;
+  cfg.transport = "shm";
+  DispatchInputs din;
+  din.x = x;
+  din.expert_ids = ids;
+  auto located = [&](const Tensor& t) {
+    const auto& ctx = detail::CommInternals::shm(*c);
+    int gen = -1;
+    int64_t off = 0;
+    return ctx && ctx->locate(t.data(), static_cast<int64_t>(t.nbytes()), gen, off) ? gen : -1;
+  };
+  std::vector<DispatchOutputs> held;
+  // The first window holds two (twice the request); the full one grows to a second generation
+  // holding two more (4 x the request mapped); the fifth finds both full and the bound reached.
+  const int want_gen[] = {0, 0, 1, 1, -1};
+  for (int call = 0; call < 5; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    held.push_back(dispatch_v2(din, cfg));
+    EXPECT_EQ(located(held.back().expand_x), want_gen[call]);
+    const int64_t valid = held.back().ep_recv_counts.ptr<int32_t>()[W * 2 - 1];
+    EXPECT_EQ(valid, held.front().ep_recv_counts.ptr<int32_t>()[W * 2 - 1]);
+    EXPECT_EQ(std::memcmp(held.back().expand_x.data(), held.front().expand_x.data(),
+                          static_cast<std::size_t>(valid * H * 2)),
+              0);
+  }
+  // Released slots of the first generation are used again (older generations are searched too).
+  held.erase(held.begin(), held.begin() + 2);
+  held.push_back(dispatch_v2(din, cfg));
+  EXPECT_EQ(located(held.back().expand_x), 0);
+}
+
 TEST(Transport, MalformedStreamThreshold) {
   const int bad = test::world_size() - 1;
   for (const char* v : {"-1", "16MiB", "", "99999999999999999999"}) {

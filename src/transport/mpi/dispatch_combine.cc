@@ -368,7 +368,9 @@ detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
     if (grow) confirm(node);  // MPI_Win_allocate_shared is collective over the machine
   }
   if (grow)
-    ctx->grow(std::max({ctx->capacity(), 2 * own_need, kMinShmBytes, comm.shm_window_bytes()}), op);
+    ctx->grow(std::max({ctx->capacity(), 2 * detail::ShmContext::slot_bytes(own_need), kMinShmBytes,
+                        comm.shm_window_bytes()}),
+              op);
   return *ctx;
 }
 
@@ -774,9 +776,11 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     if (shm_want) {
       const auto& ctx = detail::CommInternals::shm(comm);
       if (ctx) slot = ctx->try_alloc(slot_need);
-      // No window yet, or one too small: all ranks of the machine grow it after the agreement.
-      // A window big enough but full (earlier outputs still held): MPI for this call.
-      if (!slot && (!ctx || ctx->capacity() < slot_need)) hdr.shm_grow = 1, shm_defer = true;
+      // No window yet, one too small, or one big enough but full (earlier outputs still held)
+      // while within ShmContext::grow_when_full's bound: all ranks of the machine grow it after
+      // the agreement. A full window beyond that bound: MPI for this call.
+      if (!slot && (!ctx || ctx->capacity() < slot_need || ctx->grow_when_full()))
+        hdr.shm_grow = 1, shm_defer = true;
     }
     if (slot)
       out.expand_x = detail::TensorInternals::wrap(slot->token, slot->ptr, out_dtype,
@@ -1285,7 +1289,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       if (!in_place) {
         stage_bytes = blocks.valid * (cq ? sh.H : sh.H * esz);
         if (ctx) stage = ctx->try_alloc(stage_bytes);
-        if (!stage && (!ctx || ctx->capacity() < stage_bytes)) hdr.shm_grow = 1, stage_defer = true;
+        if (!stage && (!ctx || ctx->capacity() < stage_bytes || ctx->grow_when_full()))
+          hdr.shm_grow = 1, stage_defer = true;  // as dispatch_v2's slot
       }
       hdr.shm_rows = in_place || stage || stage_defer;
     }

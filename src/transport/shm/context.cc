@@ -146,25 +146,36 @@ int64_t ShmContext::slot_bytes(int64_t bytes) {
 }
 
 std::optional<ShmSlot> ShmContext::try_alloc(int64_t bytes) {
-  if (windows_.empty()) return std::nullopt;
-  const std::shared_ptr<ShmWindow>& w = windows_.back();
   const int64_t need = slot_bytes(bytes);
-  const int64_t cap = w->bytes[node_rank_];
-  std::lock_guard<std::mutex> lock(w->mu);
-  int64_t at = 0;  // first fit between the live regions
-  std::size_t pos = 0;
-  for (; pos < w->live.size(); ++pos) {
-    if (w->live[pos].first - at >= need) break;
-    at = w->live[pos].first + w->live[pos].second;
+  largest_request_ = std::max(largest_request_, need);
+  for (auto it = windows_.rbegin(); it != windows_.rend(); ++it) {
+    const std::shared_ptr<ShmWindow>& w = *it;
+    const int64_t cap = w->bytes[node_rank_];
+    std::lock_guard<std::mutex> lock(w->mu);
+    int64_t at = 0;  // first fit between the live regions
+    std::size_t pos = 0;
+    for (; pos < w->live.size(); ++pos) {
+      if (w->live[pos].first - at >= need) break;
+      at = w->live[pos].first + w->live[pos].second;
+    }
+    if (cap - at < need) continue;
+    w->live.insert(w->live.begin() + static_cast<std::ptrdiff_t>(pos), {at, need});
+    ShmSlot s;
+    s.token = std::shared_ptr<SlotRelease>(new SlotRelease{w, at});  // no temporary to destroy
+    s.gen = w->gen;
+    s.offset = at;
+    s.ptr = w->base[node_rank_] + at;
+    return s;
   }
-  if (cap - at < need) return std::nullopt;
-  w->live.insert(w->live.begin() + static_cast<std::ptrdiff_t>(pos), {at, need});
-  ShmSlot s;
-  s.token = std::shared_ptr<SlotRelease>(new SlotRelease{w, at});  // no temporary to destroy
-  s.gen = w->gen;
-  s.offset = at;
-  s.ptr = w->base[node_rank_] + at;
-  return s;
+  return std::nullopt;
+}
+
+bool ShmContext::grow_when_full() const { return mapped() < kFullGrowthFactor * largest_request_; }
+
+int64_t ShmContext::mapped() const {
+  int64_t total = 0;
+  for (const auto& w : windows_) total += w->bytes[node_rank_];
+  return total;
 }
 
 bool ShmContext::locate(const void* p, int64_t bytes, int& gen, int64_t& offset) const {

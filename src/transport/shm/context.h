@@ -78,9 +78,20 @@ class ShmContext {
   void grow(int64_t own_bytes, const char* op);
   // The bytes of a segment a request of `bytes` takes (at least 1, rounded up to 4 KiB).
   static int64_t slot_bytes(int64_t bytes);
-  // Reserves slot_bytes(bytes) of this rank's segment in the newest generation;
-  // nullopt when they do not fit beside the live slots. Thread-safe release.
+  // Reserves slot_bytes(bytes) of this rank's segment in a generation, the newest first (an
+  // older one's space is used again once its slots are released); nullopt when they fit beside
+  // the live slots of none. Thread-safe release. Records `bytes` as a request (grow_when_full).
   std::optional<ShmSlot> try_alloc(int64_t bytes);
+  // Whether a request that try_alloc could not place although the newest segment is big enough
+  // (earlier outputs still held) should grow the windows (a new generation, node-collective)
+  // rather than use MPI for that call: while this rank's segments together map less than
+  // kFullGrowthFactor times its largest request. So a caller holding a few outputs, or a sweep of
+  // sizes whose requests fill the window exactly, stays on shared memory, and one holding many
+  // falls back to MPI with bounded memory.
+  static constexpr int64_t kFullGrowthFactor = 4;
+  bool grow_when_full() const;
+  // Bytes of this rank's segments over all generations.
+  int64_t mapped() const;
   // If [p, p + bytes) lies inside this rank's segment of a generation: its (gen, offset).
   bool locate(const void* p, int64_t bytes, int& gen, int64_t& offset) const;
   // The address, in this process, of byte `offset` of group rank `g`'s segment of generation
@@ -96,6 +107,7 @@ class ShmContext {
   MPI_Comm node_ = MPI_COMM_NULL;
   int node_rank_ = 0;
   double timeout_s_ = 300;
+  int64_t largest_request_ = 0;
   std::vector<int> group_to_node_;
   std::vector<int> node_to_group_;
   std::vector<std::shared_ptr<ShmWindow>> windows_;  // by generation
