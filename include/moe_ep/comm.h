@@ -32,7 +32,9 @@ struct CommOptions {
   // first op that uses it creates the window (>= 0; 0, the default: twice that op's need, at
   // least 1 MiB). A window holds live dispatch_v2 outputs and combine_v2's staging rows; size it
   // with dispatch_workspace() (dispatch.h): n x shm_slot_bytes + shm_stage_bytes for n outputs
-  // alive at once, so that no later call grows it. Later calls that need more still grow it.
+  // alive at once, so that no later call grows it. Later calls that need more still grow it (a
+  // larger request, or a full window while this rank's windows map less than 4 times its largest
+  // request).
   int64_t shm_window_bytes = 0;
 };
 

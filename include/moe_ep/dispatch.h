@@ -284,8 +284,9 @@ struct DispatchWorkspace {
   // holds n live dispatch_v2 outputs and the combine_v2 of any of them without growing. A call
   // that finds no room in a window big enough for it grows the window (a new generation) while
   // this rank's windows together map less than 4 times its largest request; beyond that it uses
-  // MPI for that call (slower, same bits), so holding many outputs does not grow memory without
-  // bound.
+  // MPI for that call (slower, same bits), so holding many outputs does not grow this rank's
+  // memory without bound. (Every rank of the machine adds a segment when one asks, so a rank
+  // that holds nothing can still gain a generation per request of a peer.)
   int64_t shm_slot_bytes = 0;
   int64_t shm_stage_bytes = 0;
   int64_t combine_output_bytes = 0;  // combine_v2's x: BS x H x x's element size

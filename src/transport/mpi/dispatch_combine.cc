@@ -332,8 +332,9 @@ constexpr int64_t kMinShmBytes = int64_t{1} << 20;
 
 // After the header agreement of a call that uses shm: the communicator's context, created
 // (collectively over group_ep) on first use; a new window generation (collectively over the
-// machine) when any rank of this machine said its segment is too small. `own_need`: the bytes
-// this rank wants in one slot; its new segment holds two.
+// machine) when any rank of this machine asked for one (shm_grow: its segment too small, or full
+// within ShmContext::grow_when_full's bound). `own_need`: the bytes this rank wants in one slot;
+// its new segment holds two.
 detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
                                const std::vector<OpHeader>& h, const std::vector<int>& peers,
                                int64_t own_need) {

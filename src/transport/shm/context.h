@@ -6,8 +6,10 @@
 // Collective calls (MPI_Comm_split_type over group_ep, MPI_Win_allocate_shared over the node) are
 // made only after an op's header agreement showed every rank healthy and asking for them, so no
 // rank is left in a collective that a failed peer never enters. Windows only grow: a new
-// generation is allocated when a rank's segment is too small for one call; older generations stay
-// mapped (their slots may still back live tensors) until the communicator is destroyed.
+// generation is allocated when a rank's segment is too small for one call, or full within the
+// bound of grow_when_full; every rank of the node then adds a segment, asked for or not. Older
+// generations stay mapped (their slots may still back live tensors, and new slots use their
+// space once it is free) until the communicator is destroyed.
 #pragma once
 
 #include <mpi.h>
@@ -80,7 +82,8 @@ class ShmContext {
   static int64_t slot_bytes(int64_t bytes);
   // Reserves slot_bytes(bytes) of this rank's segment in a generation, the newest first (an
   // older one's space is used again once its slots are released); nullopt when they fit beside
-  // the live slots of none. Thread-safe release. Records `bytes` as a request (grow_when_full).
+  // the live slots of none. Thread-safe release. Records slot_bytes(bytes) as a request
+  // (grow_when_full).
   std::optional<ShmSlot> try_alloc(int64_t bytes);
   // Whether a request that try_alloc could not place although the newest segment is big enough
   // (earlier outputs still held) should grow the windows (a new generation, node-collective)
