@@ -407,11 +407,7 @@ HWY_EXPORT(SumRows);
 HWY_EXPORT(CopyRowTo);
 
 namespace {
-// Non-temporal stores need addresses aligned to the vector; a row that starts on a 64-byte
-// boundary gives every full vector of it such an address.
-bool can_stream(const void* dst, bool stream) {
-  return stream && reinterpret_cast<uintptr_t>(dst) % 64 == 0;
-}
+bool can_stream(const void* dst, bool stream) { return stream && stream_aligned(dst); }
 }  // namespace
 
 void load_row_f32(float* dst, const void* src, DType dtype, int64_t n) {

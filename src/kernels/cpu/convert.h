@@ -76,6 +76,9 @@ void add_row_f32(float* acc, const void* src, DType dtype, int64_t n);
 void store_row_f32(void* dst, DType dtype, const float* src, int64_t n);
 // dst[0..n) = fp32(src[0..n)).
 void load_row_f32(float* dst, const void* src, DType dtype, int64_t n);
+// Whether a row at p may take non-temporal stores: they need addresses aligned to the vector, and
+// a row that starts on a 64-byte boundary gives every full vector of it such an address.
+inline bool stream_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
 // stream (below): write dst with non-temporal stores when it starts on a 64-byte boundary, for
 // large outputs that will not be read again soon (they then skip the cache and the read of the
 // destination line that an ordinary store costs). The values written are the same either way.

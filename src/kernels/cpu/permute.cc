@@ -262,27 +262,24 @@ void reduce_rows(char* out, DType out_dtype, const TensorView& src, const Tensor
   const bool stream = n * static_cast<int64_t>(out_row_bytes) >= kStreamMinBytes;
 #pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
   {
-    // The present rows of token i, and those of token i + 1 (prefetched during token i's pass).
+    // The present rows of token i and their weights, and those of token i + 1 (its rows are
+    // prefetched during token i's pass).
     std::vector<const void*> terms(static_cast<std::size_t>(topk)), next(terms.size());
-    std::vector<float> w(kWeighted ? static_cast<std::size_t>(topk) : 0);
-    auto present = [&](int64_t i, const void** t) {
+    std::vector<float> w(kWeighted ? static_cast<std::size_t>(topk) : 0), next_w(w.size());
+    auto present = [&](int64_t i, const void** t, float* wt) {
       int64_t count = 0;
       for (int64_t k = 0; k < topk && i < n; ++k) {
         const int64_t s = sorted_at(si, i * topk + k);
-        if (s < rows) t[count++] = row_ptr(src, s);
+        if (s >= rows) continue;
+        if constexpr (kWeighted) wt[count] = weight(i, k);
+        t[count++] = row_ptr(src, s);
       }
       return count;
     };
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      int64_t count = 0;
-      for (int64_t k = 0; k < topk; ++k) {
-        const int64_t s = sorted_at(si, i * topk + k);
-        if (s >= rows) continue;
-        if constexpr (kWeighted) w[static_cast<std::size_t>(count)] = weight(i, k);
-        terms[static_cast<std::size_t>(count++)] = row_ptr(src, s);
-      }
-      const int64_t ahead = present(i + 1, next.data());
+      const int64_t count = present(i, terms.data(), w.data());
+      const int64_t ahead = present(i + 1, next.data(), next_w.data());
       detail::sum_rows(out + i * static_cast<int64_t>(out_row_bytes), out_dtype, terms.data(),
                        kWeighted ? w.data() : nullptr, count, src.dtype, h, stream, false,
                        next.data(), ahead);

@@ -312,8 +312,7 @@ void QuantizeRowsToT(const void* const* x, int64_t rows, int64_t n, int8_t* cons
   bool streamed = false;
   for (int64_t t = 0; t < rows; ++t) {
     bool aligned = stream;
-    for (int64_t r = first[t]; r < first[t + 1] && aligned; ++r)
-      aligned = reinterpret_cast<uintptr_t>(dst[r]) % 64 == 0;
+    for (int64_t r = first[t]; r < first[t + 1] && aligned; ++r) aligned = stream_aligned(dst[r]);
     streamed |= aligned;
     uint32_t next_mb = 0;
     scales[t] = QuantizeToT<kT>(x[t], mb, n, dst + first[t], first[t + 1] - first[t],

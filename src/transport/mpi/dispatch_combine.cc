@@ -333,7 +333,7 @@ constexpr int64_t kMinShmBytes = int64_t{1} << 20;
 // After the header agreement of a call that uses shm: the communicator's context, created
 // (collectively over group_ep) on first use; a new window generation (collectively over the
 // machine) when any rank of this machine asked for one (shm_grow: its segment too small, or full
-// within ShmContext::grow_when_full's bound). `own_need`: the bytes this rank wants in one slot;
+// within ShmContext::should_grow's bound). `own_need`: the bytes this rank wants in one slot;
 // its new segment holds two.
 detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
                                const std::vector<OpHeader>& h, const std::vector<int>& peers,
@@ -777,11 +777,9 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     if (shm_want) {
       const auto& ctx = detail::CommInternals::shm(comm);
       if (ctx) slot = ctx->try_alloc(slot_need);
-      // No window yet, one too small, or one big enough but full (earlier outputs still held)
-      // while within ShmContext::grow_when_full's bound: all ranks of the machine grow it after
-      // the agreement. A full window beyond that bound: MPI for this call.
-      if (!slot && (!ctx || ctx->capacity() < slot_need || ctx->grow_when_full()))
-        hdr.shm_grow = 1, shm_defer = true;
+      // No window yet, or ShmContext::should_grow (one too small, or full within a bound): all
+      // ranks of the machine grow it after the agreement. Otherwise: MPI for this call.
+      if (!slot && (!ctx || ctx->should_grow(slot_need))) hdr.shm_grow = 1, shm_defer = true;
     }
     if (slot)
       out.expand_x = detail::TensorInternals::wrap(slot->token, slot->ptr, out_dtype,
@@ -1290,7 +1288,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       if (!in_place) {
         stage_bytes = blocks.valid * (cq ? sh.H : sh.H * esz);
         if (ctx) stage = ctx->try_alloc(stage_bytes);
-        if (!stage && (!ctx || ctx->capacity() < stage_bytes || ctx->grow_when_full()))
+        if (!stage && (!ctx || ctx->should_grow(stage_bytes)))
           hdr.shm_grow = 1, stage_defer = true;  // as dispatch_v2's slot
       }
       hdr.shm_rows = in_place || stage || stage_defer;

@@ -170,7 +170,9 @@ std::optional<ShmSlot> ShmContext::try_alloc(int64_t bytes) {
   return std::nullopt;
 }
 
-bool ShmContext::grow_when_full() const { return mapped() < kFullGrowthFactor * largest_request_; }
+bool ShmContext::should_grow(int64_t bytes) const {
+  return capacity() < bytes || mapped() < kFullGrowthFactor * largest_request_;
+}
 
 int64_t ShmContext::mapped() const {
   int64_t total = 0;

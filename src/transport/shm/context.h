@@ -7,7 +7,7 @@
 // made only after an op's header agreement showed every rank healthy and asking for them, so no
 // rank is left in a collective that a failed peer never enters. Windows only grow: a new
 // generation is allocated when a rank's segment is too small for one call, or full within the
-// bound of grow_when_full; every rank of the node then adds a segment, asked for or not. Older
+// bound of should_grow; every rank of the node then adds a segment, asked for or not. Older
 // generations stay mapped (their slots may still back live tensors, and new slots use their
 // space once it is free) until the communicator is destroyed.
 #pragma once
@@ -83,16 +83,16 @@ class ShmContext {
   // Reserves slot_bytes(bytes) of this rank's segment in a generation, the newest first (an
   // older one's space is used again once its slots are released); nullopt when they fit beside
   // the live slots of none. Thread-safe release. Records slot_bytes(bytes) as a request
-  // (grow_when_full).
+  // (should_grow).
   std::optional<ShmSlot> try_alloc(int64_t bytes);
-  // Whether a request that try_alloc could not place although the newest segment is big enough
-  // (earlier outputs still held) should grow the windows (a new generation, node-collective)
-  // rather than use MPI for that call: while this rank's segments together map less than
-  // kFullGrowthFactor times its largest request. So a caller holding a few outputs, or a sweep of
-  // sizes whose requests fill the window exactly, stays on shared memory, and one holding many
-  // falls back to MPI with bounded memory.
+  // Whether a request of `bytes` that try_alloc could not place should grow the windows (a new
+  // generation, node-collective) rather than use MPI for that call: when the newest segment is
+  // too small for it, or when it is big enough but full (earlier outputs still held) while this
+  // rank's segments together map less than kFullGrowthFactor times its largest request. So a
+  // caller holding a few outputs, or a sweep of sizes whose requests fill the window exactly,
+  // stays on shared memory, and one holding many falls back to MPI with bounded memory.
   static constexpr int64_t kFullGrowthFactor = 4;
-  bool grow_when_full() const;
+  bool should_grow(int64_t bytes) const;
   // Bytes of this rank's segments over all generations.
   int64_t mapped() const;
   // If [p, p + bytes) lies inside this rank's segment of a generation: its (gen, offset).
