@@ -430,6 +430,160 @@ TEST(Transport, FullWindowGrowsWithinABound) {
   EXPECT_EQ(located(held.back().expand_x), 0);
 }
 
+// The routing and inputs of the growth tests: BS tokens of H = 4096 (8 KiB rows), top-2 of 2W
+// experts, the same every call, so that every call's outputs are the same.
+struct GrowthInputs {
+  std::shared_ptr<Communicator> comm = Communicator::from_mpi(MPI_COMM_WORLD);
+  static constexpr int64_t kBS = 64, kH = 4096, kK = 2;
+  Tensor x, ids, scales;
+  EpConfig cfg;
+  GrowthInputs() {
+    const int W = test::world_size(), rank = test::world_rank();
+    x = Tensor::empty(DType::kBF16, {kBS, kH});
+    for (int64_t i = 0; i < kBS * kH; ++i)
+      ref::store(DType::kBF16, x.data(), i, float((i + rank) % 251) - 125);
+    ids = Tensor::empty(DType::kI32, {kBS, kK});
+    scales = Tensor::empty(DType::kF32, {kBS, kK});
+    for (int64_t i = 0; i < kBS; ++i)
+      for (int64_t k = 0; k < kK; ++k) {
+        ids.ptr<int32_t>()[i * kK + k] = static_cast<int32_t>((i + k) % (2 * W));
+        scales.ptr<float>()[i * kK + k] = 0.25f + static_cast<float>((i * 3 + k) % 7) / 8.0f;
+      }
+    cfg.group_ep = comm.get();
+    cfg.ep_world_size = W;
+    cfg.ep_rank_id = rank;
+    cfg.moe_expert_num = 2 * W;
+    cfg.transport = "shm";
+  }
+  DispatchOutputs dispatch() const {
+    DispatchInputs din;
+    din.x = x;
+    din.expert_ids = ids;
+    din.expert_scales = scales.view();
+    return dispatch_v2(din, cfg);
+  }
+  // combine_v2 of y (the experts' outputs) for dispatch output d, over `transport`.
+  Tensor combine(const DispatchOutputs& d, const Tensor& y, int comm_quant_mode,
+                 const std::string& transport) const {
+    CombineInputs cin;
+    cin.expand_x = y;
+    cin.expert_ids = ids;
+    cin.assist_info_for_combine = d.assist_info_for_combine;
+    cin.ep_send_counts = d.ep_recv_counts;
+    cin.expert_scales = scales;
+    cin.comm_quant_mode = comm_quant_mode;
+    EpConfig c = cfg;
+    c.transport = transport;
+    return combine_v2(cin, c);
+  }
+  const detail::ShmContext& shm() const { return *detail::CommInternals::shm(*comm); }
+};
+
+int64_t valid_rows(const DispatchOutputs& d) {
+  const int64_t n = d.ep_recv_counts.numel();
+  return n > 0 ? d.ep_recv_counts.ptr<int32_t>()[n - 1] : 0;
+}
+
+Tensor copy_of(const Tensor& t) {
+  std::vector<int64_t> shape;
+  for (int d = 0; d < t.ndim(); ++d) shape.push_back(t.size(d));
+  Tensor c = Tensor::empty(t.dtype(), shape);
+  std::memcpy(c.data(), t.data(), t.nbytes());
+  return c;
+}
+
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+// combine_v2 with expand_x outside the window copies the valid rows (comm_quant_mode 2: their
+// int8 form) into a slot of its own. With the window full of held dispatch outputs, that slot
+// comes from a new generation, and the result is bitwise the plain MPI path's.
+class CombineStaging : public ::testing::TestWithParam<int> {};
+
+TEST_P(CombineStaging, GrowsAFullWindowAndMatchesMpi) {
+  const int comm_quant_mode = GetParam();
+  GrowthInputs in;
+  // The first window holds two dispatch outputs (FullWindowGrowsWithinABound).
+  std::vector<DispatchOutputs> held = {in.dispatch(), in.dispatch()};
+  ASSERT_EQ(in.shm().generations(), 1);
+  const DispatchOutputs& d = held.back();
+  const int64_t valid = valid_rows(d), H = GrowthInputs::kH;
+  ASSERT_GT(valid, 0);
+  // The experts' outputs, in a tensor of their own: row j of expand_x times (1 + (j % 3) / 4).
+  Tensor y = Tensor::zeros(DType::kBF16, {d.expand_x.size(0), H});
+  for (int64_t j = 0; j < valid; ++j)
+    for (int64_t h = 0; h < H; ++h)
+      ref::store(DType::kBF16, y.data(), j * H + h,
+                 ref::load(DType::kBF16, d.expand_x.data(), j * H + h) *
+                     (1.0f + static_cast<float>(j % 3) / 4.0f));
+  const int64_t mapped = in.shm().mapped();
+  const Tensor got = in.combine(d, y, comm_quant_mode, "shm");
+  EXPECT_EQ(in.shm().generations(), 2);
+  EXPECT_GT(in.shm().mapped(), mapped);
+  const Tensor want = in.combine(d, y, comm_quant_mode, "mpi");
+  EXPECT_TRUE(same_bytes(got, want));
+  // The staging slot was released with the call: the next one stages in the same generation.
+  EXPECT_TRUE(same_bytes(in.combine(d, y, comm_quant_mode, "shm"), want));
+  EXPECT_EQ(in.shm().generations(), 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transport, CombineStaging, ::testing::Values(0, 2),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "comm_quant_mode_" + std::to_string(i.param);
+                         });
+
+// Only rank 0 holds its outputs: its window fills, it asks for growth, and every rank of the
+// machine adds a segment in the same call (MPI_Win_allocate_shared is collective); from the fifth
+// call rank 0 receives through MPI while the others still use shared memory. Every call's
+// dispatch and combine outputs must equal the first call's, and the ranks must agree on the
+// number of generations throughout.
+TEST(Transport, UnevenHoldingKeepsRanksInStep) {
+  GrowthInputs in;
+  const bool holder = test::world_rank() == 0;
+  std::vector<DispatchOutputs> held;
+  DispatchOutputs first;
+  Tensor first_out;
+  for (int call = 0; call < 6; ++call) {
+    SCOPED_TRACE("call " + std::to_string(call));
+    DispatchOutputs d = in.dispatch();
+    const int64_t valid = valid_rows(d);
+    if (call == 0) {
+      first = d;
+      first.expand_x = copy_of(d.expand_x);  // the experts below overwrite call 0's
+    } else {
+      EXPECT_EQ(valid, valid_rows(first));
+      EXPECT_EQ(std::memcmp(d.expand_x.data(), first.expand_x.data(),
+                            static_cast<std::size_t>(valid * GrowthInputs::kH * 2)),
+                0);
+      EXPECT_EQ(std::memcmp(d.assist_info_for_combine.data(), first.assist_info_for_combine.data(),
+                            static_cast<std::size_t>(3 * valid) * sizeof(int32_t)),
+                0);  // its meaningful prefix (SPEC §1.4)
+    }
+    // The experts: expand_x doubled in place (exact in bf16), then combined from the window.
+    for (int64_t i = 0; i < valid * GrowthInputs::kH; ++i)
+      ref::store(DType::kBF16, d.expand_x.data(), i,
+                 2.0f * ref::load(DType::kBF16, d.expand_x.data(), i));
+    Tensor out = in.combine(d, d.expand_x, 0, "shm");
+    if (call == 0) {
+      first_out = out;
+      Tensor again = in.combine(d, d.expand_x, 0, "mpi");
+      EXPECT_TRUE(same_bytes(out, again));
+    } else {
+      EXPECT_TRUE(same_bytes(out, first_out));
+    }
+    if (holder) held.push_back(std::move(d));
+    const int gens = in.shm().generations();
+    int lo = 0, hi = 0;
+    MPI_Allreduce(&gens, &lo, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+    MPI_Allreduce(&gens, &hi, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    EXPECT_EQ(lo, hi);
+  }
+  // The holder's window grew once (calls 0-1 in generation 0, 2-3 in generation 1, then MPI),
+  // and so did every other rank's.
+  EXPECT_EQ(in.shm().generations(), 2);
+}
+
 TEST(Transport, MalformedStreamThreshold) {
   const int bad = test::world_size() - 1;
   for (const char* v : {"-1", "16MiB", "", "99999999999999999999"}) {

@@ -125,6 +125,8 @@ void ShmContext::grow(int64_t own_bytes, const char* op) {
   const int n = node_size();
   w->base.resize(n);
   w->bytes.resize(n);
+  std::vector<int64_t> pads(static_cast<std::size_t>(n) * n);  // row r: the pads rank r found
+  int64_t* mine_pads = pads.data() + static_cast<std::ptrdiff_t>(node_rank_) * n;
   for (int p = 0; p < n; ++p) {
     MPI_Aint size = 0;
     int disp = 0;
@@ -133,9 +135,25 @@ void ShmContext::grow(int64_t own_bytes, const char* op) {
     const auto addr = reinterpret_cast<std::uintptr_t>(base);
     const auto pad = static_cast<int64_t>((kSlotAlign - addr % kSlotAlign) % kSlotAlign);
     const auto usable = static_cast<int64_t>(size) - pad;
+    mine_pads[p] = pad;
     w->base[p] = usable > 0 ? static_cast<char*>(base) + pad : nullptr;
     w->bytes[p] = usable > 0 ? usable / kSlotAlign * kSlotAlign : 0;
   }
+  // Slots are named by their offset from the first kSlotAlign boundary of a segment, so every
+  // rank must find that boundary at the same byte of each segment. A shared mapping keeps an
+  // address's offset within a page in every process, so it does; checked once per generation
+  // (every rank sees every rank's findings, so all decide alike) rather than assumed.
+  check_mpi(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, pads.data(), n, MPI_INT64_T, node_),
+            op, "MPI_Allgather");
+  auto seen = [&](int r, int p) { return pads[static_cast<std::size_t>(r) * n + p]; };
+  for (int r = 0; r < n; ++r)
+    for (int p = 0; p < n; ++p)
+      if (seen(r, p) != seen(p, p)) {
+        MPI_Win_free(&w->win);
+        fail(ErrorKind::kInternal, op, ": the first 4 KiB boundary of shared-memory segment ", p,
+             " lies ", seen(r, p), " bytes in for node rank ", r, " but ", seen(p, p),
+             " for its owner (the shm transport needs the same; MOE_EP_TRANSPORT=mpi avoids it)");
+      }
   // One passive-target epoch for the window's life: MPI_Win_sync needs one.
   check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, w->win), op, "MPI_Win_lock_all");
   windows_.push_back(std::move(w));

@@ -95,6 +95,8 @@ class ShmContext {
   bool should_grow(int64_t bytes) const;
   // Bytes of this rank's segments over all generations.
   int64_t mapped() const;
+  // Generations of windows allocated so far (the same on every rank of the node).
+  int generations() const { return static_cast<int>(windows_.size()); }
   // If [p, p + bytes) lies inside this rank's segment of a generation: its (gen, offset).
   bool locate(const void* p, int64_t bytes, int& gen, int64_t& offset) const;
   // The address, in this process, of byte `offset` of group rank `g`'s segment of generation
