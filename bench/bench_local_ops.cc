@@ -13,15 +13,19 @@
 // memcpy/<op> copies half of <op>'s byte count, so that it too reads and writes that many bytes,
 // split over the same OpenMP threads into a destination written before (no page faults). glibc's
 // memcpy streams (non-temporal stores) only copies of at least its x86_non_temporal_threshold,
-// which it derives from the L3 size the CPU reports (on the development VM 480 MB, so 190 MB):
-// below it every destination line is first read, and a 264 MB copy split over 2 threads ran at
-// 26 GB/s against 46 GB/s streamed. So that the baseline is the machine's best copy at every size
-// and thread count, main() re-executes the benchmark once with that threshold set to 4 MiB in
-// GLIBC_TUNABLES (unless the caller set it); the ops do not depend on it.
-// read/<op> reads <op>'s input bytes once, in order (a word-wise OR, split over the threads), and
-// writes nothing: the read-only floor. An op that must read far more than it writes (permute_grad,
-// unpermute) cannot beat it, and on a machine where one core reads more slowly than memcpy moves
-// data, that floor is below 0.8x memcpy: the summary prints the op's time against both. The
+// which glibc 2.36 derives from the cache sizes the CPU reports (3/4 of (L3 / threads + L2): on
+// the development VM, with 480 MiB of L3, 0xb580000 = 181.5 MiB): below it every destination line
+// is first read, and a 264 MB copy split over 2 threads ran at 26 GB/s against 46 GB/s streamed.
+// So that the baseline is the machine's best copy at every size and thread count, main()
+// re-executes the benchmark once with that threshold at 4 MiB in GLIBC_TUNABLES (unless the
+// caller set it); the ops do not depend on it (their memcpy calls copy at most one row). The
+// lower threshold also moves copies of 64 MiB and more to glibc's page-interleaved streaming
+// loop, which raised the bar of the large copies too (42-46 to 45-48 GB/s).
+// read/<op> reads as many bytes as <op> counts as read, once, in order (a word-wise OR, split over
+// the threads), and writes nothing: the read-only floor of an op that reads each input byte once
+// (permute reads each token row K times, so for it this is no floor). An op that reads far more
+// than it writes (permute_grad, unpermute) cannot beat it, and on a machine where one core reads
+// more slowly than memcpy moves data, that floor is below 0.8x memcpy. The
 // ops allocate their outputs on every call (the API returns owned tensors), so their page
 // faults would be part of their time, but the library keeps freed large blocks for reuse
 // (src/core/block_cache.h), so from the second call on the outputs land on pages already
@@ -346,7 +350,8 @@ class SummaryReporter : public benchmark::ConsoleReporter {
     std::printf(
         "\nGB/s = 1e9 bytes/s (read + written) at the median time over repetitions; ratio = op / "
         "memcpy; best ratio: the same from each one's fastest repetition. read-only ms: reading "
-        "the op's inputs once and writing nothing (read/<op>); of floor = read-only ms / ms. "
+        "as many bytes as the op reads, once in order, and writing nothing (read/<op>); of floor "
+        "= read-only ms / ms. "
         "fresh-pages ms: what the op's outputs would add on pages never touched before "
         "(alloc/<op>).\n"
         "%-18s %8s %8s %8s %7s %10s %13s %9s %15s\n",
@@ -358,12 +363,23 @@ class SummaryReporter : public benchmark::ConsoleReporter {
       const auto m = rate_.find(mc);
       const auto a = seconds_.find("alloc/" + name);
       const auto r = seconds_.find("read/" + name);
-      if (m == rate_.end() || a == seconds_.end() || r == seconds_.end()) continue;
+      if (m == rate_.end()) continue;
+      // A column whose run was filtered out prints "-".
+      auto column = [](bool have, double v, int width, int digits) {
+        char buf[32];
+        if (have)
+          std::snprintf(buf, sizeof buf, "%*.*f", width, digits, v);
+        else
+          std::snprintf(buf, sizeof buf, "%*s", width, "-");
+        return std::string(buf);
+      };
+      const bool read = r != seconds_.end(), alloc = a != seconds_.end();
       // Same byte counts: the ratio of bandwidths is the inverse ratio of times.
-      std::printf("%-18s %8.1f %8.2f %8.2f %7.2f %10.2f %13.1f %9.2f %15.1f\n", name.c_str(),
+      std::printf("%-18s %8.1f %8.2f %8.2f %7.2f %10.2f %s %s %s\n", name.c_str(),
                   seconds_[name] * 1e3, rate / 1e9, m->second / 1e9, rate / m->second,
-                  best_[mc] / best_[name], r->second * 1e3, r->second / seconds_[name],
-                  a->second * 1e3);
+                  best_[mc] / best_[name], column(read, read ? r->second * 1e3 : 0, 13, 1).c_str(),
+                  column(read, read ? r->second / seconds_[name] : 0, 9, 2).c_str(),
+                  column(alloc, alloc ? a->second * 1e3 : 0, 15, 1).c_str());
     }
     const char* tunables = std::getenv("GLIBC_TUNABLES");
     std::printf("(OpenMP threads: %d; GLIBC_TUNABLES=%s)\n", omp_get_max_threads(),
@@ -410,23 +426,29 @@ void add(const char* name, void (*fn)(benchmark::State&), int64_t bytes, int64_t
 }
 
 // Re-executes this program once with glibc's non-temporal memcpy threshold at 4 MiB (see the top
-// of this file), unless GLIBC_TUNABLES already sets it; returns when that is not possible.
-void reexec_with_streaming_memcpy(char** argv) {
+// of this file), unless GLIBC_TUNABLES already sets it; returns when that is not possible, and
+// re-executes at most once ($MOE_EP_BENCH_REEXEC marks the second run: a secure-mode run drops
+// GLIBC_TUNABLES). Only glibc on x86-64 has the tunable.
+void reexec_with_streaming_memcpy([[maybe_unused]] char** argv) {
+#if defined(__GLIBC__) && defined(__x86_64__)
   constexpr const char* kTunable = "glibc.cpu.x86_non_temporal_threshold";
-  const char* old = std::getenv("GLIBC_TUNABLES");
-  if (old != nullptr && std::strstr(old, kTunable) != nullptr) return;
-  std::string value = std::string(kTunable) + "=0x400000";
-  if (old != nullptr && *old != '\0') value = std::string(old) + ":" + value;
-  if (setenv("GLIBC_TUNABLES", value.c_str(), 1) != 0) return;
+  constexpr const char* kMarker = "MOE_EP_BENCH_REEXEC";
+  const char* env = std::getenv("GLIBC_TUNABLES");
+  const std::string old = env != nullptr ? env : "";  // setenv may invalidate env
+  if (std::getenv(kMarker) != nullptr || old.find(kTunable) != std::string::npos) return;
+  const std::string value = (old.empty() ? "" : old + ":") + kTunable + "=0x400000";
+  if (setenv("GLIBC_TUNABLES", value.c_str(), 1) != 0 || setenv(kMarker, "1", 1) != 0) return;
   execv("/proc/self/exe", argv);
   std::fprintf(stderr,
                "moe-ep-bench-local: re-executing with GLIBC_TUNABLES failed (%s); memcpy "
                "keeps glibc's default non-temporal threshold\n",
                std::strerror(errno));
-  if (old != nullptr)
-    setenv("GLIBC_TUNABLES", old, 1);
+  if (env != nullptr)
+    setenv("GLIBC_TUNABLES", old.c_str(), 1);
   else
     unsetenv("GLIBC_TUNABLES");
+  unsetenv(kMarker);
+#endif
 }
 
 }  // namespace

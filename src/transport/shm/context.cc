@@ -114,8 +114,8 @@ void ShmContext::grow(int64_t own_bytes, const char* op) {
   // One page more than asked for: MPI need not return page-aligned segments (Open MPI's start
   // 8 bytes past a 64-byte boundary), and rows that straddle cache lines make every vector store
   // two (measured: dispatch's copies about 1.3x slower). Each segment is used from its first
-  // kSlotAlign boundary on; a shared mapping keeps an address's offset within a page in every
-  // process, so each rank finds the same boundary in a peer's segment.
+  // kSlotAlign boundary on (a shared mapping keeps an address's offset within a page in every
+  // process, so each rank finds the same boundary in a peer's segment; checked below).
   const int rc =
       MPI_Win_allocate_shared(static_cast<MPI_Aint>(round_up(own_bytes, kSlotAlign) + kSlotAlign),
                               1, info, node_, &mine, &w->win);
@@ -125,13 +125,19 @@ void ShmContext::grow(int64_t own_bytes, const char* op) {
   const int n = node_size();
   w->base.resize(n);
   w->bytes.resize(n);
+  // Slots are named by their offset from that boundary. Every rank gathers what every rank found,
+  // so all decide alike, and a failed query (pad -1) is reported the same way instead of leaving
+  // the others in the collective.
   std::vector<int64_t> pads(static_cast<std::size_t>(n) * n);  // row r: the pads rank r found
   int64_t* mine_pads = pads.data() + static_cast<std::ptrdiff_t>(node_rank_) * n;
   for (int p = 0; p < n; ++p) {
     MPI_Aint size = 0;
     int disp = 0;
     void* base = nullptr;
-    check_mpi(MPI_Win_shared_query(w->win, p, &size, &disp, &base), op, "MPI_Win_shared_query");
+    mine_pads[p] = -1;
+    w->base[p] = nullptr;
+    w->bytes[p] = 0;
+    if (MPI_Win_shared_query(w->win, p, &size, &disp, &base) != MPI_SUCCESS) continue;
     const auto addr = reinterpret_cast<std::uintptr_t>(base);
     const auto pad = static_cast<int64_t>((kSlotAlign - addr % kSlotAlign) % kSlotAlign);
     const auto usable = static_cast<int64_t>(size) - pad;
@@ -139,21 +145,25 @@ void ShmContext::grow(int64_t own_bytes, const char* op) {
     w->base[p] = usable > 0 ? static_cast<char*>(base) + pad : nullptr;
     w->bytes[p] = usable > 0 ? usable / kSlotAlign * kSlotAlign : 0;
   }
-  // Slots are named by their offset from the first kSlotAlign boundary of a segment, so every
-  // rank must find that boundary at the same byte of each segment. A shared mapping keeps an
-  // address's offset within a page in every process, so it does; checked once per generation
-  // (every rank sees every rank's findings, so all decide alike) rather than assumed.
-  check_mpi(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, pads.data(), n, MPI_INT64_T, node_),
-            op, "MPI_Allgather");
+  const int gathered =
+      MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, pads.data(), n, MPI_INT64_T, node_);
+  if (gathered != MPI_SUCCESS) {
+    MPI_Win_free(&w->win);
+    check_mpi(gathered, op, "MPI_Allgather");
+  }
   auto seen = [&](int r, int p) { return pads[static_cast<std::size_t>(r) * n + p]; };
   for (int r = 0; r < n; ++r)
-    for (int p = 0; p < n; ++p)
-      if (seen(r, p) != seen(p, p)) {
-        MPI_Win_free(&w->win);
-        fail(ErrorKind::kInternal, op, ": the first 4 KiB boundary of shared-memory segment ", p,
-             " lies ", seen(r, p), " bytes in for node rank ", r, " but ", seen(p, p),
-             " for its owner (the shm transport needs the same; MOE_EP_TRANSPORT=mpi avoids it)");
-      }
+    for (int p = 0; p < n; ++p) {
+      if (seen(r, p) == seen(p, p) && seen(r, p) >= 0) continue;
+      MPI_Win_free(&w->win);
+      if (seen(r, p) < 0)
+        fail(ErrorKind::kSystem, op, ": MPI_Win_shared_query of segment ", p,
+             " failed on node rank ", r);
+      fail(ErrorKind::kInternal, op, ": the first ", kSlotAlign, "-byte boundary of shared-memory ",
+           "segment ", p, " lies ", seen(r, p), " bytes in for node rank ", r, " but ", seen(p, p),
+           " for its owner; the shm transport needs the same (EpConfig::transport = \"mpi\", or "
+           "$MOE_EP_TRANSPORT=mpi when it is empty, avoids it; please report this bug)");
+    }
   // One passive-target epoch for the window's life: MPI_Win_sync needs one.
   check_mpi(MPI_Win_lock_all(MPI_MODE_NOCHECK, w->win), op, "MPI_Win_lock_all");
   windows_.push_back(std::move(w));
@@ -183,6 +193,7 @@ std::optional<ShmSlot> ShmContext::try_alloc(int64_t bytes) {
     s.gen = w->gen;
     s.offset = at;
     s.ptr = w->base[node_rank_] + at;
+    ++slots_allocated_;
     return s;
   }
   return std::nullopt;

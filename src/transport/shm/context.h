@@ -97,6 +97,8 @@ class ShmContext {
   int64_t mapped() const;
   // Generations of windows allocated so far (the same on every rank of the node).
   int generations() const { return static_cast<int>(windows_.size()); }
+  // Slots try_alloc has handed out so far (for tests: whether a call used shared memory).
+  int64_t slots_allocated() const { return slots_allocated_; }
   // If [p, p + bytes) lies inside this rank's segment of a generation: its (gen, offset).
   bool locate(const void* p, int64_t bytes, int& gen, int64_t& offset) const;
   // The address, in this process, of byte `offset` of group rank `g`'s segment of generation
@@ -113,6 +115,7 @@ class ShmContext {
   int node_rank_ = 0;
   double timeout_s_ = 300;
   int64_t largest_request_ = 0;
+  int64_t slots_allocated_ = 0;
   std::vector<int> group_to_node_;
   std::vector<int> node_to_group_;
   std::vector<std::shared_ptr<ShmWindow>> windows_;  // by generation
