@@ -481,8 +481,21 @@ add_test(NAME cli.bench.transport_mpi
          COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --transport mpi --tokens 8,16
                  --hidden 64 --iters 2 --warmup 0 --compare)
 set_tests_properties(cli.bench.transport_mpi PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
-  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  --compare\n.*verified\n.*verified\n"
+  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  --compare  --quant int8\n.*verified\n.*verified\n"
   FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
+# --compare times int8 dispatch too unless --quant none: the issue's targets include it.
+add_test(NAME cli.bench.compare_times_int8
+         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 8 --hidden 64 --iters 2
+                 --warmup 0 --compare)
+set_tests_properties(cli.bench.compare_times_int8 PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
+  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "--compare  --quant int8\n.*dispatch int8/bf16 time"
+  FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
+add_test(NAME cli.bench.compare_quant_none
+         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 8 --hidden 64 --iters 2
+                 --warmup 0 --compare --quant none)
+set_tests_properties(cli.bench.compare_quant_none PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
+  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "combine moe-ep/textbook"
+  FAIL_REGULAR_EXPRESSION "--quant int8|dispatch-int8|int8/bf16|error|FAILED|abort|verification failed")
 cli_expect_error(bench_bad_transport "--transport: tcp not in \\{mpi,shm\\}"
                  "${_mpi} -n 1 ${_exe} bench --transport tcp")
 # The verification can fail: a corrupted baseline row stops the run before timing, exit 1.

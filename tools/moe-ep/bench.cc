@@ -1083,7 +1083,7 @@ int bench_command(const BenchOptions& o) {
     setup_error = std::current_exception();
   }
   agree_on_setup(setup_error, rank_i, dog);
-  const bool compare = o.compare, quant = o.quant == "int8";
+  const bool compare = o.compare, quant = o.quant == "int8" || (o.quant.empty() && compare);
   const Preset& layer = setup.layer;
   setup.gnuplot =
       rank == 0 && !o.plot.empty() && std::system("command -v gnuplot > /dev/null 2>&1") == 0;

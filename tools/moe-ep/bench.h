@@ -44,8 +44,10 @@ struct BenchOptions {
   std::string routing_file;  // empty: next to the executable
   bool compare = false;      // the bare MPI_Alltoallv, textbook pipeline and memcpy baselines
   int64_t iters = 20, warmup = 3;
-  std::string quant = "none";  // none, int8: also time dispatch_v2 with quant_mode 2
-  std::string transport;       // EpConfig::transport: "" ($MOE_EP_TRANSPORT, else shm), shm, mpi
+  // none, int8: also time dispatch_v2 with quant_mode 2; empty: int8 with --compare (its targets
+  // include int8's), else none.
+  std::string quant;
+  std::string transport;  // EpConfig::transport: "" ($MOE_EP_TRANSPORT, else shm), shm, mpi
   std::string csv, json, plot;
   std::optional<double> timeout_s;
   bool debug_corrupt_baseline = false;  // test hook: flips one byte of the textbook's expand_x

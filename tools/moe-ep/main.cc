@@ -237,8 +237,9 @@ void add_bench_options(CLI::App* bench, BenchOptions& o) {
       ->check(integer(0, 1000000));
   bench
       ->add_option("--quant", o.quant,
-                   "none (default) or int8: also time dispatch_v2 with quant_mode 2 and report "
-                   "its bytes and time against bf16's")
+                   "none or int8: also time dispatch_v2 with quant_mode 2 and report its bytes "
+                   "and time against bf16's (default: int8 with --compare, whose targets include "
+                   "it; else none)")
       ->check(CLI::IsMember({"none", "int8"}));
   bench
       ->add_option("--transport", o.transport,
