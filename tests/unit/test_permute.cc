@@ -420,6 +420,26 @@ TEST(Permute, NoTokensAndNoHidden) {
         }
 }
 
+// Rows of several 64-element blocks and more than 8 entries per token: the reductions' and
+// unpermute_grad's block loops, which prefetch the next token's rows, and unpermute_grad's
+// second group of rows (8 are walked side by side).
+TEST(Permute, MatchesReferenceWideRowsTopK12) {
+  Rng rng(1201);
+  for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+    Case c;
+    c.dtype = dt;
+    c.probs_dtype = DType::kF32;
+    c.index_dtype = DType::kI32;
+    c.n = 37;
+    c.h = 200;
+    c.topk = 12;
+    c.routing = Routing::kUniform;
+    run_case(c, rng);
+    c.num_out = -40;  // dropped entries: fewer present rows than topk in some tokens
+    run_case(c, rng);
+  }
+}
+
 // Large enough for the parallel counting sort (M >= 16384) and many rows per thread.
 TEST(Permute, MatchesReferenceLarge) {
   Rng rng(99);

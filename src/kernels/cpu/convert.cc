@@ -24,6 +24,8 @@
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
+#include <algorithm>
+
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/rows-inl.h"
 
@@ -153,7 +155,8 @@ HWY_INLINE VF DotStep(DF df, VF acc, VF g, VF w, const void* x, void* dst, int64
 
 template <DType kX, DType kOut, bool kScale, int kRows>
 void ScaleDotT(float* out, void* const* dst, const void* g, DType g_dtype, const float* w,
-               const void* const* x, int64_t n, bool stream) {
+               const void* const* x, int64_t n, bool stream, const void* const* ahead,
+               int64_t ahead_count) {
   const DF df;
   constexpr size_t kLanes = hn::MaxLanes(DF());
   static_assert(kDotLanes % kLanes == 0, "dot_row_f32's 16 lanes must fill whole vectors");
@@ -172,7 +175,11 @@ void ScaleDotT(float* out, void* const* dst, const void* g, DType g_dtype, const
   // Element i + c (i a multiple of 16) belongs to lane (i + c) % 16, held by vector
   // (c / Lanes) % kVecs, and reaches it after the elements of that lane before it.
   int64_t i = 0;
+  const int64_t xsize = static_cast<int64_t>(dtype_size(kX));
   for (; i + kDotBlock <= n; i += kDotBlock) {
+    for (int64_t r = 0; r < ahead_count; ++r)  // the same block of the next call's rows
+      for (int64_t b = 0; b < kDotBlock * xsize; b += 64)
+        hwy::Prefetch(static_cast<const char*>(ahead[r]) + i * xsize + b);
     VF gv[kBlockVecs];
     for (size_t v = 0; v < kBlockVecs; ++v) {
       gv[v] = LoadF32As(df, g_dtype, g, i + static_cast<int64_t>(v) * lanes);
@@ -231,13 +238,18 @@ void ScaleDotT(float* out, void* const* dst, const void* g, DType g_dtype, const
 
 template <DType kX, DType kOut, bool kScale>
 void ScaleDotRowsT(float* out, void* const* dst, const void* g, DType g_dtype, const float* w,
-                   const void* const* x, int64_t count, int64_t n, bool stream) {
+                   const void* const* x, int64_t count, int64_t n, bool stream,
+                   const void* const* ahead, int64_t ahead_count) {
   for (int64_t r = 0; r < count; r += kMaxDotRows) {
     void* const* dr = kScale ? dst + r : dst;
     const float* wr = kScale ? w + r : w;
+    // Group r.. prefetches the next call's rows r.. (the last group all that remain).
+    const int64_t more = r + kMaxDotRows >= count ? ahead_count : kMaxDotRows;
+    const int64_t ahead_here = std::clamp<int64_t>(ahead_count - r, 0, more);
     WithRowCount<kMaxDotRows>(std::min<int64_t>(count - r, kMaxDotRows), [&](auto rows) {
-      ScaleDotT<kX, kOut, kScale, decltype(rows)::value>(out + r, dr, g, g_dtype, wr, x + r, n,
-                                                         stream);
+      ScaleDotT<kX, kOut, kScale, decltype(rows)::value>(
+          out + r, dr, g, g_dtype, wr, x + r, n, stream, ahead_here > 0 ? ahead + r : nullptr,
+          ahead_here);
     });
   }
 }
@@ -282,11 +294,14 @@ struct ScaleDotF {
   template <DType kOut>
   struct To {
     static void run(float* out, void* const* dst, const void* g, DType g_dtype, const float* w,
-                    const void* const* x, int64_t count, int64_t n, bool stream) {
+                    const void* const* x, int64_t count, int64_t n, bool stream,
+                    const void* const* ahead, int64_t ahead_count) {
       if (dst != nullptr) {
-        ScaleDotRowsT<kX, kOut, true>(out, dst, g, g_dtype, w, x, count, n, stream);
+        ScaleDotRowsT<kX, kOut, true>(out, dst, g, g_dtype, w, x, count, n, stream, ahead,
+                                      ahead_count);
       } else {
-        ScaleDotRowsT<kX, kOut, false>(out, dst, g, g_dtype, w, x, count, n, stream);
+        ScaleDotRowsT<kX, kOut, false>(out, dst, g, g_dtype, w, x, count, n, stream, ahead,
+                                       ahead_count);
       }
     }
   };
@@ -355,16 +370,19 @@ void AddRow(float* acc, const void* src, DType dtype, int64_t n) {
 // dst == null: dot products only (dst_dtype and w unused).
 void ScaleDot(float* out, void* const* dst, DType dst_dtype, const void* g, DType g_dtype,
               const float* w, const void* const* x, DType x_dtype, int64_t count, int64_t n,
-              bool stream) {
+              bool stream, const void* const* ahead, int64_t ahead_count) {
   switch (x_dtype) {
     case DType::kBF16:
-      ByDType<ScaleDotF<DType::kBF16>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream);
+      ByDType<ScaleDotF<DType::kBF16>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream,
+                                           ahead, ahead_count);
       break;
     case DType::kF16:
-      ByDType<ScaleDotF<DType::kF16>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream);
+      ByDType<ScaleDotF<DType::kF16>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream,
+                                          ahead, ahead_count);
       break;
     default:
-      ByDType<ScaleDotF<DType::kF32>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream);
+      ByDType<ScaleDotF<DType::kF32>::To>(dst_dtype, out, dst, g, g_dtype, w, x, count, n, stream,
+                                          ahead, ahead_count);
       break;
   }
   if (stream) hwy::FlushStream();
@@ -435,15 +453,15 @@ void add_row_f32(float* acc, const void* src, DType dtype, int64_t n) {
 float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n) {
   float out;
   HWY_DYNAMIC_DISPATCH(ScaleDot)
-  (&out, nullptr, DType::kF32, g, DType::kF32, nullptr, &x, dtype, 1, n, false);
+  (&out, nullptr, DType::kF32, g, DType::kF32, nullptr, &x, dtype, 1, n, false, nullptr, 0);
   return out;
 }
 void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const void* g, DType g_dtype,
                         const float* w, const void* const* x, DType x_dtype, int64_t count,
-                        int64_t n, bool stream) {
+                        int64_t n, bool stream, const void* const* ahead, int64_t ahead_count) {
   for (int64_t r = 0; r < count && stream; ++r) stream = can_stream(dst[r], stream);
   HWY_DYNAMIC_DISPATCH(ScaleDot)
-  (out, dst, dst_dtype, g, g_dtype, w, x, x_dtype, count, n, stream);
+  (out, dst, dst_dtype, g, g_dtype, w, x, x_dtype, count, n, stream, ahead, ahead_count);
 }
 void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* weights,
               int64_t count, DType src_dtype, int64_t n, bool stream, bool from_zero,

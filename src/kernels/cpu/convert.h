@@ -116,9 +116,12 @@ float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n);
 // g_dtype), for r < count, out[r] = dot_row_f32(gf, x[r], x_dtype, n) and dst[r][0..n) =
 // round(gf * w[r]) in dst_dtype, as scale_row_f32(dst[r], dst_dtype, gf, w[r], n, stream). Each
 // row of x and g is read once per group of up to eight rows walked side by side. The dst rows must
-// not overlap g or the rows of x.
+// not overlap g or the rows of x. `ahead` (ahead_count rows of x_dtype, n elements each, may be
+// null): the next call's rows of x, whose blocks are prefetched in step with this call's
+// (ahead[r] along with x[r]'s group); they are not read.
 void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const void* g, DType g_dtype,
                         const float* w, const void* const* x, DType x_dtype, int64_t count,
-                        int64_t n, bool stream = false);
+                        int64_t n, bool stream = false, const void* const* ahead = nullptr,
+                        int64_t ahead_count = 0);
 
 }  // namespace moe_ep::detail

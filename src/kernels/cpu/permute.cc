@@ -372,7 +372,7 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
     const std::size_t ut = static_cast<std::size_t>(topk);
     std::vector<float> w(ut), dots(ut);
     std::vector<void*> dst(ut);
-    std::vector<const void*> rows(ut);
+    std::vector<const void*> rows(ut), next(ut);
     std::vector<int64_t> entry(ut);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
@@ -390,8 +390,15 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
         entry[count++] = j;
       }
       if (count == 0) continue;
+      // Token i + 1's permuted rows, prefetched during token i's pass.
+      int64_t ahead = 0;
+      for (int64_t k = 0; k < topk && i + 1 < n; ++k) {
+        const int64_t s = sorted_at(si, (i + 1) * topk + k);
+        if (s < p) next[static_cast<std::size_t>(ahead++)] = row_ptr(x, s);
+      }
       detail::scale_dot_rows_f32(dots.data(), dst.data(), q.dtype, row_ptr(g, i), g.dtype, w.data(),
-                                 rows.data(), x.dtype, static_cast<int64_t>(count), h, stream);
+                                 rows.data(), x.dtype, static_cast<int64_t>(count), h, stream,
+                                 next.data(), ahead);
       for (std::size_t c = 0; c < count; ++c)
         detail::store_f32(gprobs, probs.dtype, entry[c], dots[c]);
     }
