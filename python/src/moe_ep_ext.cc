@@ -402,6 +402,7 @@ struct EpArgs {
       global_bs;
   std::string comm_alg;
   int64_t zero_expert_num, copy_expert_num, const_expert_num;
+  std::string transport;
 };
 
 moe_ep::EpConfig ep_config(const PyCommunicator& group_ep, const EpArgs& e) {
@@ -421,6 +422,7 @@ moe_ep::EpConfig ep_config(const PyCommunicator& group_ep, const EpArgs& e) {
   c.zero_expert_num = e.zero_expert_num;
   c.copy_expert_num = e.copy_expert_num;
   c.const_expert_num = e.const_expert_num;
+  c.transport = e.transport;
   return c;
 }
 
@@ -432,11 +434,12 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
                       int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
                       int64_t shared_expert_rank_num, int64_t quant_mode, int64_t global_bs,
                       int64_t expert_token_nums_type, const std::string& comm_alg,
-                      int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num) {
+                      int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
+                      const std::string& transport) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
-                 zero_expert_num, copy_expert_num, const_expert_num});
+                 zero_expert_num, copy_expert_num, const_expert_num, transport});
   moe_ep::DispatchInputs in;
   // A tensor the binding cannot take goes into the collective as this rank's argument error, so
   // the peers raise RemoteError at once instead of waiting for this rank until their deadline.
@@ -481,11 +484,11 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
                       int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
                       int64_t shared_expert_rank_num, int64_t global_bs, int64_t comm_quant_mode,
                       const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
-                      int64_t const_expert_num) {
+                      int64_t const_expert_num, const std::string& transport) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
-                 zero_expert_num, copy_expert_num, const_expert_num});
+                 zero_expert_num, copy_expert_num, const_expert_num, transport});
   moe_ep::CombineInputs in;
   try {  // as in dispatch_v2
     in.expand_x = view_of(expand_x, "expand_x");
@@ -528,11 +531,12 @@ nb::dict dispatch_workspace(int64_t bs, int64_t hidden, int64_t top_k, const std
                             int64_t shared_expert_num, int64_t shared_expert_rank_num,
                             int64_t quant_mode, int64_t global_bs, int64_t comm_quant_mode,
                             const std::string& comm_alg, int64_t zero_expert_num,
-                            int64_t copy_expert_num, int64_t const_expert_num) {
+                            int64_t copy_expert_num, int64_t const_expert_num,
+                            const std::string& transport) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
-                 zero_expert_num, copy_expert_num, const_expert_num});
+                 zero_expert_num, copy_expert_num, const_expert_num, transport});
   // Any DType's name: dispatch_workspace names a wrong one itself ("dtype = int32 must be ...").
   const DType d = parse_dtype(dtype, "dispatch_workspace", "dtype", /*any_dtype=*/true);
   const moe_ep::DispatchWorkspace w =
@@ -603,6 +607,7 @@ NB_MODULE(_C, m) {
         "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0, "quant_mode"_a = 0,
         "global_bs"_a = 0, "expert_token_nums_type"_a = 1, "comm_alg"_a = "",
         "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
+        "transport"_a = "",
         "SPEC §1. Returns (expand_x, dynamic_scales or None, assist_info_for_combine, "
         "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales)");
   m.def("combine_v2", &combine_v2, "expand_x"_a, "expert_ids"_a, "assist_info_for_combine"_a,
@@ -615,13 +620,15 @@ NB_MODULE(_C, m) {
         "group_tp"_a = nb::none(), "tp_world_size"_a = 0, "tp_rank_id"_a = 0,
         "expert_shard_type"_a = 0, "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0,
         "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
-        "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "SPEC §2. Returns x (BS, H)");
+        "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "transport"_a = "",
+        "SPEC §2. Returns x (BS, H)");
   m.def("dispatch_workspace", &dispatch_workspace, "bs"_a, "hidden"_a, "top_k"_a, "dtype"_a,
         "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(),
         "group_tp"_a = nb::none(), "tp_world_size"_a = 0, "tp_rank_id"_a = 0,
         "expert_shard_type"_a = 0, "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0,
         "quant_mode"_a = 0, "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "",
         "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
+        "transport"_a = "",
         "The bytes one dispatch_v2 and its combine_v2 take on this rank (dispatch.h, "
         "DispatchWorkspace). Local: no communication. dtype: x's, by name ('bf16', 'fp16', "
         "'fp32'). Returns {'recv_rows', 'expand_x_bytes', 'other_outputs_bytes', "

@@ -1135,6 +1135,65 @@ def workspace_matches_outputs(ctx):
 
 
 @case()
+def transport_keyword(ctx):
+    """transport= (EpConfig::transport, default "": $MOE_EP_TRANSPORT, else "shm"), whatever
+    $MOE_EP_TRANSPORT says: "mpi" and "shm" both match SPEC §1.4 / §2.3 and each other bit for
+    bit; dispatch_workspace takes it too (no window slot with "mpi"); a bad value, and values
+    that differ across ranks, are rejected by name."""
+    w, rank = ctx.world, ctx.rank
+    spec = Spec(80, bs_all(ctx, 5), k=2, e=2 * w, dtype=torch.bfloat16, h=40)
+    all_in = [make_inputs(spec, r) for r in range(w)]
+    mine = all_in[rank]
+    got = {}
+    for tr in ("mpi", "shm"):
+        out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e,
+                             expert_scales=mine.w, transport=tr)
+        y = run_experts(spec, w, rank, out[0], out[3])
+        comb = mt.combine_v2(y, mine.ids, out[2], out[4], mine.w, ctx.comm,
+                             moe_expert_num=spec.e, transport=tr)
+        valid = int(out[4][-1]) if out[4].numel() else 0
+        got[tr] = (out, out[0][:valid].clone(), out[2][: 3 * valid].clone(), comb.clone())
+
+    def same():
+        for tr in ("mpi", "shm"):
+            check_dispatch(spec, w, rank, all_in, got[tr][0])
+            check_bitwise(f"combine_v2 output (transport {tr})", got[tr][3],
+                          ref_combine(spec, mine))
+        for i, what in ((1, "expand_x"), (2, "assist_info_for_combine"), (3, "combine_v2")):
+            check_bitwise(f"{what}: transport shm vs mpi", got["shm"][i], got["mpi"][i])
+
+    agreed(ctx, same)
+    ws = {tr: mt.dispatch_workspace(5, spec.h, spec.k, spec.dtype, ctx.comm,
+                                    moe_expert_num=spec.e, transport=tr) for tr in ("mpi", "shm")}
+    agreed(ctx, lambda: check(ws["mpi"].shm_slot_bytes == 0 and ws["shm"].shm_slot_bytes > 0,
+                              f"dispatch_workspace shm_slot_bytes: mpi {ws['mpi'].shm_slot_bytes}, "
+                              f"shm {ws['shm'].shm_slot_bytes}"))
+
+    def error_of(fn):
+        try:
+            fn()
+        except moe_ep.Error as err:
+            return err
+        return None
+
+    bad = error_of(lambda: mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e,
+                                          transport="tcp"))
+    agreed(ctx, lambda: check(
+        isinstance(bad, moe_ep.InvalidArgumentError)
+        and 'dispatch_v2: transport = "tcp" is not one of "", "mpi", "shm"' in str(bad),
+        f"transport='tcp': {bad!r}"))
+    if w > 1:
+        mixed = error_of(lambda: mt.dispatch_v2(mine.x, mine.ids, ctx.comm,
+                                                moe_expert_num=spec.e,
+                                                transport="mpi" if rank == 0 else "shm"))
+        agreed(ctx, lambda: check(
+            isinstance(mixed, moe_ep.InvalidArgumentError)
+            and "transport differs across ranks" in str(mixed),
+            f"transport mpi on rank 0, shm elsewhere: {mixed!r}"))
+    round_trip(ctx, Spec(81, bs_all(ctx, 3), k=2, e=2 * w))  # the communicator still works
+
+
+@case()
 def shm_window_bytes_option(ctx):
     """group_id(comm, shm_window_bytes=N) (CommOptions::shm_window_bytes, comm.h): the duplicate
     has N; a later different value (of timeout_s too) raises InvalidArgumentError naming it and

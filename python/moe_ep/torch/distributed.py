@@ -271,6 +271,7 @@ def _dispatch_v2_impl(
     zero_expert_num: int = 0,
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
+    transport: str = "",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     outs = _C.dispatch_v2(**_binding_args("dispatch_v2", locals()))
     expand_x, dynamic_scales, *rest = outs
@@ -365,6 +366,7 @@ def _combine_v2_impl(
     zero_expert_num: int = 0,
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
+    transport: str = "",
 ) -> Tensor:
     out = _C.combine_v2(**_binding_args("combine_v2", locals()))
     return tt(out)
@@ -427,7 +429,10 @@ def dispatch_v2(
     (scales, x_active_mask, expert_scales, elastic_info, performance_info (int64 (W,), added to
     in place), tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num,
     shared_expert_rank_num, quant_mode, global_bs, expert_token_nums_type, comm_alg,
-    zero_expert_num, copy_expert_num, const_expert_num).
+    zero_expert_num, copy_expert_num, const_expert_num), and transport: how ranks on one machine
+    move rows, "shm" (MPI-3 shared-memory windows, one copy) or "mpi" (point-to-point; the same
+    bits), "" (default): $MOE_EP_TRANSPORT, else "shm"; it must resolve to the same value on
+    every rank (EpConfig::transport, include/moe_ep/dispatch.h).
 
     Returns DispatchOutputs (expand_x, dynamic_scales ((0,) unless quant_mode 2),
     assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales):
@@ -473,7 +478,8 @@ def combine_v2(
     (tp_send_counts, x_active_mask, expand_scales, shared_expert_x, elastic_info, ori_x,
     const_expert_alpha_1/2, const_expert_v, performance_info, tp_world_size, tp_rank_id,
     expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_quant_mode,
-    comm_alg, zero/copy/const_expert_num). Returns x (BS, H) in expand_x's dtype.
+    comm_alg, zero/copy/const_expert_num) and transport (as dispatch_v2's). Returns x (BS, H) in
+    expand_x's dtype.
     """
     gid, size, rank = _resolve(group_ep)
     with_perf = kwargs.get("performance_info") is not None
@@ -507,12 +513,12 @@ class DispatchWorkspace(NamedTuple):
     # expand_scales and (quant_mode 2) dynamic_scales (max(1,T)*A * 4 each), ep_recv_counts,
     # tp_recv_counts and expert_token_nums
     other_outputs_bytes: int
-    # shared-memory transport (0 when the calls use MPI only: $MOE_EP_TRANSPORT=mpi,
-    # tp_world_size 2): the window part one dispatch_v2 output holds while its expand_x lives
-    # (expand_x_bytes rounded up to 64, plus 16 bytes of metadata per row of expand_x, all rounded
-    # up to 4 KiB), and what a combine_v2 stages when its expand_x is not such a slot or
-    # comm_quant_mode is 2 (A rows, 1 byte per element with comm_quant_mode 2, else x's element
-    # size; rounded up to 4 KiB)
+    # shared-memory transport (0 when the calls use MPI only: transport "mpi", or "" with
+    # $MOE_EP_TRANSPORT=mpi, or tp_world_size 2): the window part one dispatch_v2 output holds
+    # while its expand_x lives (expand_x_bytes rounded up to 64, plus 16 bytes of metadata per
+    # row of expand_x, all rounded up to 4 KiB), and what a combine_v2 stages when its expand_x
+    # is not such a slot or comm_quant_mode is 2 (A rows, 1 byte per element with
+    # comm_quant_mode 2, else x's element size; rounded up to 4 KiB)
     shm_slot_bytes: int
     shm_stage_bytes: int
     combine_output_bytes: int  # combine_v2's x: BS * H * x's element size
@@ -552,8 +558,8 @@ def dispatch_workspace(
     arguments as dispatch_v2's (tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num,
     shared_expert_rank_num, global_bs, comm_alg, zero_expert_num, copy_expert_num,
     const_expert_num, quant_mode: 0 or 2), and combine_v2's comm_quant_mode (0 or 2); no
-    elastic_info (a scale-in changes W and A: query with the new world's arguments). The
-    transport is $MOE_EP_TRANSPORT's (default shm), as for the ops.
+    elastic_info (a scale-in changes W and A: query with the new world's arguments), and
+    transport as the ops' ("" (default): $MOE_EP_TRANSPORT, else "shm").
 
     Returns DispatchWorkspace (recv_rows, expand_x_bytes, other_outputs_bytes, shm_slot_bytes,
     shm_stage_bytes, combine_output_bytes): ints, all but recv_rows in bytes.
