@@ -496,6 +496,20 @@ add_test(NAME cli.bench.compare_quant_none
 set_tests_properties(cli.bench.compare_quant_none PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
   TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "combine moe-ep/textbook"
   FAIL_REGULAR_EXPRESSION "--quant int8|dispatch-int8|int8/bf16|error|FAILED|abort|verification failed")
+# A write that fails after the run (a full device) ends the job at once with the flag named, on
+# every rank: rank 0 no longer unwinds while the others wait for it until the deadline.
+if(EXISTS /dev/full)
+  cli_expect_error_once(bench_csv_write_fails "System: moe-ep bench: --csv '/dev/full': write failed"
+                        "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 4 --hidden 32 --iters 1 --csv /dev/full")
+  cli_expect_error_once(bench_json_write_fails "System: moe-ep bench: --json '/dev/full': write failed"
+                        "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 4 --hidden 32 --iters 1 --json /dev/full")
+  cli_expect_error_once(run_save_output_write_fails
+                        "System: moe-ep run: --save-output: writing '/dev/full' failed"
+                        "${_mpi} -n 2 --oversubscribe ${_exe} run --tokens 4 --hidden 32 --ffn 16 --save-output /dev/full")
+  cli_expect_error_once(run_save_routing_write_fails
+                        "System: moe-ep run: --save-routing: writing '/dev/full' failed"
+                        "${_mpi} -n 2 --oversubscribe ${_exe} run --tokens 4 --hidden 32 --ffn 16 --save-routing /dev/full")
+endif()
 cli_expect_error(bench_bad_transport "--transport: tcp not in \\{mpi,shm\\}"
                  "${_mpi} -n 1 ${_exe} bench --transport tcp")
 # The verification can fail: a corrupted baseline row stops the run before timing, exit 1.

@@ -161,14 +161,17 @@ moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicato
 
 // Collective: when any rank's setup failed, the lowest such rank rethrows its error and the others
 // throw kRemote (main prints only the former).
-void agree_on_setup(const std::exception_ptr& error, int rank, Watchdog& dog) {
+// Every rank learns whether any failed in a local step (`when`: "before the run", "writing the
+// results"): the lowest failed rank rethrows its error, the others throw kRemote naming it, so
+// no rank is left waiting for one that is unwinding.
+void agree_on_error(const std::exception_ptr& error, int rank, Watchdog& dog, const char* when) {
   int mine = error ? rank : INT_MAX, lowest = INT_MAX;
-  guarded(dog, "the set-up agreement",
+  guarded(dog, "the error agreement",
           [&] { MPI_Allreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD); });
   if (lowest == INT_MAX) return;
   if (rank == lowest) std::rethrow_exception(error);
-  throw Error(ErrorKind::kRemote, "moe-ep bench: rank " + std::to_string(lowest) +
-                                      " failed before the run (its message says why)");
+  throw Error(ErrorKind::kRemote, "moe-ep bench: rank " + std::to_string(lowest) + " failed " +
+                                      when + " (its message says why)");
 }
 
 // Everything fixed for the whole sweep.
@@ -979,6 +982,7 @@ void write_csv(const std::string& path, const std::vector<Result>& all) {
       << fmt("%.0f", r.bytes) << ',' << num(r.p50_s * 1e3) << ',' << num(r.p99_s * 1e3) << ','
       << num(r.gbps) << ',' << num(r.vs_alltoallv) << ',' << num(r.vs_textbook) << '\n';
   }
+  f.close();  // a full device reports the failure when the buffer is flushed
   if (!f) throw Error(ErrorKind::kSystem, "moe-ep bench: --csv '" + path + "': write failed");
 }
 
@@ -1082,7 +1086,7 @@ int bench_command(const BenchOptions& o) {
   } catch (...) {
     setup_error = std::current_exception();
   }
-  agree_on_setup(setup_error, rank_i, dog);
+  agree_on_error(setup_error, rank_i, dog, "before the run");
   const bool compare = o.compare, quant = o.quant == "int8" || (o.quant.empty() && compare);
   const Preset& layer = setup.layer;
   setup.gnuplot =
@@ -1171,98 +1175,105 @@ int bench_command(const BenchOptions& o) {
     }
   }
 
-  if (rank == 0) {
-    const bool target_config = layer.hidden == kTargetHidden && layer.experts == 64 &&
-                               layer.top_k == 8 && setup.dtype == DType::kBF16 && W == 2 &&
-                               o.routing == "real";
-    if (compare) {
-      std::printf(
-          "targets (issue 6; stated for bf16, H 7168, top-8, 64 experts, %lld tokens/rank, "
-          "W = 2, real OLMoE routing%s):\n",
-          static_cast<long long>(kTargetTokens),
-          target_config ? "" : "; THIS RUN'S CONFIGURATION DIFFERS");
-      for (const Target& t : targets) {
-        std::printf("  tokens/rank %5lld  %-26s %7.3f %s %.1f  %s\n",
-                    static_cast<long long>(t.tokens), t.name.c_str(), t.value,
-                    t.at_least ? ">=" : "<=", t.bound, t.pass ? "PASS" : "FAIL");
-      }
-      std::printf("  (a missed performance target does not change the exit status)\n");
-    }
-    if (!o.csv.empty()) {
-      write_csv(o.csv, results);
-      std::printf("csv written to %s\n", o.csv.c_str());
-    }
-    if (!o.json.empty()) {
-      nlohmann::json j;
-      j["config"] = {{"preset", layer.name},
-                     {"hidden", layer.hidden},
-                     {"experts", layer.experts},
-                     {"top_k", layer.top_k},
-                     {"dtype", moe_ep::dtype_name(setup.dtype)},
-                     {"world", W},
-                     {"routing", setup.routing_desc},
-                     {"seed", o.seed},
-                     {"iters", o.iters},
-                     {"warmup", o.warmup},
-                     {"compare", compare},
-                     {"quant", o.quant},
-                     {"transport", transport_name(o.transport)}};
-      j["bytes_rule"] = bytes_rule;
-      j["time_rule"] = time_rule;
-      j["verified"] = true;
-      j["results"] = nlohmann::json::array();
-      for (const Result& r : results) {
-        auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
-        j["results"].push_back({{"tokens_per_rank", r.tokens},
-                                {"op", kOpNames[r.op].op},
-                                {"impl", kOpNames[r.op].impl},
-                                {"bytes_per_rank", r.bytes},
-                                {"p50_ms", r.p50_s * 1e3},
-                                {"p99_ms", r.p99_s * 1e3},
-                                {"gbps", num(r.gbps)},
-                                {"ratio_vs_alltoallv", num(r.vs_alltoallv)},
-                                {"ratio_vs_textbook", num(r.vs_textbook)}});
-      }
-      j["int8"] = nlohmann::json::array();
-      for (const PointResult& pr : points) {
-        if (std::isnan(pr.int8_time_ratio)) continue;
-        j["int8"].push_back({{"tokens_per_rank", pr.results.front().tokens},
-                             {"bytes_ratio", pr.int8_bytes_ratio},
-                             {"time_ratio", pr.int8_time_ratio}});
-      }
-      j["targets"] = nlohmann::json::array();
-      for (const Target& t : targets) {
-        j["targets"].push_back({{"tokens_per_rank", t.tokens},
-                                {"name", t.name},
-                                {"value", t.value},
-                                {"bound", t.bound},
-                                {"at_least", t.at_least},
-                                {"pass", t.pass}});
-      }
-      std::ofstream f(o.json);
-      f << j.dump(2) << '\n';
-      if (!f)
-        throw Error(ErrorKind::kSystem, "moe-ep bench: --json '" + o.json + "': write failed");
-      std::printf("json written to %s\n", o.json.c_str());
-    }
-    if (!o.plot.empty()) {
-      if (!setup.gnuplot) {
+  // Rank 0 prints and writes the results; a failed write (a full disk, an unwritable file the
+  // early path check could not see) is agreed on by every rank instead of leaving the others in
+  // the final barrier until the deadline.
+  std::exception_ptr output_error;
+  if (rank == 0) try {
+      const bool target_config = layer.hidden == kTargetHidden && layer.experts == 64 &&
+                                 layer.top_k == 8 && setup.dtype == DType::kBF16 && W == 2 &&
+                                 o.routing == "real";
+      if (compare) {
         std::printf(
-            "plot skipped: gnuplot is not installed (Debian: apt-get install gnuplot-nox)\n");
-      } else {
-        const std::string title =
-            "moe-ep bench: " + layer.name + " H " + std::to_string(layer.hidden) + " E " +
-            std::to_string(layer.experts) + " K " + std::to_string(layer.top_k) + " " +
-            moe_ep::dtype_name(setup.dtype) + " W " + std::to_string(W);
-        const std::string err = write_plot(o.plot, results, title);
-        if (!err.empty()) throw Error(ErrorKind::kSystem, "moe-ep bench: --plot: " + err);
-        std::printf("plot written to %s (data and gnuplot script beside it: .dat, .gp)\n",
-                    o.plot.c_str());
+            "targets (issue 6; stated for bf16, H 7168, top-8, 64 experts, %lld tokens/rank, "
+            "W = 2, real OLMoE routing%s):\n",
+            static_cast<long long>(kTargetTokens),
+            target_config ? "" : "; THIS RUN'S CONFIGURATION DIFFERS");
+        for (const Target& t : targets) {
+          std::printf("  tokens/rank %5lld  %-26s %7.3f %s %.1f  %s\n",
+                      static_cast<long long>(t.tokens), t.name.c_str(), t.value,
+                      t.at_least ? ">=" : "<=", t.bound, t.pass ? "PASS" : "FAIL");
+        }
+        std::printf("  (a missed performance target does not change the exit status)\n");
       }
+      if (!o.csv.empty()) {
+        write_csv(o.csv, results);
+        std::printf("csv written to %s\n", o.csv.c_str());
+      }
+      if (!o.json.empty()) {
+        nlohmann::json j;
+        j["config"] = {{"preset", layer.name},
+                       {"hidden", layer.hidden},
+                       {"experts", layer.experts},
+                       {"top_k", layer.top_k},
+                       {"dtype", moe_ep::dtype_name(setup.dtype)},
+                       {"world", W},
+                       {"routing", setup.routing_desc},
+                       {"seed", o.seed},
+                       {"iters", o.iters},
+                       {"warmup", o.warmup},
+                       {"compare", compare},
+                       {"quant", o.quant},
+                       {"transport", transport_name(o.transport)}};
+        j["bytes_rule"] = bytes_rule;
+        j["time_rule"] = time_rule;
+        j["verified"] = true;
+        j["results"] = nlohmann::json::array();
+        for (const Result& r : results) {
+          auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
+          j["results"].push_back({{"tokens_per_rank", r.tokens},
+                                  {"op", kOpNames[r.op].op},
+                                  {"impl", kOpNames[r.op].impl},
+                                  {"bytes_per_rank", r.bytes},
+                                  {"p50_ms", r.p50_s * 1e3},
+                                  {"p99_ms", r.p99_s * 1e3},
+                                  {"gbps", num(r.gbps)},
+                                  {"ratio_vs_alltoallv", num(r.vs_alltoallv)},
+                                  {"ratio_vs_textbook", num(r.vs_textbook)}});
+        }
+        j["int8"] = nlohmann::json::array();
+        for (const PointResult& pr : points) {
+          if (std::isnan(pr.int8_time_ratio)) continue;
+          j["int8"].push_back({{"tokens_per_rank", pr.results.front().tokens},
+                               {"bytes_ratio", pr.int8_bytes_ratio},
+                               {"time_ratio", pr.int8_time_ratio}});
+        }
+        j["targets"] = nlohmann::json::array();
+        for (const Target& t : targets) {
+          j["targets"].push_back({{"tokens_per_rank", t.tokens},
+                                  {"name", t.name},
+                                  {"value", t.value},
+                                  {"bound", t.bound},
+                                  {"at_least", t.at_least},
+                                  {"pass", t.pass}});
+        }
+        std::ofstream f(o.json);
+        f << j.dump(2) << '\n';
+        f.close();
+        if (!f)
+          throw Error(ErrorKind::kSystem, "moe-ep bench: --json '" + o.json + "': write failed");
+        std::printf("json written to %s\n", o.json.c_str());
+      }
+      if (!o.plot.empty()) {
+        if (!setup.gnuplot) {
+          std::printf(
+              "plot skipped: gnuplot is not installed (Debian: apt-get install gnuplot-nox)\n");
+        } else {
+          const std::string title =
+              "moe-ep bench: " + layer.name + " H " + std::to_string(layer.hidden) + " E " +
+              std::to_string(layer.experts) + " K " + std::to_string(layer.top_k) + " " +
+              moe_ep::dtype_name(setup.dtype) + " W " + std::to_string(W);
+          const std::string err = write_plot(o.plot, results, title);
+          if (!err.empty()) throw Error(ErrorKind::kSystem, "moe-ep bench: --plot: " + err);
+          std::printf("plot written to %s (data and gnuplot script beside it: .dat, .gp)\n",
+                      o.plot.c_str());
+        }
+      }
+      std::fflush(stdout);
+    } catch (...) {
+      output_error = std::current_exception();
     }
-    std::fflush(stdout);
-  }
-  guarded(dog, "the final barrier", [] { MPI_Barrier(MPI_COMM_WORLD); });
+  agree_on_error(output_error, rank_i, dog, "writing the results");
   return 0;
 }
 
