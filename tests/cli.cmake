@@ -121,6 +121,24 @@ cli_expect_error(experts_not_divisible
                  "${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --tokens 2 --ffn 8 --redundant-experts 0")
 cli_expect_error(missing_routing_file "InvalidArgument: real routing: cannot open '/nonexistent/x.csv'"
                  "${_mpi} -n 2 ${_exe} run --routing-file /nonexistent/x.csv")
+# Routing files with bad values are rejected with the line and the value (they ran before:
+# negative, fractional and out-of-range counts, and a repeated expert).
+set(_hdr "model,domain,selection,layer,expert,count\n")
+file(WRITE ${_work}/routing/negative.csv "${_hdr}olmoe,c4,topk,7,0,-100\r\n")
+file(WRITE ${_work}/routing/fraction.csv "${_hdr}olmoe,c4,topk,7,0,10\nolmoe,c4,topk,7,1,3.5\n")
+file(WRITE ${_work}/routing/huge.csv "${_hdr}olmoe,c4,topk,7,0,99999999999999999999999\n")
+file(WRITE ${_work}/routing/repeat.csv "${_hdr}olmoe,c4,topk,7,0,10\nolmoe,c4,topk,7,0,12\n")
+file(WRITE ${_work}/routing/empty.csv "${_hdr}")
+cli_expect_error(routing_negative_count "negative.csv:2: count = '-100' is not an integer in \\[0, 2\\^63 - 1\\]"
+                 "${_mpi} -n 1 ${_exe} run --routing-file ${_work}/routing/negative.csv")
+cli_expect_error(routing_fractional_count "fraction.csv:3: count = '3.5' is not an integer"
+                 "${_mpi} -n 1 ${_exe} run --routing-file ${_work}/routing/fraction.csv")
+cli_expect_error(routing_huge_count "huge.csv:2: count = '99999999999999999999999' is not an integer"
+                 "${_mpi} -n 1 ${_exe} run --routing-file ${_work}/routing/huge.csv")
+cli_expect_error(routing_repeated_expert "repeat.csv:3 lists expert 0 of olmoe/c4/layer 7 again"
+                 "${_mpi} -n 1 ${_exe} run --routing-file ${_work}/routing/repeat.csv")
+cli_expect_error(routing_no_rows "model 'olmoe' is not in [^\n]*empty.csv \\(it has no topk rows\\)"
+                 "${_mpi} -n 1 ${_exe} run --routing-file ${_work}/routing/empty.csv")
 cli_expect_error(unknown_domain "domain 'poetry' is not in .*\\(has arxiv, book, c4"
                  "${_mpi} -n 1 ${_exe} run --domain poetry")
 

@@ -1,6 +1,7 @@
 #include "routing.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -23,6 +24,19 @@ std::string join(const std::set<std::string>& items) {
   std::string s;
   for (const auto& i : items) s += (s.empty() ? "" : ", ") + i;
   return s;
+}
+
+// A field of the routing CSV that must be an integer in [0, 2^63 - 1] (a trailing '\r' of a
+// CRLF line is not part of it).
+int64_t parse_count(const std::string& where, const char* name, std::string text) {
+  if (!text.empty() && text.back() == '\r') text.pop_back();
+  int64_t v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size() || v < 0) {
+    throw Error(ErrorKind::kInvalidArgument,
+                where + ": " + name + " = '" + text + "' is not an integer in [0, 2^63 - 1]");
+  }
+  return v;
 }
 
 // The per-expert top-k counts of source's model/domain/layer, experts 0..D-1 each once.
@@ -61,20 +75,21 @@ std::map<int64_t, double> read_counts(const RealRoutingSource& source) {
     if (f[1] != source.domain) continue;
     layers.insert(f[3]);
     if (f[3] != std::to_string(source.layer)) continue;
-    try {
-      counts[std::stoll(f[4])] += std::stod(f[5]);
-    } catch (const std::exception&) {
-      throw Error(ErrorKind::kInvalidArgument, "real routing: " + source.file + ":" +
-                                                   std::to_string(line_no) +
-                                                   " has a non-numeric expert or count");
+    const std::string where = "real routing: " + source.file + ":" + std::to_string(line_no);
+    const int64_t expert = parse_count(where, "expert", f[4]);
+    const int64_t count = parse_count(where, "count", f[5]);
+    if (!counts.emplace(expert, static_cast<double>(count)).second) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  where + " lists expert " + std::to_string(expert) + " of " + source.model + "/" +
+                      source.domain + "/layer " + std::to_string(source.layer) + " again");
     }
   }
   const std::string what =
       source.model + "/" + source.domain + "/layer " + std::to_string(source.layer);
   if (models.count(source.model) == 0) {
-    throw Error(ErrorKind::kInvalidArgument, "real routing: model '" + source.model +
-                                                 "' is not in " + source.file + " (has " +
-                                                 join(models) + ")");
+    throw Error(ErrorKind::kInvalidArgument,
+                "real routing: model '" + source.model + "' is not in " + source.file +
+                    (models.empty() ? " (it has no topk rows)" : " (has " + join(models) + ")"));
   }
   if (domains.count(source.domain) == 0) {
     throw Error(ErrorKind::kInvalidArgument, "real routing: domain '" + source.domain +
