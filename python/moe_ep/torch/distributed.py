@@ -204,7 +204,7 @@ def _binding_args(op: str, args: Dict[str, object]) -> Dict[str, object]:
         elif name == "group_tp":
             out[name] = None
         elif isinstance(value, Tensor) and name != "performance_info":
-            out[name] = dl(value)
+            out[name] = dl(value, op, name)  # a dtype the binding cannot take, named
         else:
             out[name] = value
     return out
