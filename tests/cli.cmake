@@ -417,7 +417,8 @@ cli_expect_error_once(redundant_tp_not_one_per_rank
                       "${_mpi} -n 4 --oversubscribe ${_exe} run --tp 2 --experts 2 --top-k 2 --hidden 64 --tokens 2 --expert-fn scale --redundant-experts 2")
 cli_expect_error(top_k_above_all_experts "K = 5 exceeds the number of experts E = 2 \\+ Z \\+ C \\+ Q = 4"
                  "${_mpi} -n 1 ${_exe} run --experts 2 --top-k 5 --zero-experts 1 --copy-experts 1")
-cli_expect_error(bad_mask "--mask" "${_mpi} -n 1 ${_exe} run --mask half")
+cli_expect_error(bad_mask "--mask: half not in \\{none, prefix, entries\\}"
+                 "${_mpi} -n 1 ${_exe} run --mask half")
 cli_expect_error(bad_quant "--quant" "${_mpi} -n 1 ${_exe} run --quant int4")
 cli_expect_error(global_bs_too_small "dispatch_v2: global_bs = 16 is less than"
                  "${_mpi} -n 4 --oversubscribe ${_exe} run --global-bs 16 --tokens 8 --hidden 64 --expert-fn scale")

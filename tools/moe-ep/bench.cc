@@ -1185,7 +1185,8 @@ int bench_command(const BenchOptions& o) {
                                  o.routing == "real";
       if (compare) {
         std::printf(
-            "targets (issue 6; stated for bf16, H 7168, top-8, 64 experts, %lld tokens/rank, "
+            "targets (docs/performance.md; stated for bf16, H 7168, top-8, 64 experts, %lld "
+            "tokens/rank, "
             "W = 2, real OLMoE routing%s):\n",
             static_cast<long long>(kTargetTokens),
             target_config ? "" : "; THIS RUN'S CONFIGURATION DIFFERS");
