@@ -124,9 +124,20 @@ TensorView from_dlpack(const DLTensor& t, const char* what) {
   const DLTypeOf* match = nullptr;
   for (const DLTypeOf& d : kDLTypes)
     if (d.code == code && d.bits == bits) match = &d;
-  if (match == nullptr)
-    detail::unsupported("from_dlpack: ", what, " dtype (code ", code, ", bits ", bits,
-                        ") is not one of bf16, fp16, fp32, int8, int32, int64, bool");
+  if (match == nullptr) {
+    // The DLPack type by name (float64, uint8, complex64, ...) as well as by number.
+    const char* kind = code == kDLInt        ? "int"
+                       : code == kDLUInt     ? "uint"
+                       : code == kDLFloat    ? "float"
+                       : code == kDLBfloat   ? "bfloat"
+                       : code == kDLComplex  ? "complex"
+                       : code == kDLBoolCode ? "bool"
+                                             : "type";
+    detail::unsupported("from_dlpack: ", what, " dtype ", kind, bits, " (DLPack code ", code,
+                        ", bits ", bits,
+                        ") is not one of bf16, fp16, fp32, int8, int32, int64, "
+                        "bool");
+  }
   v.dtype = match->dtype;
   v.data = t.data == nullptr ? nullptr : static_cast<char*>(t.data) + t.byte_offset;
   v.ndim = t.ndim;

@@ -204,7 +204,10 @@ def _binding_args(op: str, args: Dict[str, object]) -> Dict[str, object]:
         elif name == "group_tp":
             out[name] = None
         elif isinstance(value, Tensor) and name != "performance_info":
-            out[name] = dl(value, op, name)  # a dtype the binding cannot take, named
+            # Not dl(value, op, name): a dtype the binding cannot take must reach the op as this
+            # rank's caller_error (the binding does that), so the peers raise RemoteError at
+            # once instead of waiting for a rank that raised here until their deadline.
+            out[name] = dl(value)
         else:
             out[name] = value
     return out
