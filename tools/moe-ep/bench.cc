@@ -159,11 +159,10 @@ moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicato
   return cfg;
 }
 
-// Collective: when any rank's setup failed, the lowest such rank rethrows its error and the others
-// throw kRemote (main prints only the former).
-// Every rank learns whether any failed in a local step (`when`: "before the run", "writing the
-// results"): the lowest failed rank rethrows its error, the others throw kRemote naming it, so
-// no rank is left waiting for one that is unwinding.
+// Collective. Every rank learns whether any failed in a local step (`when`: "before the run",
+// "writing the results"): the lowest failed rank rethrows its error, the others throw kRemote
+// naming it (main prints only the former), and no rank is left waiting for one that is
+// unwinding.
 void agree_on_error(const std::exception_ptr& error, int rank, Watchdog& dog, const char* when) {
   int mine = error ? rank : INT_MAX, lowest = INT_MAX;
   guarded(dog, "the error agreement",
@@ -1104,8 +1103,10 @@ int bench_command(const BenchOptions& o) {
       " iterations (after " + std::to_string(o.warmup) +
       " warm-up) of the max over ranks; GB/s = bytes / p50; ratios = baseline p50 / moe-ep p50";
   std::string tokens_list;
-  for (const int64_t t : o.tokens)
-    tokens_list += (tokens_list.empty() ? "" : ",") + std::to_string(t);
+  for (const int64_t t : o.tokens) {
+    if (!tokens_list.empty()) tokens_list += ',';
+    tokens_list += std::to_string(t);
+  }
   if (rank == 0) {
     std::printf(
         "moe-ep bench: preset %s  H %lld  E %lld  K %lld  dtype %s  W %lld  tokens/rank %s  "
@@ -1179,101 +1180,105 @@ int bench_command(const BenchOptions& o) {
   // early path check could not see) is agreed on by every rank instead of leaving the others in
   // the final barrier until the deadline.
   std::exception_ptr output_error;
-  if (rank == 0) try {
-      const bool target_config = layer.hidden == kTargetHidden && layer.experts == 64 &&
-                                 layer.top_k == 8 && setup.dtype == DType::kBF16 && W == 2 &&
-                                 o.routing == "real";
-      if (compare) {
+  auto report = [&] {
+    const bool target_config = layer.hidden == kTargetHidden && layer.experts == 64 &&
+                               layer.top_k == 8 && setup.dtype == DType::kBF16 && W == 2 &&
+                               o.routing == "real";
+    if (compare) {
+      std::printf(
+          "targets (docs/performance.md; stated for bf16, H 7168, top-8, 64 experts, %lld "
+          "tokens/rank, W = 2, real OLMoE routing%s):\n",
+          static_cast<long long>(kTargetTokens),
+          target_config ? "" : "; THIS RUN'S CONFIGURATION DIFFERS");
+      for (const Target& t : targets) {
+        std::printf("  tokens/rank %5lld  %-26s %7.3f %s %.1f  %s\n",
+                    static_cast<long long>(t.tokens), t.name.c_str(), t.value,
+                    t.at_least ? ">=" : "<=", t.bound, t.pass ? "PASS" : "FAIL");
+      }
+      std::printf("  (a missed performance target does not change the exit status)\n");
+    }
+    if (!o.csv.empty()) {
+      write_csv(o.csv, results);
+      std::printf("csv written to %s\n", o.csv.c_str());
+    }
+    if (!o.json.empty()) {
+      nlohmann::json j;
+      j["config"] = {{"preset", layer.name},
+                     {"hidden", layer.hidden},
+                     {"experts", layer.experts},
+                     {"top_k", layer.top_k},
+                     {"dtype", moe_ep::dtype_name(setup.dtype)},
+                     {"world", W},
+                     {"routing", setup.routing_desc},
+                     {"seed", o.seed},
+                     {"iters", o.iters},
+                     {"warmup", o.warmup},
+                     {"compare", compare},
+                     {"quant", o.quant},
+                     {"transport", transport_name(o.transport)}};
+      j["bytes_rule"] = bytes_rule;
+      j["time_rule"] = time_rule;
+      j["verified"] = true;
+      j["results"] = nlohmann::json::array();
+      for (const Result& r : results) {
+        auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
+        j["results"].push_back({{"tokens_per_rank", r.tokens},
+                                {"op", kOpNames[r.op].op},
+                                {"impl", kOpNames[r.op].impl},
+                                {"bytes_per_rank", r.bytes},
+                                {"p50_ms", r.p50_s * 1e3},
+                                {"p99_ms", r.p99_s * 1e3},
+                                {"gbps", num(r.gbps)},
+                                {"ratio_vs_alltoallv", num(r.vs_alltoallv)},
+                                {"ratio_vs_textbook", num(r.vs_textbook)}});
+      }
+      j["int8"] = nlohmann::json::array();
+      for (const PointResult& pr : points) {
+        if (std::isnan(pr.int8_time_ratio)) continue;
+        j["int8"].push_back({{"tokens_per_rank", pr.results.front().tokens},
+                             {"bytes_ratio", pr.int8_bytes_ratio},
+                             {"time_ratio", pr.int8_time_ratio}});
+      }
+      j["targets"] = nlohmann::json::array();
+      for (const Target& t : targets) {
+        j["targets"].push_back({{"tokens_per_rank", t.tokens},
+                                {"name", t.name},
+                                {"value", t.value},
+                                {"bound", t.bound},
+                                {"at_least", t.at_least},
+                                {"pass", t.pass}});
+      }
+      std::ofstream f(o.json);
+      f << j.dump(2) << '\n';
+      f.close();
+      if (!f)
+        throw Error(ErrorKind::kSystem, "moe-ep bench: --json '" + o.json + "': write failed");
+      std::printf("json written to %s\n", o.json.c_str());
+    }
+    if (!o.plot.empty()) {
+      if (!setup.gnuplot) {
         std::printf(
-            "targets (docs/performance.md; stated for bf16, H 7168, top-8, 64 experts, %lld "
-            "tokens/rank, "
-            "W = 2, real OLMoE routing%s):\n",
-            static_cast<long long>(kTargetTokens),
-            target_config ? "" : "; THIS RUN'S CONFIGURATION DIFFERS");
-        for (const Target& t : targets) {
-          std::printf("  tokens/rank %5lld  %-26s %7.3f %s %.1f  %s\n",
-                      static_cast<long long>(t.tokens), t.name.c_str(), t.value,
-                      t.at_least ? ">=" : "<=", t.bound, t.pass ? "PASS" : "FAIL");
-        }
-        std::printf("  (a missed performance target does not change the exit status)\n");
+            "plot skipped: gnuplot is not installed (Debian: apt-get install gnuplot-nox)\n");
+      } else {
+        const std::string title =
+            "moe-ep bench: " + layer.name + " H " + std::to_string(layer.hidden) + " E " +
+            std::to_string(layer.experts) + " K " + std::to_string(layer.top_k) + " " +
+            moe_ep::dtype_name(setup.dtype) + " W " + std::to_string(W);
+        const std::string err = write_plot(o.plot, results, title);
+        if (!err.empty()) throw Error(ErrorKind::kSystem, "moe-ep bench: --plot: " + err);
+        std::printf("plot written to %s (data and gnuplot script beside it: .dat, .gp)\n",
+                    o.plot.c_str());
       }
-      if (!o.csv.empty()) {
-        write_csv(o.csv, results);
-        std::printf("csv written to %s\n", o.csv.c_str());
-      }
-      if (!o.json.empty()) {
-        nlohmann::json j;
-        j["config"] = {{"preset", layer.name},
-                       {"hidden", layer.hidden},
-                       {"experts", layer.experts},
-                       {"top_k", layer.top_k},
-                       {"dtype", moe_ep::dtype_name(setup.dtype)},
-                       {"world", W},
-                       {"routing", setup.routing_desc},
-                       {"seed", o.seed},
-                       {"iters", o.iters},
-                       {"warmup", o.warmup},
-                       {"compare", compare},
-                       {"quant", o.quant},
-                       {"transport", transport_name(o.transport)}};
-        j["bytes_rule"] = bytes_rule;
-        j["time_rule"] = time_rule;
-        j["verified"] = true;
-        j["results"] = nlohmann::json::array();
-        for (const Result& r : results) {
-          auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
-          j["results"].push_back({{"tokens_per_rank", r.tokens},
-                                  {"op", kOpNames[r.op].op},
-                                  {"impl", kOpNames[r.op].impl},
-                                  {"bytes_per_rank", r.bytes},
-                                  {"p50_ms", r.p50_s * 1e3},
-                                  {"p99_ms", r.p99_s * 1e3},
-                                  {"gbps", num(r.gbps)},
-                                  {"ratio_vs_alltoallv", num(r.vs_alltoallv)},
-                                  {"ratio_vs_textbook", num(r.vs_textbook)}});
-        }
-        j["int8"] = nlohmann::json::array();
-        for (const PointResult& pr : points) {
-          if (std::isnan(pr.int8_time_ratio)) continue;
-          j["int8"].push_back({{"tokens_per_rank", pr.results.front().tokens},
-                               {"bytes_ratio", pr.int8_bytes_ratio},
-                               {"time_ratio", pr.int8_time_ratio}});
-        }
-        j["targets"] = nlohmann::json::array();
-        for (const Target& t : targets) {
-          j["targets"].push_back({{"tokens_per_rank", t.tokens},
-                                  {"name", t.name},
-                                  {"value", t.value},
-                                  {"bound", t.bound},
-                                  {"at_least", t.at_least},
-                                  {"pass", t.pass}});
-        }
-        std::ofstream f(o.json);
-        f << j.dump(2) << '\n';
-        f.close();
-        if (!f)
-          throw Error(ErrorKind::kSystem, "moe-ep bench: --json '" + o.json + "': write failed");
-        std::printf("json written to %s\n", o.json.c_str());
-      }
-      if (!o.plot.empty()) {
-        if (!setup.gnuplot) {
-          std::printf(
-              "plot skipped: gnuplot is not installed (Debian: apt-get install gnuplot-nox)\n");
-        } else {
-          const std::string title =
-              "moe-ep bench: " + layer.name + " H " + std::to_string(layer.hidden) + " E " +
-              std::to_string(layer.experts) + " K " + std::to_string(layer.top_k) + " " +
-              moe_ep::dtype_name(setup.dtype) + " W " + std::to_string(W);
-          const std::string err = write_plot(o.plot, results, title);
-          if (!err.empty()) throw Error(ErrorKind::kSystem, "moe-ep bench: --plot: " + err);
-          std::printf("plot written to %s (data and gnuplot script beside it: .dat, .gp)\n",
-                      o.plot.c_str());
-        }
-      }
-      std::fflush(stdout);
+    }
+    std::fflush(stdout);
+  };
+  if (rank == 0) {
+    try {
+      report();
     } catch (...) {
       output_error = std::current_exception();
     }
+  }
   agree_on_error(output_error, rank_i, dog, "writing the results");
   return 0;
 }

@@ -166,9 +166,6 @@ std::vector<int> ranks_on_this_machine(int rank) {
   return ranks;
 }
 
-// Collective. When any rank's setup failed, the lowest such rank rethrows its error and every
-// other rank throws kRemote (main prints only the former, so a failure every rank shares is
-// reported once).
 // Runs `write`; an Error it throws is thrown again with "moe-ep run: <flag>: " in front, so a
 // failed write names the option that asked for it.
 template <typename F>
@@ -180,9 +177,10 @@ void with_flag(const char* flag, F&& write) {
   }
 }
 
-// Every rank learns whether any failed in a local step (`when`: "before the run", "saving the
-// routing", "writing the results"): the lowest failed rank rethrows its error, the others throw
-// kRemote naming it, so no rank is left waiting for one that is unwinding.
+// Collective. Every rank learns whether any failed in a local step (`when`: "before the run",
+// "saving the routing", "writing the results"): the lowest failed rank rethrows its error, the
+// others throw kRemote naming it (main prints only the former, so a failure every rank shares is
+// reported once), and no rank is left waiting for one that is unwinding.
 void agree_on_error(const std::exception_ptr& error, int rank, const char* when) {
   int mine = error ? rank : INT_MAX, lowest = INT_MAX;
   MPI_Request request;
@@ -192,6 +190,21 @@ void agree_on_error(const std::exception_ptr& error, int rank, const char* when)
   if (rank == lowest) std::rethrow_exception(error);
   throw Error(ErrorKind::kRemote, "moe-ep run: rank " + std::to_string(lowest) + " failed " + when +
                                       " (its message says why)");
+}
+
+// Collective: rank 0 runs `step` (output only it writes), then every rank agrees on its outcome
+// (agree_on_error).
+template <typename F>
+void on_rank_0(int rank, const char* when, F&& step) {
+  std::exception_ptr error;
+  if (rank == 0) {
+    try {
+      step();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  agree_on_error(error, rank, when);
 }
 
 // Everything decided before the first allocation of the run's size and the first message.
@@ -818,15 +831,11 @@ int run_command(const RunOptions& o) {
   if (mask_dims > 0) global.metadata["mask"] = plan.mask_desc;
   if (plan.batch_seed) global.metadata["seed"] = std::to_string(*plan.batch_seed);
   if (!o.save_routing.empty()) {  // the same on every rank: all take part in the agreement
-    std::exception_ptr save_error;
-    if (rank == 0) try {
-        with_flag("--save-routing", [&] { save_routing(o.save_routing, global); });
-        std::printf("  routing saved to %s\n", o.save_routing.c_str());
-        std::fflush(stdout);
-      } catch (...) {
-        save_error = std::current_exception();
-      }
-    agree_on_error(save_error, rank, "saving the routing");
+    on_rank_0(rank, "saving the routing", [&] {
+      with_flag("--save-routing", [&] { save_routing(o.save_routing, global); });
+      std::printf("  routing saved to %s\n", o.save_routing.c_str());
+      std::fflush(stdout);
+    });
   }
 
   // The library's ids: physical slots (redundant.h); `ids` and the gathered batch (saved,
@@ -1020,103 +1029,96 @@ int run_command(const RunOptions& o) {
   // Rank 0 reports, saves the output and checks it; a failure there (say a full disk under
   // --save-output) is agreed on by every rank instead of leaving them in the result broadcast.
   int result = 1;
-  std::exception_ptr output_error;
-  if (rank == 0) try {
-      auto max_of = [&](double RankStats::*f) {
-        double m = 0;
-        for (const auto& s : all) m = std::max(m, s.*f);
-        return m;
-      };
-      double rmin = all[0].received_rows, rsum = 0, cross = 0;
-      for (const auto& s : all) {
-        rmin = std::min(rmin, s.received_rows);
-        rsum += s.received_rows;
-        cross += s.sent_other_rows;
-      }
-      const double rmean = rsum / static_cast<double>(W), rmax = max_of(&RankStats::received_rows);
-      std::printf(
-          "tokens received per rank (dispatch valid rows%s): min %.0f  mean %.1f  max %.0f"
-          "  imbalance max/mean %s\n",
-          T > 1 ? ", with the TP peer's" : "", rmin, rmean, rmax,
-          rmean > 0 ? fmt("%.3f", rmax / rmean).c_str() : "n/a");
-      std::printf(
-          "time per phase, ms (max over ranks): route %.3f  dispatch %.3f  experts %.3f  "
-          "combine %.3f  (expert weight generation %.1f ms, not counted)\n",
-          1e3 * max_of(&RankStats::route_s), 1e3 * max_of(&RankStats::dispatch_s),
-          1e3 * max_of(&RankStats::experts_s), 1e3 * max_of(&RankStats::combine_s),
-          1e3 * max_of(&RankStats::generate_s));
-      // Bytes of one row on the wire: int8 values and an fp32 scale when quantised.
-      const double dispatch_row =
-          quant ? static_cast<double>(H) + 4 : static_cast<double>(row_bytes);
-      const double combine_row =
-          comm_quant ? static_cast<double>(H) + 4 : static_cast<double>(row_bytes);
-      const double rows_per_rank = cross / static_cast<double>(W);
-      if (cross > 0) {
-        std::printf(
-            "bandwidth: dispatch %.3f GB/s  combine %.3f GB/s  (bytes per rank = rows sent "
-            "to other EP ranks x %s B per row (dispatch) / %s B (combine), self-traffic%s "
-            "excluded, mean over ranks = %.3f / %.3f MB; combine sends the same rows back; "
-            "time = max over ranks)\n",
-            rows_per_rank * dispatch_row / max_of(&RankStats::dispatch_s) / 1e9,
-            rows_per_rank * combine_row / max_of(&RankStats::combine_s) / 1e9,
-            fmt("%.0f", dispatch_row).c_str(), fmt("%.0f", combine_row).c_str(),
-            T > 1 ? " and TP traffic" : "", rows_per_rank * dispatch_row / 1e6,
-            rows_per_rank * combine_row / 1e6);
-      } else {
-        std::printf("bandwidth: n/a (no rows travel between EP ranks)\n");
-      }
-
-      if (!o.save_output.empty()) {
-        with_flag("--save-output", [&] { save_output(o.save_output, output, N, H, dtype); });
-        std::printf("output saved to %s\n", o.save_output.c_str());
-      }
-      ExpertBank ref_bank(fn, seed, E, H, layer.ffn);
-      LayerSpec spec;
-      spec.experts = E;
-      spec.zero = Z;
-      spec.copy = C;
-      spec.constant = Q;
-      spec.shared = Ns;
-      spec.alpha_1 = alpha_1;
-      spec.alpha_2 = alpha_2;
-      spec.const_v = const_v;
-      spec.quant = quant;
-      spec.comm_quant = comm_quant;
-      spec.shared_local = shared_local;
-      const Reference ref = dense_reference(global, spec, fn, ref_bank);
-      const CheckResult c = compare_outputs(output, ref, dtype, fn);
-      const std::string nan_note =
-          c.nans > 0 ? " (" + std::to_string(c.nans) + " of them NaN)" : std::string();
-      if (c.exact) {
-        std::printf(
-            "check vs dense single-process reference (SPEC §2.3): %s (%lld of %lld "
-            "elements differ%s; max abs err %.3g); rule: %s\n",
-            c.mismatches == 0 && c.pass ? "exact" : "NOT exact",
-            static_cast<long long>(c.mismatches), static_cast<long long>(N * H), nan_note.c_str(),
-            c.max_abs, c.rule.c_str());
-      } else if (c.bounded) {
-        std::printf(
-            "check vs dense single-process reference (SPEC §2.2, §2.3) within the int8 bound: "
-            "%lld of %lld elements over the bound%s, max |err| / bound %.3g, max abs err %.3g "
-            "(max|ref| %.3g), %lld elements not bitwise equal; rule: %s\n",
-            static_cast<long long>(c.over_bound), static_cast<long long>(N * H), nan_note.c_str(),
-            c.max_ratio, c.max_abs, c.max_ref, static_cast<long long>(c.mismatches),
-            c.rule.c_str());
-      } else {
-        std::printf(
-            "check vs dense single-process reference (SPEC §2.3): max abs err %.3g, max rel "
-            "err %.3g (max|ref| %.3g)%s, %lld of %lld elements not bitwise equal%s; rule: %s\n",
-            c.max_abs, c.max_rel, c.max_ref, c.nans > 0 ? " over the non-NaN elements" : "",
-            static_cast<long long>(c.mismatches), static_cast<long long>(N * H), nan_note.c_str(),
-            c.rule.c_str());
-      }
-      std::printf("%s\n", c.pass ? "PASS" : "FAIL");
-      std::fflush(stdout);
-      result = c.pass ? 0 : 1;
-    } catch (...) {
-      output_error = std::current_exception();
+  on_rank_0(rank, "writing the results", [&] {
+    auto max_of = [&](double RankStats::*f) {
+      double m = 0;
+      for (const auto& s : all) m = std::max(m, s.*f);
+      return m;
+    };
+    double rmin = all[0].received_rows, rsum = 0, cross = 0;
+    for (const auto& s : all) {
+      rmin = std::min(rmin, s.received_rows);
+      rsum += s.received_rows;
+      cross += s.sent_other_rows;
     }
-  agree_on_error(output_error, rank, "writing the results");
+    const double rmean = rsum / static_cast<double>(W), rmax = max_of(&RankStats::received_rows);
+    std::printf(
+        "tokens received per rank (dispatch valid rows%s): min %.0f  mean %.1f  max %.0f"
+        "  imbalance max/mean %s\n",
+        T > 1 ? ", with the TP peer's" : "", rmin, rmean, rmax,
+        rmean > 0 ? fmt("%.3f", rmax / rmean).c_str() : "n/a");
+    std::printf(
+        "time per phase, ms (max over ranks): route %.3f  dispatch %.3f  experts %.3f  "
+        "combine %.3f  (expert weight generation %.1f ms, not counted)\n",
+        1e3 * max_of(&RankStats::route_s), 1e3 * max_of(&RankStats::dispatch_s),
+        1e3 * max_of(&RankStats::experts_s), 1e3 * max_of(&RankStats::combine_s),
+        1e3 * max_of(&RankStats::generate_s));
+    // Bytes of one row on the wire: int8 values and an fp32 scale when quantised.
+    const double dispatch_row = quant ? static_cast<double>(H) + 4 : static_cast<double>(row_bytes);
+    const double combine_row =
+        comm_quant ? static_cast<double>(H) + 4 : static_cast<double>(row_bytes);
+    const double rows_per_rank = cross / static_cast<double>(W);
+    if (cross > 0) {
+      std::printf(
+          "bandwidth: dispatch %.3f GB/s  combine %.3f GB/s  (bytes per rank = rows sent "
+          "to other EP ranks x %s B per row (dispatch) / %s B (combine), self-traffic%s "
+          "excluded, mean over ranks = %.3f / %.3f MB; combine sends the same rows back; "
+          "time = max over ranks)\n",
+          rows_per_rank * dispatch_row / max_of(&RankStats::dispatch_s) / 1e9,
+          rows_per_rank * combine_row / max_of(&RankStats::combine_s) / 1e9,
+          fmt("%.0f", dispatch_row).c_str(), fmt("%.0f", combine_row).c_str(),
+          T > 1 ? " and TP traffic" : "", rows_per_rank * dispatch_row / 1e6,
+          rows_per_rank * combine_row / 1e6);
+    } else {
+      std::printf("bandwidth: n/a (no rows travel between EP ranks)\n");
+    }
+
+    if (!o.save_output.empty()) {
+      with_flag("--save-output", [&] { save_output(o.save_output, output, N, H, dtype); });
+      std::printf("output saved to %s\n", o.save_output.c_str());
+    }
+    ExpertBank ref_bank(fn, seed, E, H, layer.ffn);
+    LayerSpec spec;
+    spec.experts = E;
+    spec.zero = Z;
+    spec.copy = C;
+    spec.constant = Q;
+    spec.shared = Ns;
+    spec.alpha_1 = alpha_1;
+    spec.alpha_2 = alpha_2;
+    spec.const_v = const_v;
+    spec.quant = quant;
+    spec.comm_quant = comm_quant;
+    spec.shared_local = shared_local;
+    const Reference ref = dense_reference(global, spec, fn, ref_bank);
+    const CheckResult c = compare_outputs(output, ref, dtype, fn);
+    const std::string nan_note =
+        c.nans > 0 ? " (" + std::to_string(c.nans) + " of them NaN)" : std::string();
+    if (c.exact) {
+      std::printf(
+          "check vs dense single-process reference (SPEC §2.3): %s (%lld of %lld "
+          "elements differ%s; max abs err %.3g); rule: %s\n",
+          c.mismatches == 0 && c.pass ? "exact" : "NOT exact", static_cast<long long>(c.mismatches),
+          static_cast<long long>(N * H), nan_note.c_str(), c.max_abs, c.rule.c_str());
+    } else if (c.bounded) {
+      std::printf(
+          "check vs dense single-process reference (SPEC §2.2, §2.3) within the int8 bound: "
+          "%lld of %lld elements over the bound%s, max |err| / bound %.3g, max abs err %.3g "
+          "(max|ref| %.3g), %lld elements not bitwise equal; rule: %s\n",
+          static_cast<long long>(c.over_bound), static_cast<long long>(N * H), nan_note.c_str(),
+          c.max_ratio, c.max_abs, c.max_ref, static_cast<long long>(c.mismatches), c.rule.c_str());
+    } else {
+      std::printf(
+          "check vs dense single-process reference (SPEC §2.3): max abs err %.3g, max rel "
+          "err %.3g (max|ref| %.3g)%s, %lld of %lld elements not bitwise equal%s; rule: %s\n",
+          c.max_abs, c.max_rel, c.max_ref, c.nans > 0 ? " over the non-NaN elements" : "",
+          static_cast<long long>(c.mismatches), static_cast<long long>(N * H), nan_note.c_str(),
+          c.rule.c_str());
+    }
+    std::printf("%s\n", c.pass ? "PASS" : "FAIL");
+    std::fflush(stdout);
+    result = c.pass ? 0 : 1;
+  });
   MPI_Request request;
   MPI_Ibcast(&result, 1, MPI_INT, 0, MPI_COMM_WORLD, &request);
   wait_idle(&request);

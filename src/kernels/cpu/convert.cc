@@ -79,6 +79,15 @@ void AddRowT(float* acc, const void* src, int64_t n) {
   Map<kT, DType::kF32, true>(src, acc, n, [](VF x, VF a) { return hn::Add(a, x); });
 }
 
+// Prefetches bytes [offset, offset + bytes) of each of the count rows (the same block of the
+// next call's rows that this call is about to read of its own).
+HWY_INLINE void PrefetchBlock(const void* const* rows, int64_t count, int64_t offset,
+                              int64_t bytes) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t b = 0; b < bytes; b += 64)
+      hwy::Prefetch(static_cast<const char*>(rows[r]) + offset + b);
+}
+
 // dst = round(sum over r (in r order) of w[r] * fp32(rows[r])), the first term starting the sum
 // (kFromZero: +0 starts it, each term then added). Columns are processed kBlock vectors at a time
 // with the accumulators in registers, so each source row is read once and nothing but the output
@@ -100,9 +109,7 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
   };
   int64_t i = 0;
   for (; i + kBlock * lanes <= n; i += kBlock * lanes) {
-    for (int64_t r = 0; r < ahead_count; ++r)  // the same block of the next call's rows
-      for (int64_t b = 0; b < kBlock * lanes * esize; b += 64)
-        hwy::Prefetch(static_cast<const char*>(ahead[r]) + i * esize + b);
+    PrefetchBlock(ahead, ahead_count, i * esize, kBlock * lanes * esize);
     VF a0 = first(LoadF32<kIn>(df, rows[0], i));
     VF a1 = first(LoadF32<kIn>(df, rows[0], i + lanes));
     VF a2 = first(LoadF32<kIn>(df, rows[0], i + 2 * lanes));
@@ -177,9 +184,7 @@ void ScaleDotT(float* out, void* const* dst, const void* g, DType g_dtype, const
   int64_t i = 0;
   const int64_t xsize = static_cast<int64_t>(dtype_size(kX));
   for (; i + kDotBlock <= n; i += kDotBlock) {
-    for (int64_t r = 0; r < ahead_count; ++r)  // the same block of the next call's rows
-      for (int64_t b = 0; b < kDotBlock * xsize; b += 64)
-        hwy::Prefetch(static_cast<const char*>(ahead[r]) + i * xsize + b);
+    PrefetchBlock(ahead, ahead_count, i * xsize, kDotBlock * xsize);
     VF gv[kBlockVecs];
     for (size_t v = 0; v < kBlockVecs; ++v) {
       gv[v] = LoadF32As(df, g_dtype, g, i + static_cast<int64_t>(v) * lanes);
