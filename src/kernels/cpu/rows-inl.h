@@ -105,14 +105,15 @@ HWY_INLINE void WithRowCount(int64_t count, F&& f) {
   f(std::integral_constant<int, kMax>{});
 }
 
-// Two vectors, v0 at element i and v1 after it, as StoreF32 twice. On AVX-512 bf16 rows are
-// rounded as 32-bit lanes (the bf16 in each lane's upper half: u + 0x7fff + lsb, or u with the
+// Two vectors, v0 at element i and v1 after it, as StoreF32 twice. On AVX2 and AVX-512 bf16 rows
+// are rounded as 32-bit lanes (the bf16 in each lane's upper half: u + 0x7fff + lsb, or u with the
 // quiet bit 22 set for NaN, the same bits as StoreF32) and the two upper halves are gathered into
-// one full vector by one permute: one 64-byte store (a whole line, non-temporal or not) instead
-// of two 32-byte ones, and fewer shuffles.
+// one full vector: one store of a whole vector (a whole line on AVX-512, non-temporal or not)
+// instead of two of half a vector, fewer shuffles, and NaN found by one unordered compare. On
+// AVX2 (16 registers, no native bf16) this is about a third fewer instructions per element.
 template <DType kT>
 HWY_INLINE void StoreF32Pair(DF df, VF v0, VF v1, void* row, int64_t i, bool stream = false) {
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
   if constexpr (kT == DType::kBF16) {
     const hn::RebindToUnsigned<DF> du32;
     const hn::Repartition<uint16_t, DF> du16;
