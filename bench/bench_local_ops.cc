@@ -21,6 +21,10 @@
 // caller set it); the ops do not depend on it (their memcpy calls copy at most one row). The
 // lower threshold also moves copies of 64 MiB and more to glibc's page-interleaved streaming
 // loop, which raised the bar of the large copies too (42-46 to 45-48 GB/s).
+// pair/<op> times <op> and its memcpy alternately, one call each in turn, and reports the median
+// over the iterations of memcpy time / op time ("paired"): on a shared VM whose neighbours'
+// load comes and goes within seconds, the separate medians of <op> and memcpy/<op> (taken
+// seconds apart) move by 0.1-0.3 from run to run; the paired figure moves less.
 // read/<op> reads as many bytes as <op> counts as read, once, in order (a word-wise OR, split over
 // the threads), and writes nothing: the read-only floor of an op that reads each input byte once
 // (permute reads each token row K times, so for it this is no floor). An op that reads far more
@@ -36,7 +40,9 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -147,17 +153,64 @@ constexpr int64_t kUnpermuteReadBytes = kEntries * kRowBytes + kEntries * 4 + kT
 constexpr int64_t kUnpermuteGradReadBytes =
     (kTokens + kEntries) * kRowBytes + kEntries * 4 + kTokens * kTopK * 4;
 
+// Copies bytes/2 (reads and writes `bytes` in all), in one contiguous chunk per thread, between
+// tensors of the library's allocator (the same pages as the ops' inputs and outputs: 2 MiB
+// aligned, transparent huge pages where the kernel grants them), written before.
+void copy_half(int64_t bytes) {
+  const int64_t half = bytes / 2;
+  static Tensor src_t, dst_t;
+  if (src_t.nbytes() < static_cast<std::size_t>(half)) {
+    src_t = Tensor::empty(DType::kI8, {half});
+    dst_t = Tensor::empty(DType::kI8, {half});
+    std::memset(src_t.data(), 1, static_cast<std::size_t>(half));
+    std::memset(dst_t.data(), 0, static_cast<std::size_t>(half));
+  }
+  char* const src = static_cast<char*>(src_t.data());
+  char* const dst = static_cast<char*>(dst_t.data());
+#pragma omp parallel
+  {
+    const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
+    const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
+    const std::size_t lo = static_cast<std::size_t>(half) * t / nt;
+    const std::size_t hi = static_cast<std::size_t>(half) * (t + 1) / nt;
+    std::memcpy(dst + lo, src + lo, hi - lo);
+  }
+  benchmark::ClobberMemory();
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Times op(). paired (pair/<op>): each iteration runs op() and then the memcpy of the same
+// bytes, each timed on its own, and the counter paired_ratio is the median over the iterations
+// of memcpy's time / op's time: both see the same moment of a shared machine, so a neighbour's
+// load that comes and goes moves both (a ratio of medians taken seconds apart does not cancel
+// it).
 template <typename F>
-void run_op(benchmark::State& state, int64_t bytes, F op) {
+void run_op(benchmark::State& state, int64_t bytes, F op, bool paired) {
+  std::vector<double> ratios;
   for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
     auto out = op();
     benchmark::DoNotOptimize(out);
+    if (!paired) continue;
+    const double op_s = seconds_since(t0);
+    const auto t1 = std::chrono::steady_clock::now();
+    copy_half(bytes);
+    ratios.push_back(seconds_since(t1) / op_s);
   }
   state.SetBytesProcessed(state.iterations() * bytes);
   state.counters["threads"] = omp_get_max_threads();
+  if (paired && !ratios.empty()) {
+    std::sort(ratios.begin(), ratios.end());
+    const std::size_t n = ratios.size();
+    state.counters["paired_ratio"] =
+        n % 2 == 1 ? ratios[n / 2] : (ratios[n / 2 - 1] + ratios[n / 2]) / 2;
+  }
 }
 
-void BM_permute(benchmark::State& state) {
+void BM_permute(benchmark::State& state, bool paired) {
   const Data& d = data();
   auto op = [&d] { return moe_ep::permute(permute_args(d)); };
   static bool verified = false;  // once, not once per repetition
@@ -167,11 +220,11 @@ void BM_permute(benchmark::State& state) {
     expect_same("permute", "permuted_tokens", got.permuted_tokens, want.permuted_tokens);
     expect_same("permute", "sorted_indices", got.sorted_indices, want.sorted_indices);
   }
-  run_op(state, kPermuteBytes, op);
+  run_op(state, kPermuteBytes, op, paired);
 }
 
 template <bool kV2>
-void BM_permute_grad(benchmark::State& state) {
+void BM_permute_grad(benchmark::State& state, bool paired) {
   const Data& d = data();
   auto op = [&d] {
     if constexpr (kV2)
@@ -191,10 +244,10 @@ void BM_permute_grad(benchmark::State& state) {
     expect_same(
         "permute_grad", "grad_tokens", op(),
         moe_ep::ref::permute_grad(d.grad_permuted, d.sorted_indices, kTokens, kTopK, DType::kBF16));
-  run_op(state, kPermuteGradBytes, op);
+  run_op(state, kPermuteGradBytes, op, paired);
 }
 
-void BM_unpermute(benchmark::State& state) {
+void BM_unpermute(benchmark::State& state, bool paired) {
   const Data& d = data();
   auto op = [&d] {
     moe_ep::UnpermuteArgs a;
@@ -207,11 +260,11 @@ void BM_unpermute(benchmark::State& state) {
   if (!std::exchange(verified, true))
     expect_same("unpermute", "out", op(),
                 moe_ep::ref::unpermute(d.permuted, d.sorted_indices, d.probs.view()));
-  run_op(state, kUnpermuteBytes, op);
+  run_op(state, kUnpermuteBytes, op, paired);
 }
 
 template <bool kV2>
-void BM_unpermute_grad(benchmark::State& state) {
+void BM_unpermute_grad(benchmark::State& state, bool paired) {
   const Data& d = data();
   auto op = [&d] {
     if constexpr (kV2) {
@@ -241,34 +294,12 @@ void BM_unpermute_grad(benchmark::State& state) {
                 want.grad_permuted_tokens);
     expect_same("unpermute_grad", "grad_probs", got.grad_probs, want.grad_probs);
   }
-  run_op(state, kUnpermuteGradBytes, op);
+  run_op(state, kUnpermuteGradBytes, op, paired);
 }
 
-// memcpy of bytes/2 (reads and writes `bytes` in all), in one contiguous chunk per thread,
-// between tensors of the library's allocator (the same pages as the ops' inputs and outputs:
-// 2 MiB aligned, transparent huge pages where the kernel grants them), written before.
+// memcpy of bytes/2 (copy_half), timed alone.
 void BM_memcpy(benchmark::State& state, int64_t bytes) {
-  const int64_t half = bytes / 2;
-  static Tensor src_t, dst_t;
-  if (src_t.nbytes() < static_cast<std::size_t>(half)) {
-    src_t = Tensor::empty(DType::kI8, {half});
-    dst_t = Tensor::empty(DType::kI8, {half});
-    std::memset(src_t.data(), 1, static_cast<std::size_t>(half));
-    std::memset(dst_t.data(), 0, static_cast<std::size_t>(half));
-  }
-  char* const src = static_cast<char*>(src_t.data());
-  char* const dst = static_cast<char*>(dst_t.data());
-  for (auto _ : state) {
-#pragma omp parallel
-    {
-      const std::size_t t = static_cast<std::size_t>(omp_get_thread_num());
-      const std::size_t nt = static_cast<std::size_t>(omp_get_num_threads());
-      const std::size_t lo = static_cast<std::size_t>(half) * t / nt;
-      const std::size_t hi = static_cast<std::size_t>(half) * (t + 1) / nt;
-      std::memcpy(dst + lo, src + lo, hi - lo);
-    }
-    benchmark::ClobberMemory();
-  }
+  for (auto _ : state) copy_half(bytes);
   state.SetBytesProcessed(state.iterations() * bytes);
   state.counters["threads"] = omp_get_max_threads();
 }
@@ -341,6 +372,8 @@ class SummaryReporter : public benchmark::ConsoleReporter {
       if (!single && !median) continue;
       const auto it = r.counters.find("bytes_per_second");
       if (it != r.counters.end()) rate_[name] = it->second.value;
+      const auto pr = r.counters.find("paired_ratio");
+      if (pr != r.counters.end()) paired_[name] = pr->second.value;
       seconds_[name] = seconds;
       if (single) best_[name] = seconds;
     }
@@ -349,13 +382,16 @@ class SummaryReporter : public benchmark::ConsoleReporter {
     ConsoleReporter::Finalize();
     std::printf(
         "\nGB/s = 1e9 bytes/s (read + written) at the median time over repetitions; ratio = op / "
-        "memcpy; best ratio: the same from each one's fastest repetition. read-only ms: reading "
+        "memcpy; best ratio: the same from each one's fastest repetition; paired: the median over "
+        "iterations of memcpy time / op time, each op call followed at once by its memcpy "
+        "(pair/<op>; the median over repetitions), the figure least moved by a shared "
+        "machine's load. read-only ms: reading "
         "as many bytes as the op reads, once in order, and writing nothing (read/<op>); of floor "
         "= read-only ms / ms. "
         "fresh-pages ms: what the op's outputs would add on pages never touched before "
         "(alloc/<op>).\n"
-        "%-18s %8s %8s %8s %7s %10s %13s %9s %15s\n",
-        "op", "ms", "GB/s", "memcpy", "ratio", "best ratio", "read-only ms", "of floor",
+        "%-18s %8s %8s %8s %7s %10s %7s %13s %9s %15s\n",
+        "op", "ms", "GB/s", "memcpy", "ratio", "best ratio", "paired", "read-only ms", "of floor",
         "fresh-pages ms");
     for (const auto& [name, rate] : rate_) {
       if (name.find('/') != std::string::npos) continue;
@@ -373,11 +409,14 @@ class SummaryReporter : public benchmark::ConsoleReporter {
           std::snprintf(buf, sizeof buf, "%*s", width, "-");
         return std::string(buf);
       };
+      const auto p = paired_.find("pair/" + name);
       const bool read = r != seconds_.end(), alloc = a != seconds_.end();
+      const bool pair = p != paired_.end();
       // Same byte counts: the ratio of bandwidths is the inverse ratio of times.
-      std::printf("%-18s %8.1f %8.2f %8.2f %7.2f %10.2f %s %s %s\n", name.c_str(),
+      std::printf("%-18s %8.1f %8.2f %8.2f %7.2f %10.2f %s %s %s %s\n", name.c_str(),
                   seconds_[name] * 1e3, rate / 1e9, m->second / 1e9, rate / m->second,
-                  best_[mc] / best_[name], column(read, read ? r->second * 1e3 : 0, 13, 1).c_str(),
+                  best_[mc] / best_[name], column(pair, pair ? p->second : 0, 7, 2).c_str(),
+                  column(read, read ? r->second * 1e3 : 0, 13, 1).c_str(),
                   column(read, read ? r->second / seconds_[name] : 0, 9, 2).c_str(),
                   column(alloc, alloc ? a->second * 1e3 : 0, 15, 1).c_str());
     }
@@ -387,7 +426,7 @@ class SummaryReporter : public benchmark::ConsoleReporter {
   }
 
  private:
-  std::map<std::string, double> rate_, seconds_, best_;
+  std::map<std::string, double> rate_, seconds_, best_, paired_;
 };
 
 double max_of(const std::vector<double>& v) {
@@ -401,13 +440,16 @@ double min_of(const std::vector<double>& v) {
   return m;
 }
 
-void add(const char* name, void (*fn)(benchmark::State&), int64_t bytes, int64_t read_bytes,
+void add(const char* name, void (*fn)(benchmark::State&, bool), int64_t bytes, int64_t read_bytes,
          std::vector<int64_t> out_bytes) {
-  benchmark::RegisterBenchmark(name, fn)
+  benchmark::RegisterBenchmark(name, fn, false)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond)
       ->ComputeStatistics("max", max_of)
       ->ComputeStatistics("min", min_of);
+  benchmark::RegisterBenchmark((std::string("pair/") + name).c_str(), fn, true)
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark((std::string("memcpy/") + name).c_str(), BM_memcpy, bytes)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond)
