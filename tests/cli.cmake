@@ -112,6 +112,13 @@ cli_expect_error(load_wrong_dtype "InvalidArgument: --load-routing.*bf16.*fp16"
 # Bad flags: CLI11 errors, non-zero exit.
 cli_expect_error(negative_tokens "--tokens" "${_mpi} -n 2 ${_exe} run --tokens -3")
 cli_expect_error(unknown_preset "--preset" "${_mpi} -n 1 ${_exe} run --preset gpt-5")
+# bench's --tokens list: an empty entry is an error, not dropped; each entry is range-checked.
+cli_expect_error(bench_tokens_empty_entry "--tokens: must be a comma-separated list of integers in \\[1, [0-9]+\\], got 8,,16 \\(an empty entry\\)"
+                 "${_mpi} -n 1 ${_exe} bench --tokens 8,,16 --hidden 64 --iters 2")
+cli_expect_error(bench_tokens_trailing_comma "got 8,16, \\(an empty entry\\)"
+                 "${_mpi} -n 1 ${_exe} bench --tokens 8,16, --hidden 64 --iters 2")
+cli_expect_error(bench_tokens_bad_entry "--tokens: each entry of 8,0 must be an integer in \\[1, [0-9]+\\], got 0"
+                 "${_mpi} -n 1 ${_exe} bench --tokens 8,0 --hidden 64 --iters 2")
 cli_expect_error(top_k_above_experts "K = 9 exceeds the number of experts E = 8"
                  "${_mpi} -n 1 ${_exe} run --preset mixtral-8x7b --top-k 9")
 cli_expect_error(bad_dtype "--dtype" "${_mpi} -n 1 ${_exe} run --dtype int8")

@@ -52,6 +52,33 @@ CLI::Validator integer(int64_t low, int64_t high, const std::string& note = "") 
       "[" + std::to_string(low) + ", " + std::to_string(high) + "]");
 }
 
+// The comma-separated pieces of text, empty ones kept ("8,,16" has three).
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> pieces;
+  std::size_t from = 0;
+  for (std::size_t at; (at = text.find(',', from)) != std::string::npos; from = at + 1)
+    pieces.push_back(text.substr(from, at - from));
+  pieces.push_back(text.substr(from));
+  return pieces;
+}
+
+// A comma-separated list of integers in [low, high], each checked as integer() does. CLI11's own
+// delimiter would drop empty entries ("8,,16" would sweep 8 and 16 without a word).
+CLI::Validator integer_list(int64_t low, int64_t high) {
+  return validator(
+      [=](const std::string& v) {
+        for (const std::string& piece : split_commas(v)) {
+          if (piece.empty())
+            return "must be a comma-separated list of integers in [" + std::to_string(low) + ", " +
+                   std::to_string(high) + "], got " + v + " (an empty entry)";
+          const std::string bad = moe_ep_tool::check_integer(piece, low, high, "");
+          if (!bad.empty()) return "each entry of " + v + " " + bad;
+        }
+        return std::string();
+      },
+      "[" + std::to_string(low) + ", " + std::to_string(high) + "],...");
+}
+
 void add_run_options(CLI::App* run, RunOptions& o) {
   using moe_ep_tool::kMaxDim;
   using moe_ep_tool::kMaxExperts;
@@ -187,7 +214,7 @@ void add_run_options(CLI::App* run, RunOptions& o) {
       ->check(validator(moe_ep_tool::check_timeout, "> 0"));
 }
 
-void add_bench_options(CLI::App* bench, BenchOptions& o) {
+void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_text) {
   using moe_ep_tool::kMaxDim;
   using moe_ep_tool::kMaxExperts;
   std::vector<std::string> names;
@@ -198,11 +225,10 @@ void add_bench_options(CLI::App* bench, BenchOptions& o) {
                    "shared experts are not benchmarked")
       ->check(CLI::IsMember(names));
   bench
-      ->add_option("--tokens", o.tokens,
+      ->add_option("--tokens", tokens_text,
                    "tokens per rank, a comma-separated list to sweep (default 512, the performance "
                    "target; e.g. 64,128,256,512,1024); each value is verified, then timed")
-      ->delimiter(',')
-      ->check(integer(1, kMaxDim));
+      ->check(integer_list(1, kMaxDim));
   bench
       ->add_option("--hidden", o.hidden,
                    "hidden size H (default 7168 with the default preset: the performance target's; "
@@ -387,7 +413,8 @@ int main(int argc, char** argv) {
       "times each op (p50/p99 of the max over ranks) and, with --compare, the bare "
       "MPI_Alltoallv and the textbook pipeline on the same rows, printing the ratios. Defaults: "
       "bf16, H 7168, top-8 of 64 experts (olmoe), real OLMoE routing, 512 tokens per rank.");
-  add_bench_options(bench, bench_options);
+  std::string bench_tokens;  // --tokens as given; checked by integer_list
+  add_bench_options(bench, bench_options, bench_tokens);
   try {
     app.parse(argc, argv);
     if (run->parsed()) {
@@ -397,6 +424,11 @@ int main(int argc, char** argv) {
       validate(*run, options);
     } else {
       bench_options.preset_given = bench->count("--preset") > 0;
+      if (bench->count("--tokens") > 0) {
+        bench_options.tokens.clear();
+        for (const std::string& piece : split_commas(bench_tokens))
+          bench_options.tokens.push_back(std::stoll(piece));
+      }
     }
   } catch (const CLI::ParseError& e) {
     // Every rank parsed the same argv; rank 0 speaks for all.
