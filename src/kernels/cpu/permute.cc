@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <numeric>
+#include <string>
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
@@ -119,6 +120,13 @@ void check_sorted_indices_shape(const char* op, const TensorView& si, int64_t m,
   expect_ndim(op, "sorted_indices", si, 1);
   expect_size(op, "sorted_indices", si, 0, m, what);
   expect_memory(op, "sorted_indices", si);
+}
+
+// "M = N*topK from probs.shape (4, 3)": where the M a sorted_indices check expects comes from, so
+// that a probs of the wrong width is recognisable as such in the message.
+std::string m_from_probs(const TensorView& probs) {
+  return "M = N*topK from probs.shape (" + std::to_string(probs.shape[0]) + ", " +
+         std::to_string(probs.shape[1]) + ")";
 }
 
 inline int64_t sorted_at(const TensorView& si, int64_t j) {
@@ -322,7 +330,7 @@ void check_unpermute_grad_entries(const char* op, UnpermuteGradProblem& q,
     q.topk = check_probs(op, *q.probs);
     expect_size(op, "probs", *q.probs, 0, q.n, "N, grad_out.shape[0]");
     m = checked_entries(op, q.n, q.topk, "N*topK (probs.shape)");
-    check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
+    check_sorted_indices_shape(op, si, m, m_from_probs(*q.probs).c_str());
   } else {
     check_sorted_indices_shape(op, si, q.n, "N = grad_out.shape[0]; topK = 1 without probs");
   }
@@ -417,7 +425,7 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
     topk = check_probs(op, *args.probs);
     n = args.probs->shape[0];
     m = checked_entries(op, n, topk, "N*topK (probs.shape)");
-    check_sorted_indices_shape(op, si, m, "M = N*topK, probs.shape");
+    check_sorted_indices_shape(op, si, m, m_from_probs(*args.probs).c_str());
   } else {  // topK = 1: N = M = sorted_indices.shape[0] (read only after the ndim check passes)
     m = n = si.shape[0];
     check_sorted_indices_shape(op, si, m, "M");
