@@ -545,7 +545,7 @@ cli_expect_error(bench_verification_fails
 cli_expect_error_once(bench_experts_not_divisible
                       "InvalidArgument: moe-ep bench: E = 64 experts cannot be split evenly over 3 ranks"
                       "${_mpi} -n 3 --oversubscribe ${_exe} bench --tokens 4 --hidden 64")
-cli_expect_error(bench_bad_tokens "--tokens: must be an integer in \\[1, 2147483647\\], got 0"
+cli_expect_error(bench_bad_tokens "--tokens: each entry of 64,0 must be an integer in \\[1, 2147483647\\], got 0"
                  "${_mpi} -n 1 ${_exe} bench --tokens 64,0")
 cli_expect_error_once(bench_csv_unwritable
                       "InvalidArgument: moe-ep bench: --csv '/nonexistent/dir/b.csv': cannot create a file in directory '/nonexistent/dir'"
