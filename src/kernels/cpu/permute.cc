@@ -122,11 +122,20 @@ void check_sorted_indices_shape(const char* op, const TensorView& si, int64_t m,
   expect_memory(op, "sorted_indices", si);
 }
 
-// "M = N*topK from probs.shape (4, 3)": where the M a sorted_indices check expects comes from, so
-// that a probs of the wrong width is recognisable as such in the message.
-std::string m_from_probs(const TensorView& probs) {
-  return "M = N*topK from probs.shape (" + std::to_string(probs.shape[0]) + ", " +
-         std::to_string(probs.shape[1]) + ")";
+// With probs (N, topK) checked (check_probs): M = N*topK, and sorted_indices of shape (M,), whose
+// message says where M comes from ("M = N*topK from probs.shape (4, 3)") so that a probs of the
+// wrong width is recognisable as such. Returns M.
+int64_t check_sorted_indices_for_probs(const char* op, const TensorView& si,
+                                       const TensorView& probs) {
+  const int64_t m = checked_entries(op, probs.shape[0], probs.shape[1], "N*topK (probs.shape)");
+  const bool fits = si.ndim == 1 && si.shape[0] == m;  // else the message is needed
+  check_sorted_indices_shape(
+      op, si, m,
+      fits ? ""
+           : ("M = N*topK from probs.shape (" + std::to_string(probs.shape[0]) + ", " +
+              std::to_string(probs.shape[1]) + ")")
+                 .c_str());
+  return m;
 }
 
 inline int64_t sorted_at(const TensorView& si, int64_t j) {
@@ -329,8 +338,7 @@ void check_unpermute_grad_entries(const char* op, UnpermuteGradProblem& q,
   if (q.probs) {
     q.topk = check_probs(op, *q.probs);
     expect_size(op, "probs", *q.probs, 0, q.n, "N, grad_out.shape[0]");
-    m = checked_entries(op, q.n, q.topk, "N*topK (probs.shape)");
-    check_sorted_indices_shape(op, si, m, m_from_probs(*q.probs).c_str());
+    m = check_sorted_indices_for_probs(op, si, *q.probs);
   } else {
     check_sorted_indices_shape(op, si, q.n, "N = grad_out.shape[0]; topK = 1 without probs");
   }
@@ -424,8 +432,7 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
   if (args.probs) {
     topk = check_probs(op, *args.probs);
     n = args.probs->shape[0];
-    m = checked_entries(op, n, topk, "N*topK (probs.shape)");
-    check_sorted_indices_shape(op, si, m, m_from_probs(*args.probs).c_str());
+    m = check_sorted_indices_for_probs(op, si, *args.probs);
   } else {  // topK = 1: N = M = sorted_indices.shape[0] (read only after the ndim check passes)
     m = n = si.shape[0];
     check_sorted_indices_shape(op, si, m, "M");
