@@ -484,11 +484,11 @@ TEST(Simd, QuantMatchesReferenceOnEveryTarget) {
 }
 
 // quantize_rows_int8_to: each row's reference int8 row and scale, written to every one of its
-// destinations, on every target. Lengths that end in each loop of the kernel (eight vectors, four,
-// the scalar tail); a fixed run of kinds so that every kind follows and precedes an ordinary row
-// (each row's max is read during the row before it), ordinary rows with their max at a random
-// place (in any of the loops); 1-8 destinations per row; and, at n = 7168 with 9 rows, enough
-// work for the rows to be split over threads.
+// destinations, on every target. Lengths that end in each loop of the kernel (a block of 128 or
+// 256 elements, one vector of bytes, the scalar tail); a fixed run of kinds so that every kind
+// follows and precedes an ordinary row (each row's max is read during the row before it), ordinary
+// rows with their max at a random place (in any of the loops); 1-8 destinations per row; and, at n
+// = 7168 with 9 rows, enough work for the rows to be split over threads.
 TEST(Simd, QuantizeRowsToEveryDestinationMatchReference) {
   for_each_target([] {
     std::mt19937_64 rng(29);
