@@ -28,6 +28,10 @@ moe_ep_add_mpi_test(NAME cli.run.olmoe_sft_tulu_layer15
                     COMMAND ${_exe} run --routing-model olmoe-sft --domain tulu --layer 15
                             --tokens 8 --ffn 32
                     NPROCS 2 TIMEOUT 120)
+# No --domain: olmoe-dpo's only domain, tulu (c4 would fail: not in the data for this model).
+moe_ep_add_mpi_test(NAME cli.run.olmoe_dpo_default_domain
+                    COMMAND ${_exe} run --routing-model olmoe-dpo --tokens 8 --ffn 32
+                    NPROCS 2 TIMEOUT 120)
 moe_ep_add_mpi_test(NAME cli.run.qwen3_real_split
                     COMMAND ${_exe} run --preset qwen3-30b-a3b --tokens 8 --ffn 16
                     NPROCS 2 TIMEOUT 120)
@@ -148,6 +152,17 @@ cli_expect_error(routing_no_rows "model 'olmoe' is not in [^\n]*empty.csv \\(it 
                  "${_mpi} -n 1 ${_exe} run --routing-file ${_work}/routing/empty.csv")
 cli_expect_error(unknown_domain "domain 'poetry' is not in .*\\(has arxiv, book, c4"
                  "${_mpi} -n 1 ${_exe} run --domain poetry")
+cli_expect_error(unknown_layer "layer 3 is not in .* for olmoe/c4 \\(has 0, 7, 15\\)"
+                 "${_mpi} -n 1 ${_exe} run --layer 3")
+cli_expect_error(routing_file_directory "real routing: '[^']*' is a directory, not a file"
+                 "${_mpi} -n 1 ${_exe} run --routing-file ${CMAKE_CURRENT_BINARY_DIR}")
+# The real-routing flags with another routing would be ignored: refused.
+cli_expect_error(run_layer_without_real_routing
+                 "--layer applies to --routing real only, got --routing uniform"
+                 "${_mpi} -n 1 ${_exe} run --routing uniform --layer 15")
+cli_expect_error(bench_domain_without_real_routing
+                 "--domain applies to --routing real only, got --routing gate"
+                 "${_mpi} -n 1 ${_exe} bench --routing gate --domain c4")
 
 # Huge sizes: each flag has a bound (named in the message), products are overflow-checked and
 # the memory a rank needs is estimated against the machine's before anything is allocated.

@@ -39,7 +39,7 @@ struct BenchOptions {
   uint64_t seed = 0;
   std::string routing = "real";  // real, gate, uniform
   std::string routing_model;     // empty: the preset's
-  std::string domain = "c4";
+  std::string domain;            // empty: the model's (tulu for olmoe-sft/-dpo, else c4)
   int64_t layer = 7;
   std::string routing_file;  // empty: next to the executable
   bool compare = false;      // the bare MPI_Alltoallv, textbook pipeline and memcpy baselines

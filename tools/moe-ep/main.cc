@@ -119,8 +119,9 @@ void add_run_options(CLI::App* run, RunOptions& o) {
                   "expert counts are mapped by splitting (or merging) consecutive experts")
       ->check(CLI::IsMember({"olmoe", "olmoe-sft", "olmoe-dpo", "mistral"}));
   run->add_option("--domain", o.domain,
-                  "real routing text domain (default c4; arxiv, book, c4, github, wikipedia; "
-                  "tulu for the olmoe models)");
+                  "real routing text domain: arxiv, book, c4, github, wikipedia (mistral, olmoe), "
+                  "tulu (olmoe, olmoe-sft, olmoe-dpo); default: tulu for olmoe-sft and "
+                  "olmoe-dpo, else c4");
   run->add_option("--layer", o.layer, "real routing MoE layer: 0, 7 (default) or 15")
       ->check(integer(0, kMaxDim));
   run->add_option("--routing-file", o.routing_file,
@@ -252,7 +253,9 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
                    "real routing data: olmoe, olmoe-sft, olmoe-dpo, mistral (default: the "
                    "preset's)")
       ->check(CLI::IsMember({"olmoe", "olmoe-sft", "olmoe-dpo", "mistral"}));
-  bench->add_option("--domain", o.domain, "real routing text domain (default c4)");
+  bench->add_option("--domain", o.domain,
+                    "real routing text domain (default: tulu for olmoe-sft and olmoe-dpo, else "
+                    "c4)");
   bench->add_option("--layer", o.layer, "real routing MoE layer: 0, 7 (default) or 15")
       ->check(integer(0, kMaxDim));
   bench->add_option("--routing-file", o.routing_file,
@@ -296,6 +299,18 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
 }
 
 // The checks one flag cannot make alone.
+// The real-routing flags select the statistics that --routing real samples from; with another
+// routing they would be ignored, so they are refused.
+void check_real_routing_flags(CLI::App& sub, const std::string& routing) {
+  if (routing == "real") return;
+  for (const char* flag : {"--routing-model", "--domain", "--layer", "--routing-file"}) {
+    if (sub.count(flag) > 0) {
+      throw CLI::ValidationError(std::string(flag) +
+                                 " applies to --routing real only, got --routing " + routing);
+    }
+  }
+}
+
 void validate(CLI::App& run, const RunOptions& o) {
   const auto* p = moe_ep_tool::find_preset(o.preset);
   const int64_t E = o.experts.value_or(p->experts), K = o.top_k.value_or(p->top_k);
@@ -422,8 +437,10 @@ int main(int argc, char** argv) {
       options.tokens_given = run->count("--tokens") > 0;
       options.seed_given = run->count("--seed") > 0;
       validate(*run, options);
+      if (options.load_routing.empty()) check_real_routing_flags(*run, options.routing);
     } else {
       bench_options.preset_given = bench->count("--preset") > 0;
+      check_real_routing_flags(*bench, bench_options.routing);
       if (bench->count("--tokens") > 0) {
         bench_options.tokens.clear();
         for (const std::string& piece : split_commas(bench_tokens))

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <numeric>
@@ -20,10 +21,26 @@ using moe_ep::ErrorKind;
 
 namespace {
 
-std::string join(const std::set<std::string>& items) {
+template <class Set>
+std::string join(const Set& items) {
   std::string s;
   for (const auto& i : items) s += (s.empty() ? "" : ", ") + i;
   return s;
+}
+
+// Layer numbers as text, in numeric order (0, 7, 15; not 0, 15, 7).
+struct NumericText {
+  bool operator()(const std::string& a, const std::string& b) const {
+    return a.size() != b.size() ? a.size() < b.size() : a < b;
+  }
+};
+
+// An empty domain is the model's default: tulu for the instruction-tuned OLMoE models (their
+// only domain in the data), else c4.
+RealRoutingSource with_domain(RealRoutingSource source) {
+  if (source.domain.empty())
+    source.domain = source.model == "olmoe-sft" || source.model == "olmoe-dpo" ? "tulu" : "c4";
+  return source;
 }
 
 // A field of the routing CSV that must be an integer in [0, 2^63 - 1] (a trailing '\r' of a
@@ -41,6 +58,13 @@ int64_t parse_count(const std::string& where, const char* name, std::string text
 
 // The per-expert top-k counts of source's model/domain/layer, experts 0..D-1 each once.
 std::map<int64_t, double> read_counts(const RealRoutingSource& source) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(source.file, ec)) {
+    throw Error(ErrorKind::kInvalidArgument,
+                "real routing: '" + source.file +
+                    "' is a directory, not a file (set --routing-file to "
+                    "data/real-routing/expert_counts.csv)");
+  }
   std::ifstream in(source.file);
   if (!in) {
     throw Error(ErrorKind::kInvalidArgument,
@@ -55,7 +79,8 @@ std::map<int64_t, double> read_counts(const RealRoutingSource& source) {
                                                  "model,domain,selection,layer,expert,count");
   }
   std::map<int64_t, double> counts;
-  std::set<std::string> models, domains, layers;
+  std::set<std::string> models, domains;
+  std::set<std::string, NumericText> layers;
   int64_t line_no = 1;
   while (std::getline(in, line)) {
     ++line_no;
@@ -119,11 +144,12 @@ std::map<int64_t, double> read_counts(const RealRoutingSource& source) {
 }  // namespace
 
 int64_t real_data_experts(const RealRoutingSource& source) {
-  return static_cast<int64_t>(read_counts(source).size());
+  return static_cast<int64_t>(read_counts(with_domain(source)).size());
 }
 
-ExpertDistribution load_real_distribution(const RealRoutingSource& source, int64_t experts,
+ExpertDistribution load_real_distribution(const RealRoutingSource& given, int64_t experts,
                                           int64_t top_k) {
+  const RealRoutingSource source = with_domain(given);
   const std::map<int64_t, double> counts = read_counts(source);
   const int64_t data_experts = static_cast<int64_t>(counts.size());
   const std::string what =

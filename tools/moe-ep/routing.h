@@ -27,7 +27,7 @@ enum class RoutingKind { kReal, kGate, kUniform };
 struct RealRoutingSource {
   std::string file;    // expert_counts.csv
   std::string model;   // olmoe, olmoe-sft, olmoe-dpo, mistral
-  std::string domain;  // c4, arxiv, ...
+  std::string domain;  // c4, arxiv, ...; empty: tulu for olmoe-sft/olmoe-dpo, else c4
   int64_t layer = 7;
 };
 

@@ -21,7 +21,7 @@ struct RunOptions {
   std::string expert_fn = "swiglu";
   std::string routing = "real";  // real, gate, uniform
   std::string routing_model;     // empty: the preset's
-  std::string domain = "c4";
+  std::string domain;            // empty: the model's (tulu for olmoe-sft/-dpo, else c4)
   int64_t layer = 7;
   std::string routing_file;  // empty: next to the executable
   std::string save_routing, load_routing, save_output;
