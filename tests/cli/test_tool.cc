@@ -121,6 +121,19 @@ TEST(Safetensors, RejectsMalformedFiles) {
   expect_error("needs 12");
   write_raw(R"({"x":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", 8);
   expect_error("F64");
+  write_raw(R"({"x":{"dtype":"I32","shape":[128,8],"data_offsets":[0,4096]}})", 592);
+  expect_error("data_offsets [0,4096] outside the 592 data bytes (a truncated file?)");
+  write_raw(R"({"x":{"dtype":"I32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", 8);
+  expect_error("shape [4611686018427387904,4] is too large (its size in bytes overflows");
+  write_raw(R"({"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]},)"
+            R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+            12);
+  expect_error("tensor 'b': data_offsets [4,12] overlap tensor 'a''s [0,8]");
+  write_raw(R"({"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]},)"
+            R"("b":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
+            R"("c":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+            12);
+  EXPECT_EQ(read_safetensors(path).tensors.size(), 3u);  // adjacent and empty spans are fine
   write_raw("{not json", 0);
   expect_error("JSON");
   {

@@ -1,5 +1,6 @@
 #include "safetensors.h"
 
+#include <algorithm>
 #include <bit>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -120,6 +121,11 @@ StFile read_safetensors(const std::string& path) {
   if (!header.is_object()) malformed(path, "header is not a JSON object");
 
   StFile file;
+  struct Span {
+    uint64_t begin, end;
+    std::string name;
+  };
+  std::vector<Span> spans;  // the non-empty tensors' data
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
       if (!entry.is_object()) malformed(path, "__metadata__ is not an object");
@@ -148,15 +154,15 @@ StFile read_safetensors(const std::string& path) {
       }
       t.shape.push_back(d.get<int64_t>());
     }
-    uint64_t elements = 1;
+    // The shape's bytes (compared with data_offsets below), checked for overflow first.
+    const bool empty = std::find(t.shape.begin(), t.shape.end(), 0) != t.shape.end();
+    uint64_t bytes = empty ? 0 : moe_ep::dtype_size(t.dtype);
     for (int64_t d : t.shape) {
-      const auto ud = static_cast<uint64_t>(d);
-      if (ud != 0 && elements > data_size / ud)
-        elements = data_size + 1;  // too big either way
-      else
-        elements *= ud;
+      if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes)) {
+        malformed(path, where + "shape " + shape.dump() + " is too large (its size in bytes " +
+                            "overflows 64 bits)");
+      }
     }
-    if (elements > data_size) malformed(path, where + "shape " + shape.dump() + " is too large");
     if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
         !offsets[1].is_number_unsigned()) {
       malformed(path, where + "data_offsets " + offsets.dump() + " is not [begin, end]");
@@ -165,16 +171,28 @@ StFile read_safetensors(const std::string& path) {
     const uint64_t end = offsets[1].get<uint64_t>();
     if (begin > end || end > data_size) {
       malformed(path, where + "data_offsets " + offsets.dump() + " outside the " +
-                          std::to_string(data_size) + " data bytes");
+                          std::to_string(data_size) + " data bytes" +
+                          (begin <= end ? " (a truncated file?)" : ""));
     }
-    const uint64_t expected = static_cast<uint64_t>(t.numel()) * moe_ep::dtype_size(t.dtype);
-    if (end - begin != expected) {
+    if (end - begin != bytes) {
       malformed(path, where + "holds " + std::to_string(end - begin) + " bytes, shape " +
-                          shape.dump() + " needs " + std::to_string(expected));
+                          shape.dump() + " needs " + std::to_string(bytes));
     }
     t.data.assign(data.begin() + static_cast<std::ptrdiff_t>(begin),
                   data.begin() + static_cast<std::ptrdiff_t>(end));
     file.tensors.emplace(name, std::move(t));
+    if (begin < end) spans.push_back({begin, end, name});
+  }
+  // Each byte belongs to at most one tensor.
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < spans.size(); ++i) {
+    const Span &a = spans[i - 1], &b = spans[i];
+    if (b.begin < a.end) {
+      malformed(path, "tensor '" + b.name + "': data_offsets [" + std::to_string(b.begin) + "," +
+                          std::to_string(b.end) + "] overlap tensor '" + a.name + "''s [" +
+                          std::to_string(a.begin) + "," + std::to_string(a.end) + "]");
+    }
   }
   return file;
 }
