@@ -560,6 +560,13 @@ cli_expect_error(bench_verification_fails
 cli_expect_error_once(bench_experts_not_divisible
                       "InvalidArgument: moe-ep bench: E = 64 experts cannot be split evenly over 3 ranks"
                       "${_mpi} -n 3 --oversubscribe ${_exe} bench --tokens 4 --hidden 64")
+# Memory is estimated before anything is allocated; per-expert tables count too.
+cli_expect_error_once(bench_memory_experts
+                      "moe-ep bench: --tokens 1 with H 7168 and E 2147483646 needs about [0-9.]+ GiB per rank x 2 ranks on this machine \\(more than its [0-9.]+ GiB; mostly per-expert tables\\); use fewer --experts"
+                      "${_mpi} -n 2 --oversubscribe ${_exe} bench --experts 2147483646 --tokens 1 --routing uniform")
+cli_expect_error_once(bench_memory_tokens
+                      "needs about [0-9.]+ GiB per rank x 2 ranks on this machine \\(more than its [0-9.]+ GiB; mostly rows\\); use fewer --tokens or a smaller --hidden"
+                      "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 1000000")
 cli_expect_error(bench_bad_tokens "--tokens: each entry of 64,0 must be an integer in \\[1, 2147483647\\], got 0"
                  "${_mpi} -n 1 ${_exe} bench --tokens 64,0")
 cli_expect_error_once(bench_csv_unwritable

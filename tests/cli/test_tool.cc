@@ -426,6 +426,20 @@ TEST(Checks, MemoryEstimateAgainstThePhysicalMemory) {
       << msg;
   EXPECT_NE(msg.find("); use fewer --tokens"), std::string::npos) << msg;
 
+  // The advice names the flags that were set: --global-bs sizes dispatch's receive buffers,
+  // --hidden and --top-k scale them; each alternative is named once.
+  s = shape_of("olmoe", 8, 1);
+  s.global_bs = 100000000;
+  EXPECT_NE(error_of([&] { check_memory(s, {0}, 64 * GiB); }).find("); use a smaller --global-bs"),
+            std::string::npos);
+  s = shape_of("olmoe", 1000000, 1);
+  s.hidden_label = "--hidden 2048";
+  s.top_k_label = "--top-k 8";
+  EXPECT_NE(error_of([&] {
+              check_memory(s, {0}, 64 * GiB);
+            }).find("); use fewer --tokens or a smaller --top-k or a smaller --hidden"),
+            std::string::npos);
+
   // Each rank fits, the ranks of one machine together do not.
   s = shape_of("olmoe", 20000, 4);
   const double one = estimate_rank_memory(s, 0).bytes;

@@ -236,16 +236,24 @@ Setup plan_bench(const BenchOptions& o, int64_t W, int64_t rank, int node_ranks)
   // Per rank: every rank's tokens (verification), dispatch's A = W x BS x min(L, K) rows twice
   // (expand_x and the expert outputs) plus the int8 copy, and about eight (BS x K)-row buffers
   // (permute, the baselines' send/receive buffers, the combine buffers).
+  // Per expert: dispatch_v2's counts and offsets (as moe-ep run's estimate, checks.cc) and the
+  // router's tables.
   const double A = static_cast<double>(W * max_bs) * static_cast<double>(std::min(s.L, K));
-  const double need = row * (static_cast<double>(W * max_bs) + 2.5 * A + 8 * entries) + 4 * A * 128;
+  const double rows_need =
+      row * (static_cast<double>(W * max_bs) + 2.5 * A + 8 * entries) + 4 * A * 128;
+  const double experts_need = 105 * static_cast<double>(E);
+  const double need = rows_need + experts_need;
   const double physical = static_cast<double>(physical_memory_bytes());
   if (physical > 0 && need * node_ranks > physical) {
     throw Error(ErrorKind::kInvalidArgument,
                 "moe-ep bench: --tokens " + std::to_string(max_bs) + " with H " +
-                    std::to_string(H) + " needs about " + fmt("%.1f", need / 0x1p30) +
-                    " GiB per rank x " + std::to_string(node_ranks) +
+                    std::to_string(H) + " and E " + std::to_string(E) + " needs about " +
+                    fmt("%.1f", need / 0x1p30) + " GiB per rank x " + std::to_string(node_ranks) +
                     " ranks on this machine (more than its " + fmt("%.1f", physical / 0x1p30) +
-                    " GiB); use fewer --tokens or a smaller --hidden");
+                    " GiB; mostly " + (experts_need > rows_need ? "per-expert tables" : "rows") +
+                    "); use " +
+                    (experts_need > rows_need ? "fewer --experts"
+                                              : "fewer --tokens or a smaller --hidden"));
   }
   if (s.kind == RoutingKind::kReal) {
     const std::string file = o.routing_file.empty() ? default_routing_file() : o.routing_file;

@@ -93,8 +93,13 @@ std::pair<std::string, std::string> summarise(const MemoryEstimate& m) {
   for (size_t i = 0; i < parts.size() && i < 2; ++i) {
     if (i > 0 && parts[i].bytes < 0.2 * m.bytes) break;
     mostly += (i ? ", " : "") + parts[i].name + " " + gib(parts[i].bytes);
-    if (advised.insert(parts[i].advice).second) {
-      advice += (advice.empty() ? "" : " or ") + parts[i].advice;
+    // Each alternative once ("fewer --tokens or a smaller --hidden" twice gives it once).
+    const std::string& a = parts[i].advice;
+    for (std::size_t at = 0; at <= a.size();) {
+      const std::size_t end = std::min(a.find(" or ", at), a.size());
+      const std::string item = a.substr(at, end - at);
+      if (advised.insert(item).second) advice += (advice.empty() ? "" : " or ") + item;
+      at = end + 4;
     }
   }
   return {mostly, advice};
@@ -250,6 +255,17 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
   const double Etot = E + static_cast<double>(s.special);
   const double Kslots = K + Ns;
   const std::string tokens = s.loaded ? "a routing file of fewer tokens" : "fewer --tokens";
+  // The advice names what the user set: a flag given on the command line (its label starts
+  // with the flag) is suggested beside the tokens.
+  auto or_smaller = [](std::string advice, const std::string& label, const char* flag) {
+    if (label.rfind(flag, 0) == 0) advice += std::string(" or a smaller ") + flag;
+    return advice;
+  };
+  const std::string rows = or_smaller(tokens, s.hidden_label, "--hidden");
+  // dispatch_v2's A rows: global_bs (given, or W_ep x max BS) x min(local experts, K).
+  const std::string expand = or_smaller(
+      or_smaller(s.global_bs > 0 ? "a smaller --global-bs" : tokens, s.top_k_label, "--top-k"),
+      s.hidden_label, "--hidden");
   const bool swiglu = s.fn == ExpertFn::kSwiglu;
 
   MemoryEstimate m;
@@ -262,7 +278,7 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
             (s.mask_dims == 2   ? K
              : s.mask_dims == 1 ? 1
                                 : 0)),
-      tokens);
+      rows);
   if (s.loaded) {
     // The file's bytes, the parsed tensors and the Batch's copies, on every rank.
     add("the routing file read whole", 3 * static_cast<double>(s.file_bytes),
@@ -281,7 +297,7 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
   const double expand_row = s.quant ? H + 4 + 4 * H : row;
   add("dispatch_v2's receive buffers and the expert outputs (A = " +
           std::to_string(static_cast<int64_t>(A)) + " rows)",
-      A * (expand_row + row) + 4 * A + 4 * std::max(BS * K, 128 * A) + 32 * (A + BS * K), tokens);
+      A * (expand_row + row) + 4 * A + 4 * std::max(BS * K, 128 * A) + 32 * (A + BS * K), expand);
   add("dispatch_v2's per-expert counts", 64 * E, "fewer --experts");
   if (swiglu) {
     // One expert's fp32 weights; GEMM buffers for up to G rows (N on rank 0's reference).
@@ -297,7 +313,7 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
   add("combine_v2's buffers",
       BS * K * row + BS * row + (s.comm_quant ? A * (H + 4) : 0) + (shared_local ? BS * row : 0) +
           3 * static_cast<double>(s.special) * row,
-      tokens);
+      rows);
   if (swiglu && shared_local) {
     add("the shared expert's GEMM buffers", BS * (2 * H + 3 * F) * 4, tokens);
   }
@@ -307,7 +323,7 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
     add("the gathered batch, output and dense reference on rank 0",
         N * row + 16 * N * K + 2 * N * row + N * Kslots * row + 3 * N * row + 8 * N * Kslots +
             24 * (E + Ns) + (s.quant || s.comm_quant ? 12 * N * H : 0) + N * K,
-        tokens);
+        rows);
   }
   return m;
 }
