@@ -395,10 +395,20 @@ add_test(NAME cli.mask_file.setup
                  --expert-fn scale --save-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_prefix.safetensors)
 set_tests_properties(cli.mask_file.setup PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120
                                                     FIXTURES_SETUP cli_mask_file)
-cli_expect_error(mask_file_not_prefix
-                 "dispatch_v2: x_active_mask\\[4\\] = true follows x_active_mask\\[3\\] = false[^\n]*routing file"
-                 "${_mpi} -n 1 ${_exe} run --expert-fn scale --hidden 64 --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_prefix.safetensors"
-                 FIXTURES_REQUIRED cli_mask_file)
+cli_expect_error_once(mask_file_not_prefix
+                      "--load-routing '[^']*cli_mask_prefix.safetensors': on 1 rank, rank 0 takes file rows \\[0, 8\\), where its 1-D x_active_mask has a True after a False \\(SPEC §1.3: all Trues before all Falses on each rank\\); it was saved on 2 ranks, where it fits"
+                      "${_mpi} -n 1 ${_exe} run --expert-fn scale --hidden 64 --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_prefix.safetensors"
+                      FIXTURES_REQUIRED cli_mask_file)
+# A 2-D mask with inactive entries saved at 2 ranks of 5 tokens: 4 ranks split them 3, 3, 2, 2.
+add_test(NAME cli.mask_file.setup_entries
+         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} run --mask entries --tokens 5 --hidden 64
+                 --expert-fn scale --save-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_entries.safetensors)
+set_tests_properties(cli.mask_file.setup_entries PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
+                                                            TIMEOUT 120 FIXTURES_SETUP cli_mask_file)
+cli_expect_error_once(mask_file_uneven
+                      "--load-routing '[^']*cli_mask_entries.safetensors': its x_active_mask has False entries, and on 4 ranks the 10 tokens split unevenly \\(3, 3, 2, 2; SPEC §1.3: when BS differs across ranks every token must be active\\); it was saved on 2 ranks, where it fits"
+                      "${_mpi} -n 4 --oversubscribe ${_exe} run --expert-fn scale --hidden 64 --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_entries.safetensors"
+                      FIXTURES_REQUIRED cli_mask_file)
 cli_expect_error(load_with_mask
                  "--mask cannot be combined with --load-routing: the file fixes x_active_mask"
                  "${_mpi} -n 1 ${_exe} run --expert-fn scale --hidden 64 --mask entries --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_prefix.safetensors"
@@ -442,8 +452,12 @@ cli_expect_error(top_k_above_all_experts "K = 5 exceeds the number of experts E 
 cli_expect_error(bad_mask "--mask: half not in \\{none, prefix, entries\\}"
                  "${_mpi} -n 1 ${_exe} run --mask half")
 cli_expect_error(bad_quant "--quant" "${_mpi} -n 1 ${_exe} run --quant int4")
-cli_expect_error(global_bs_too_small "dispatch_v2: global_bs = 16 is less than"
-                 "${_mpi} -n 4 --oversubscribe ${_exe} run --global-bs 16 --tokens 8 --hidden 64 --expert-fn scale")
+cli_expect_error_once(global_bs_too_small
+                      "moe-ep run: --global-bs 16 is less than W_ep x max tokens per rank = 4 x 8 = 32 \\(SPEC §1.3\\)"
+                      "${_mpi} -n 4 --oversubscribe ${_exe} run --global-bs 16 --tokens 8 --hidden 64 --expert-fn scale")
+cli_expect_error_once(global_bs_not_multiple
+                      "moe-ep run: --global-bs 34 is not a multiple of W_ep = 4 \\(SPEC §1.3\\)"
+                      "${_mpi} -n 4 --oversubscribe ${_exe} run --global-bs 34 --tokens 8 --hidden 64 --expert-fn scale")
 # TP: an even world, one expert per MoE rank, no combine quantisation.
 cli_expect_error_once(tp_odd_world "--tp 2 needs a multiple of 2 ranks \\(W_ep x T\\), got 3"
                       "${_mpi} -n 3 --oversubscribe ${_exe} run --tp 2")

@@ -233,6 +233,16 @@ std::string label(const char* flag, const char* name, const std::optional<int64_
   return std::string(given ? flag : name) + " " + std::to_string(value);
 }
 
+// "1 rank", "3 ranks"
+std::string ranks_words(int64_t n) { return std::to_string(n) + (n == 1 ? " rank" : " ranks"); }
+
+// "4, 4, 3, 3"
+std::string join_ints(const std::vector<int64_t>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i == 0 ? "" : ", ") + std::to_string(v[i]);
+  return s;
+}
+
 std::string join_ways(const std::vector<std::string>& ways) {
   std::string s;
   for (size_t i = 0; i < ways.size(); ++i) {
@@ -305,6 +315,74 @@ int64_t metadata_count(const Batch& file, const char* key) {
 }
 
 // Throws on any rank whose setup fails (every rank alike for a bad flag or file).
+// dispatch_v2's rules on the tokens per rank (SPEC §1.3), checked here so that the error names
+// the flag or the file and is agreed on (printed once) before the run: --global-bs at least
+// W_ep x max BS and a multiple of W_ep; a batch split unevenly over an EP group only with
+// --global-bs (the default then) and with every token active; a loaded 1-D mask all Trues before
+// all Falses in each rank's slice. Throws Error(kInvalidArgument).
+void check_batch_split(const RunOptions& o, const Plan& p) {
+  const std::vector<int64_t>& bs = p.bs;
+  const int64_t W = static_cast<int64_t>(bs.size()),
+                max_bs = *std::max_element(bs.begin(), bs.end());
+  bool uneven = false;  // within an EP group {x T + i}
+  for (int64_t r = p.T; r < W; ++r) uneven |= bs[r] != bs[r % p.T];
+  if (o.global_bs) {
+    const int64_t g = *o.global_bs;
+    if (g == 0 && uneven) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "moe-ep run: --global-bs 0 needs the same tokens on every rank of an EP group; "
+                  "this split has " +
+                      join_ints(bs) +
+                      " (SPEC §1.3; leave --global-bs out for W_ep x max tokens per rank)");
+    }
+    if (g > 0 && g < p.Wep * max_bs) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "moe-ep run: --global-bs " + std::to_string(g) +
+                      " is less than W_ep x max tokens per rank = " + std::to_string(p.Wep) +
+                      " x " + std::to_string(max_bs) + " = " + std::to_string(p.Wep * max_bs) +
+                      " (SPEC §1.3)");
+    }
+    if (g % p.Wep != 0) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  "moe-ep run: --global-bs " + std::to_string(g) +
+                      " is not a multiple of W_ep = " + std::to_string(p.Wep) + " (SPEC §1.3)");
+    }
+  }
+  if (o.load_routing.empty() || p.mask_dims == 0) return;
+  const std::vector<uint8_t>& mask = p.file.x_active_mask;
+  const int64_t row = p.mask_dims == 2 ? p.file.top_k : 1;
+  const std::string where = "moe-ep run: --load-routing '" + o.load_routing + "': ";
+  const std::string saved =
+      p.file.tokens_per_rank.empty()
+          ? std::string()
+          : "; it was saved on " +
+                ranks_words(static_cast<int64_t>(p.file.tokens_per_rank.size())) +
+                ", where it fits";
+  if (uneven && std::find(mask.begin(), mask.end(), 0) != mask.end()) {
+    throw Error(ErrorKind::kInvalidArgument,
+                where + "its x_active_mask has False entries, and on " + ranks_words(W) + " the " +
+                    std::to_string(p.file.tokens) + " tokens split unevenly (" + join_ints(bs) +
+                    "; SPEC §1.3: when BS differs across ranks every token must be active)" +
+                    saved);
+  }
+  if (p.mask_dims != 1) return;
+  int64_t first = 0;
+  for (int64_t r = 0; r < W; ++r) {
+    for (int64_t i = first + 1; i < first + bs[r]; ++i) {
+      if (mask[i * row] && !mask[(i - 1) * row]) {
+        throw Error(ErrorKind::kInvalidArgument,
+                    where + "on " + ranks_words(W) + ", rank " + std::to_string(r) +
+                        " takes file rows [" + std::to_string(first) + ", " +
+                        std::to_string(first + bs[r]) +
+                        "), where its 1-D x_active_mask has a True after a False (SPEC §1.3: all "
+                        "Trues before all Falses on each rank)" +
+                        saved);
+      }
+    }
+    first += bs[r];
+  }
+}
+
 Plan plan_run(const RunOptions& o, int rank, int64_t W, const std::vector<int>& node_ranks) {
   Plan p;
   p.layer = effective_layer(o);
@@ -482,6 +560,8 @@ Plan plan_run(const RunOptions& o, int rank, int64_t W, const std::vector<int>& 
                       ? "bad-prefix (test hook: 1-D {T, F, T, F, ...}, not a prefix)"
                       : "";
   }
+
+  check_batch_split(o, p);
 
   // ---- sizes and memory, before anything of the run's size is allocated -------------------
   RunShape shape;
