@@ -574,6 +574,16 @@ cli_expect_error(bench_verification_fails
 cli_expect_error_once(bench_experts_not_divisible
                       "InvalidArgument: moe-ep bench: E = 64 experts cannot be split evenly over 3 ranks"
                       "${_mpi} -n 3 --oversubscribe ${_exe} bench --tokens 4 --hidden 64")
+# A malformed $MOE_EP_* is found before the first collective and reported once.
+cli_expect_error_once(env_transport_once
+                      "check_environment: MOE_EP_TRANSPORT = .foo. \\(used because transport is ..\\) is not one of"
+                      "env MOE_EP_TRANSPORT=foo ${_mpi} -n 4 --oversubscribe ${_exe} run --tokens 4 --expert-fn scale")
+cli_expect_error_once(env_timeout_once
+                      "Communicator: MOE_EP_TIMEOUT_S = .abc. is not a finite number of seconds > 0"
+                      "env MOE_EP_TIMEOUT_S=abc ${_mpi} -n 4 --oversubscribe ${_exe} run --tokens 4 --expert-fn scale")
+cli_expect_error_once(bench_env_stream_min_once
+                      "check_environment: MOE_EP_STREAM_MIN_BYTES = .xyz. is not a byte count"
+                      "env MOE_EP_STREAM_MIN_BYTES=xyz ${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 4 --hidden 64")
 # Memory is estimated before anything is allocated; per-expert tables count too.
 cli_expect_error_once(bench_memory_experts
                       "moe-ep bench: --tokens 1 with H 7168 and E 2147483646 needs about [0-9.]+ GiB per rank x 2 ranks on this machine \\(more than its [0-9.]+ GiB; mostly per-expert tables\\); use fewer --experts"

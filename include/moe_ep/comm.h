@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "moe_ep/export.h"
 
@@ -73,5 +74,16 @@ class MOE_EP_API Communicator {
   friend struct detail::CommInternals;
   mutable std::shared_ptr<detail::ShmContext> shm_;
 };
+
+// Reads moe-ep's environment variables as a from_mpi(comm, comm_options) and ops with
+// EpConfig::transport = `transport` will: $MOE_EP_TIMEOUT_S (when comm_options.timeout_s is
+// unset), $MOE_EP_TRANSPORT (when `transport` is "") and $MOE_EP_STREAM_MIN_BYTES (dispatch_v2).
+// Local: no MPI call, so a program can run it on every rank before its first collective and
+// fail there, instead of in the middle of one. Unset or empty variables are fine. Throws
+// Error(kInvalidArgument) with the message the reader would raise, e.g. "check_environment:
+// MOE_EP_TRANSPORT = \"tcp\" (used because transport is \"\") is not one of \"mpi\", \"shm\""
+// (also for a `transport` other than "", "mpi", "shm", or a bad comm_options.timeout_s).
+MOE_EP_API void check_environment(const CommOptions& comm_options = {},
+                                  const std::string& transport = "");
 
 }  // namespace moe_ep

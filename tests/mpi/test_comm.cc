@@ -89,6 +89,43 @@ TEST(Communicator, RejectsBadTimeouts) {
   }
 }
 
+// check_environment reads each variable only where its reader would: the timeout when no
+// timeout_s is given, the transport when EpConfig::transport is "".
+TEST(Communicator, CheckEnvironmentReadsWhatTheReadersWould) {
+  auto error_of = [](const CommOptions& options, const std::string& transport) -> std::string {
+    try {
+      check_environment(options, transport);
+      return "";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      return e.what();
+    }
+  };
+  {
+    ScopedEnv t("MOE_EP_TIMEOUT_S", nullptr), tr("MOE_EP_TRANSPORT", nullptr),
+        s("MOE_EP_STREAM_MIN_BYTES", nullptr);
+    EXPECT_EQ(error_of({}, ""), "");
+    EXPECT_NE(error_of({}, "tcp").find("transport = \"tcp\""), std::string::npos);
+    EXPECT_NE(error_of({.timeout_s = 0.0}, "").find("timeout_s = 0"), std::string::npos);
+  }
+  {
+    ScopedEnv t("MOE_EP_TIMEOUT_S", "abc");
+    EXPECT_NE(error_of({}, "").find("MOE_EP_TIMEOUT_S = \"abc\""), std::string::npos);
+    EXPECT_EQ(error_of({.timeout_s = 5}, ""), "");
+  }
+  {
+    ScopedEnv tr("MOE_EP_TRANSPORT", "tcp");
+    EXPECT_EQ(error_of({}, ""),
+              "check_environment: MOE_EP_TRANSPORT = \"tcp\" (used because transport is \"\") "
+              "is not one of \"mpi\", \"shm\"");
+    EXPECT_EQ(error_of({}, "mpi"), "");
+  }
+  {
+    ScopedEnv s("MOE_EP_STREAM_MIN_BYTES", "-1");
+    EXPECT_NE(error_of({}, "mpi").find("MOE_EP_STREAM_MIN_BYTES = \"-1\""), std::string::npos);
+  }
+}
+
 // A huge timeout means "no deadline"; it used to overflow the clock's nanoseconds into a deadline
 // in the past, so the first wait for a late peer timed out at once.
 TEST(Communicator, HugeTimeoutWaitsForALatePeer) {

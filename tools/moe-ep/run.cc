@@ -721,6 +721,17 @@ int run_command(const RunOptions& o) {
   // One BLAS thread per rank unless asked otherwise: ranks already fill the cores.
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
 
+  // $MOE_EP_* first, agreed on (one rank reports a value every rank shares), before the first
+  // collective that reads them; bounded by --timeout, else 300 s.
+  std::exception_ptr env_error;
+  try {
+    moe_ep::check_environment({o.timeout_s}, o.transport);
+  } catch (...) {
+    env_error = std::current_exception();
+  }
+  if (o.timeout_s) g_wait_timeout_s = *o.timeout_s;
+  agree_on_error(env_error, rank, "checking the environment");
+
   // The EP and TP groups (created first, collectively, so that their deadline also bounds the
   // tool's own waits). As in Ascend's example: EP group i = {x T + i}, TP group i = {T i + x}.
   const int T = static_cast<int>(o.tp);

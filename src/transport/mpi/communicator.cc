@@ -32,6 +32,11 @@ double resolve_timeout(const CommOptions& options) {
 
 }  // namespace
 
+void check_environment(const CommOptions& comm_options, const std::string& transport) {
+  resolve_timeout(comm_options);
+  detail::check_transport_environment("check_environment", transport);
+}
+
 std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
   const double timeout = resolve_timeout(options);
   if (options.shm_window_bytes < 0)

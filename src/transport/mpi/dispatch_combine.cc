@@ -711,6 +711,13 @@ std::shared_ptr<Tensor> tp_reduce_scatter(const char* op, const EpConfig& cfg,
 
 }  // namespace
 
+void detail::check_transport_environment(const char* op, const std::string& transport) {
+  EpConfig cfg;
+  cfg.transport = transport;
+  resolve_transport(op, cfg);
+  stream_min_bytes(op);
+}
+
 DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   const char* op = "dispatch_v2";
   const Communicator& comm = require_comm(op, cfg);

@@ -128,4 +128,8 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
                                        const char* op, const OpHeader& mine, const Error* local,
                                        int64_t* perf = nullptr);
 
+// check_environment (comm.h): $MOE_EP_TIMEOUT_S (communicator.cc) and $MOE_EP_TRANSPORT,
+// $MOE_EP_STREAM_MIN_BYTES (dispatch_combine.cc), each read as its user reads it.
+void check_transport_environment(const char* op, const std::string& transport);
+
 }  // namespace moe_ep::detail
