@@ -116,6 +116,11 @@ cli_expect_error(load_wrong_dtype "InvalidArgument: --load-routing.*bf16.*fp16"
 # Bad flags: CLI11 errors, non-zero exit.
 cli_expect_error(negative_tokens "--tokens" "${_mpi} -n 2 ${_exe} run --tokens -3")
 cli_expect_error(unknown_preset "--preset" "${_mpi} -n 1 ${_exe} run --preset gpt-5")
+# CLI11's own words replaced where they do not say what is wrong.
+cli_expect_error(unknown_subcommand "unknown subcommand 'frob' \\(expected run or bench\\)"
+                 "${_mpi} -n 1 ${_exe} frob")
+cli_expect_error(repeated_option "--tokens: given 2 times; it takes one value"
+                 "${_mpi} -n 1 ${_exe} run --tokens 4 --tokens 8")
 # bench's --tokens list: an empty entry is an error, not dropped; each entry is range-checked.
 cli_expect_error(bench_tokens_empty_entry "--tokens: must be a comma-separated list of integers in \\[1, [0-9]+\\], got 8,,16 \\(an empty entry\\)"
                  "${_mpi} -n 1 ${_exe} bench --tokens 8,,16 --hidden 64 --iters 2")

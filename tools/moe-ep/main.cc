@@ -431,6 +431,12 @@ int main(int argc, char** argv) {
   std::string bench_tokens;  // --tokens as given; checked by integer_list
   add_bench_options(bench, bench_options, bench_tokens);
   try {
+    // CLI11 says only "A subcommand is required" for a word that is not one.
+    if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "run" &&
+        std::string(argv[1]) != "bench") {
+      throw CLI::ValidationError(std::string("unknown subcommand '") + argv[1] +
+                                 "' (expected run or bench)");
+    }
     app.parse(argc, argv);
     if (run->parsed()) {
       options.dtype_given = run->count("--dtype") > 0;
@@ -447,15 +453,21 @@ int main(int argc, char** argv) {
           bench_options.tokens.push_back(std::stoll(piece));
       }
     }
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::ParseError& parse_error) {
     // Every rank parsed the same argv; rank 0 speaks for all.
-    int code;
-    if (rank == 0) {
-      code = app.exit(e);
-    } else {
+    auto report = [&](const CLI::ParseError& e) {
+      if (rank == 0) return app.exit(e);
       std::ostringstream sink;
-      code = app.exit(e, sink, sink);
-    }
+      return app.exit(e, sink, sink);
+    };
+    // A repeated option: CLI11 says "--tokens: At Most 1 required but received 2".
+    const std::string what = parse_error.what(), cli11 = "At Most 1 required but received ";
+    const std::string::size_type at = what.find(cli11);
+    const int code = at == std::string::npos
+                         ? report(parse_error)
+                         : report(CLI::ArgumentMismatch(what.substr(0, at) + "given " +
+                                                        what.substr(at + cli11.size()) +
+                                                        " times; it takes one value"));
     MPI_Finalize();
     return code;
   }
