@@ -364,6 +364,9 @@ moe_ep_add_mpi_test(NAME cli.run.global_bs_scale
 # tokens stay 0.
 cli_roundtrip(mask_special_scale 2 "1 4" ""
               "--expert-fn scale --hidden 64 --tokens 4 --mask entries --zero-experts 1 --copy-experts 1 --const-experts 2")
+# A 1-D prefix mask replays at another W whose split keeps each rank's rows a prefix: 2 x 8
+# tokens (T T T T T T F F each) at 4 ranks of 4.
+cli_roundtrip(mask_prefix_replay 2 "4" "" "--expert-fn scale --hidden 64 --tokens 8 --mask prefix")
 cli_roundtrip(mask_prefix_shared 2 "2" ""
               "--preset deepseek-v3 --hidden 64 --ffn 16 --tokens 4 --mask prefix")
 
@@ -411,7 +414,7 @@ add_test(NAME cli.mask_file.setup_entries
 set_tests_properties(cli.mask_file.setup_entries PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
                                                             TIMEOUT 120 FIXTURES_SETUP cli_mask_file)
 cli_expect_error_once(mask_file_uneven
-                      "--load-routing '[^']*cli_mask_entries.safetensors': its x_active_mask has False entries, and on 4 ranks the 10 tokens split unevenly \\(3, 3, 2, 2; SPEC §1.3: when BS differs across ranks every token must be active\\); it was saved on 2 ranks, where it fits"
+                      "--load-routing '[^']*cli_mask_entries.safetensors': on 4 ranks the 10 tokens split unevenly \\(3, 3, 2, 2\\), and rank [0-3]'s file rows \\[[0-9]+, [0-9]+\\) have an inactive x_active_mask entry \\(SPEC §1.3: when BS differs across ranks every token must be active\\); it was saved on 2 ranks, where it fits"
                       "${_mpi} -n 4 --oversubscribe ${_exe} run --expert-fn scale --hidden 64 --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_entries.safetensors"
                       FIXTURES_REQUIRED cli_mask_file)
 cli_expect_error(load_with_mask

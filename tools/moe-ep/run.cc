@@ -314,21 +314,25 @@ int64_t metadata_count(const Batch& file, const char* key) {
   }
 }
 
-// Throws on any rank whose setup fails (every rank alike for a bad flag or file).
 // dispatch_v2's rules on the tokens per rank (SPEC §1.3), checked here so that the error names
 // the flag or the file and is agreed on (printed once) before the run: --global-bs at least
 // W_ep x max BS and a multiple of W_ep; a batch split unevenly over an EP group only with
-// --global-bs (the default then) and with every token active; a loaded 1-D mask all Trues before
-// all Falses in each rank's slice. Throws Error(kInvalidArgument).
+// --global-bs (the default then) and with every token of that group active; a loaded 1-D mask
+// all Trues before all Falses in each rank's rows (the tool's copy of dispatch_v2's check, which
+// it cannot call before the run). Throws Error(kInvalidArgument).
 void check_batch_split(const RunOptions& o, const Plan& p) {
   const std::vector<int64_t>& bs = p.bs;
   const int64_t W = static_cast<int64_t>(bs.size()),
                 max_bs = *std::max_element(bs.begin(), bs.end());
-  bool uneven = false;  // within an EP group {x T + i}
-  for (int64_t r = p.T; r < W; ++r) uneven |= bs[r] != bs[r % p.T];
+  // EP group i = {x T + i} (i = r % T): whether its ranks' tokens differ.
+  std::vector<bool> uneven(static_cast<std::size_t>(p.T), false);
+  for (int64_t r = p.T; r < W; ++r) {
+    if (bs[r] != bs[r % p.T]) uneven[static_cast<std::size_t>(r % p.T)] = true;
+  }
+  const bool any_uneven = std::find(uneven.begin(), uneven.end(), true) != uneven.end();
   if (o.global_bs) {
     const int64_t g = *o.global_bs;
-    if (g == 0 && uneven) {
+    if (g == 0 && any_uneven) {
       throw Error(ErrorKind::kInvalidArgument,
                   "moe-ep run: --global-bs 0 needs the same tokens on every rank of an EP group; "
                   "this split has " +
@@ -350,26 +354,29 @@ void check_batch_split(const RunOptions& o, const Plan& p) {
   }
   if (o.load_routing.empty() || p.mask_dims == 0) return;
   const std::vector<uint8_t>& mask = p.file.x_active_mask;
-  const int64_t row = p.mask_dims == 2 ? p.file.top_k : 1;
+  const int64_t row = p.mask_dims == 2 ? p.file.top_k : 1;  // mask entries per token
   const std::string where = "moe-ep run: --load-routing '" + o.load_routing + "': ";
+  // Saved on another number of ranks: a hint (the saving run's dispatch_v2 accepted that split).
+  const int64_t saved_ranks = static_cast<int64_t>(p.file.tokens_per_rank.size());
   const std::string saved =
-      p.file.tokens_per_rank.empty()
-          ? std::string()
-          : "; it was saved on " +
-                ranks_words(static_cast<int64_t>(p.file.tokens_per_rank.size())) +
-                ", where it fits";
-  if (uneven && std::find(mask.begin(), mask.end(), 0) != mask.end()) {
-    throw Error(ErrorKind::kInvalidArgument,
-                where + "its x_active_mask has False entries, and on " + ranks_words(W) + " the " +
-                    std::to_string(p.file.tokens) + " tokens split unevenly (" + join_ints(bs) +
-                    "; SPEC §1.3: when BS differs across ranks every token must be active)" +
-                    saved);
-  }
-  if (p.mask_dims != 1) return;
+      saved_ranks > 0 && saved_ranks != W
+          ? "; it was saved on " + ranks_words(saved_ranks) + ", where it fits"
+          : std::string();
   int64_t first = 0;
   for (int64_t r = 0; r < W; ++r) {
-    for (int64_t i = first + 1; i < first + bs[r]; ++i) {
-      if (mask[i * row] && !mask[(i - 1) * row]) {
+    const auto begin = mask.begin() + first * row, end = mask.begin() + (first + bs[r]) * row;
+    if (uneven[static_cast<std::size_t>(r % p.T)] && std::find(begin, end, 0) != end) {
+      throw Error(ErrorKind::kInvalidArgument,
+                  where + "on " + ranks_words(W) + " the " + std::to_string(p.file.tokens) +
+                      " tokens split unevenly (" + join_ints(bs) + "), and rank " +
+                      std::to_string(r) + "'s file rows [" + std::to_string(first) + ", " +
+                      std::to_string(first + bs[r]) +
+                      ") have an inactive x_active_mask entry (SPEC §1.3: when BS differs "
+                      "across ranks every token must be active)" +
+                      saved);
+    }
+    for (int64_t i = first + 1; p.mask_dims == 1 && i < first + bs[r]; ++i) {
+      if (mask[i] && !mask[i - 1]) {
         throw Error(ErrorKind::kInvalidArgument,
                     where + "on " + ranks_words(W) + ", rank " + std::to_string(r) +
                         " takes file rows [" + std::to_string(first) + ", " +
@@ -383,6 +390,7 @@ void check_batch_split(const RunOptions& o, const Plan& p) {
   }
 }
 
+// Throws on any rank whose setup fails (every rank alike for a bad flag or file).
 Plan plan_run(const RunOptions& o, int rank, int64_t W, const std::vector<int>& node_ranks) {
   Plan p;
   p.layer = effective_layer(o);
