@@ -587,7 +587,7 @@ cli_expect_error_once(env_transport_once
                       "check_environment: MOE_EP_TRANSPORT = .foo. \\(used because transport is ..\\) is not one of"
                       "env MOE_EP_TRANSPORT=foo ${_mpi} -n 4 --oversubscribe ${_exe} run --tokens 4 --expert-fn scale")
 cli_expect_error_once(env_timeout_once
-                      "Communicator: MOE_EP_TIMEOUT_S = .abc. is not a finite number of seconds > 0"
+                      "check_environment: MOE_EP_TIMEOUT_S = .abc. is not a finite number of seconds > 0"
                       "env MOE_EP_TIMEOUT_S=abc ${_mpi} -n 4 --oversubscribe ${_exe} run --tokens 4 --expert-fn scale")
 cli_expect_error_once(bench_env_stream_min_once
                       "check_environment: MOE_EP_STREAM_MIN_BYTES = .xyz. is not a byte count"

@@ -75,15 +75,21 @@ class MOE_EP_API Communicator {
   mutable std::shared_ptr<detail::ShmContext> shm_;
 };
 
-// Reads moe-ep's environment variables as a from_mpi(comm, comm_options) and ops with
-// EpConfig::transport = `transport` will: $MOE_EP_TIMEOUT_S (when comm_options.timeout_s is
-// unset), $MOE_EP_TRANSPORT (when `transport` is "") and $MOE_EP_STREAM_MIN_BYTES (dispatch_v2).
-// Local: no MPI call, so a program can run it on every rank before its first collective and
-// fail there, instead of in the middle of one. Unset or empty variables are fine. Throws
-// Error(kInvalidArgument) with the message the reader would raise, e.g. "check_environment:
-// MOE_EP_TRANSPORT = \"tcp\" (used because transport is \"\") is not one of \"mpi\", \"shm\""
-// (also for a `transport` other than "", "mpi", "shm", or a bad comm_options.timeout_s).
-MOE_EP_API void check_environment(const CommOptions& comm_options = {},
-                                  const std::string& transport = "");
+// Reads moe-ep's environment variables as from_mpi(comm, comm_options) and ops with
+// EpConfig::transport = `transport` will, at the time of the call (they read them again on each
+// call): $MOE_EP_TIMEOUT_S (when comm_options.timeout_s is unset; comm_options.shm_window_bytes
+// is not looked at), $MOE_EP_TRANSPORT (when `transport` is "") and $MOE_EP_STREAM_MIN_BYTES
+// (dispatch_v2). Local: no MPI call (MPI need not be initialised), so a program can run it on
+// every rank before its first collective and fail there instead of in the middle of one. Unset
+// or empty variables are fine. Nothing is kept; not safe against a concurrent setenv.
+//   comm_options: [in] the options the program will pass to from_mpi.
+//   transport:    [in] the EpConfig::transport its ops will use: "", "mpi" or "shm".
+// Returns the deadline in seconds from_mpi would use (comm_options.timeout_s, else
+// $MOE_EP_TIMEOUT_S, else 300). Throws only Error(kInvalidArgument), with the reader's message
+// under the prefix "check_environment: ", e.g. "check_environment: MOE_EP_TRANSPORT = \"tcp\"
+// (used because transport is \"\") is not one of \"mpi\", \"shm\"" (also for a `transport` other
+// than "", "mpi", "shm", or a timeout_s that is not finite and > 0).
+MOE_EP_API double check_environment(const CommOptions& comm_options = {},
+                                    const std::string& transport = "");
 
 }  // namespace moe_ep

@@ -105,12 +105,20 @@ TEST(Communicator, CheckEnvironmentReadsWhatTheReadersWould) {
     ScopedEnv t("MOE_EP_TIMEOUT_S", nullptr), tr("MOE_EP_TRANSPORT", nullptr),
         s("MOE_EP_STREAM_MIN_BYTES", nullptr);
     EXPECT_EQ(error_of({}, ""), "");
+    EXPECT_EQ(check_environment(), 300);  // the deadline from_mpi would use
+    EXPECT_EQ(check_environment({.timeout_s = 5}, "shm"), 5);
     EXPECT_NE(error_of({}, "tcp").find("transport = \"tcp\""), std::string::npos);
     EXPECT_NE(error_of({.timeout_s = 0.0}, "").find("timeout_s = 0"), std::string::npos);
   }
   {
+    ScopedEnv t("MOE_EP_TIMEOUT_S", "7.25");
+    EXPECT_EQ(check_environment(), 7.25);
+  }
+  {
     ScopedEnv t("MOE_EP_TIMEOUT_S", "abc");
-    EXPECT_NE(error_of({}, "").find("MOE_EP_TIMEOUT_S = \"abc\""), std::string::npos);
+    EXPECT_EQ(
+        error_of({}, ""),
+        "check_environment: MOE_EP_TIMEOUT_S = \"abc\" is not a finite number of seconds > 0");
     EXPECT_EQ(error_of({.timeout_s = 5}, ""), "");
   }
   {

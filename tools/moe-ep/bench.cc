@@ -1078,15 +1078,10 @@ int bench_command(const BenchOptions& o) {
   const int64_t rank = rank_i, W = world_i;
   {
     // $MOE_EP_* first, agreed on (one rank reports a value every rank shares), before the first
-    // collective that reads them; bounded by --timeout, else 300 s.
-    std::exception_ptr env_error;
-    try {
-      moe_ep::check_environment({o.timeout_s}, o.transport);
-    } catch (...) {
-      env_error = std::current_exception();
-    }
-    Watchdog env_dog(o.timeout_s.value_or(300), rank_i);
-    agree_on_error(env_error, rank_i, env_dog, "checking the environment");
+    // collective that reads them.
+    const EnvironmentCheck env = check_environment_here(o.timeout_s, o.transport);
+    Watchdog env_dog(env.timeout_s, rank_i);
+    agree_on_error(env.error, rank_i, env_dog, "checking the environment");
   }
   auto comm = moe_ep::Communicator::from_mpi(MPI_COMM_WORLD, {o.timeout_s});
   Watchdog dog(comm->timeout_s(), rank_i);

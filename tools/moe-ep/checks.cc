@@ -14,6 +14,7 @@
 #include <regex>
 #include <set>
 
+#include "moe_ep/comm.h"
 #include "moe_ep/error.h"
 
 namespace moe_ep_tool {
@@ -434,6 +435,18 @@ std::string file_rows_context(const std::string& message, int rank, int64_t firs
     }
   }
   return c + ")";
+}
+
+EnvironmentCheck check_environment_here(const std::optional<double>& timeout_s,
+                                        const std::string& transport) {
+  EnvironmentCheck c;
+  c.timeout_s = timeout_s.value_or(300);
+  try {
+    c.timeout_s = moe_ep::check_environment({timeout_s}, transport);
+  } catch (...) {
+    c.error = std::current_exception();
+  }
+  return c;
 }
 
 }  // namespace moe_ep_tool

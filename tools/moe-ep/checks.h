@@ -11,6 +11,8 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -109,5 +111,15 @@ std::string format_value(double v);
 // the message names a token of expert_ids, expert_scales or x.
 std::string file_rows_context(const std::string& message, int rank, int64_t first, int64_t count,
                               const std::string& file);
+
+// moe_ep::check_environment(--timeout, --transport) on this rank, before the first collective:
+// the error it raised (null if none) and the deadline for agreeing on it across the ranks (the
+// communicator's, else --timeout, else 300 s).
+struct EnvironmentCheck {
+  std::exception_ptr error;
+  double timeout_s = 300;
+};
+EnvironmentCheck check_environment_here(const std::optional<double>& timeout_s,
+                                        const std::string& transport);
 
 }  // namespace moe_ep_tool

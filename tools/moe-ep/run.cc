@@ -48,7 +48,7 @@ double now_s() {
 }
 
 // The deadline of the tool's own waits: the library communicator's (--timeout, $MOE_EP_TIMEOUT_S,
-// else 300 s), set once the communicator exists.
+// else 300 s), set by the environment check before the first collective.
 double g_wait_timeout_s = 300;
 
 // Waits for a non-blocking collective without spinning: with more ranks than cores (CI runs
@@ -730,15 +730,10 @@ int run_command(const RunOptions& o) {
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
 
   // $MOE_EP_* first, agreed on (one rank reports a value every rank shares), before the first
-  // collective that reads them; bounded by --timeout, else 300 s.
-  std::exception_ptr env_error;
-  try {
-    moe_ep::check_environment({o.timeout_s}, o.transport);
-  } catch (...) {
-    env_error = std::current_exception();
-  }
-  if (o.timeout_s) g_wait_timeout_s = *o.timeout_s;
-  agree_on_error(env_error, rank, "checking the environment");
+  // collective that reads them.
+  const EnvironmentCheck env = check_environment_here(o.timeout_s, o.transport);
+  g_wait_timeout_s = env.timeout_s;
+  agree_on_error(env.error, rank, "checking the environment");
 
   // The EP and TP groups (created first, collectively, so that their deadline also bounds the
   // tool's own waits). As in Ascend's example: EP group i = {x T + i}, TP group i = {T i + x}.

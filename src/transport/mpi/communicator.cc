@@ -11,12 +11,13 @@ namespace moe_ep {
 
 namespace {
 
-// Environment variables fill only the fields the caller left unset (STYLE.md "API").
-double resolve_timeout(const CommOptions& options) {
+// Environment variables fill only the fields the caller left unset (STYLE.md "API"). `op` names
+// the caller in messages.
+double resolve_timeout(const CommOptions& options, const char* op) {
   if (options.timeout_s) {
     const double t = *options.timeout_s;
     if (!(t > 0) || !std::isfinite(t))
-      detail::invalid("Communicator: timeout_s = ", t, " must be a finite number > 0");
+      detail::invalid(op, ": timeout_s = ", t, " must be a finite number > 0");
     return t;
   }
   const char* env = std::getenv("MOE_EP_TIMEOUT_S");
@@ -25,20 +26,20 @@ double resolve_timeout(const CommOptions& options) {
   char* end = nullptr;
   const double t = std::strtod(env, &end);
   if (errno != 0 || end == env || *end != '\0' || !(t > 0) || !std::isfinite(t))
-    detail::invalid("Communicator: MOE_EP_TIMEOUT_S = \"", env,
-                    "\" is not a finite number of seconds > 0");
+    detail::invalid(op, ": MOE_EP_TIMEOUT_S = \"", env, "\" is not a finite number of seconds > 0");
   return t;
 }
 
 }  // namespace
 
-void check_environment(const CommOptions& comm_options, const std::string& transport) {
-  resolve_timeout(comm_options);
+double check_environment(const CommOptions& comm_options, const std::string& transport) {
+  const double timeout = resolve_timeout(comm_options, "check_environment");
   detail::check_transport_environment("check_environment", transport);
+  return timeout;
 }
 
 std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
-  const double timeout = resolve_timeout(options);
+  const double timeout = resolve_timeout(options, "Communicator");
   if (options.shm_window_bytes < 0)
     detail::invalid("Communicator: shm_window_bytes = ", options.shm_window_bytes,
                     " must be >= 0 (0: sized by the first op)");
