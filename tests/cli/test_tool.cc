@@ -128,7 +128,7 @@ TEST(Safetensors, RejectsMalformedFiles) {
   write_raw(R"({"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]},)"
             R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
             12);
-  expect_error("tensor 'b': data_offsets [4,12] overlap tensor 'a''s [0,8]");
+  expect_error("tensor 'b': data_offsets [4,12] overlap tensor 'a' at [0,8]");
   write_raw(R"({"a":{"dtype":"I32","shape":[2],"data_offsets":[0,8]},)"
             R"("b":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
             R"("c":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
@@ -430,7 +430,9 @@ TEST(Checks, MemoryEstimateAgainstThePhysicalMemory) {
   // --hidden and --top-k scale them; each alternative is named once.
   s = shape_of("olmoe", 8, 1);
   s.global_bs = 100000000;
-  EXPECT_NE(error_of([&] { check_memory(s, {0}, 64 * GiB); }).find("); use a smaller --global-bs"),
+  EXPECT_NE(error_of([&] {
+              check_memory(s, {0}, 64 * GiB);
+            }).find("); use fewer --tokens with a smaller --global-bs"),
             std::string::npos);
   s = shape_of("olmoe", 1000000, 1);
   s.hidden_label = "--hidden 2048";

@@ -484,11 +484,12 @@ TEST(Simd, QuantMatchesReferenceOnEveryTarget) {
 }
 
 // quantize_rows_int8_to: each row's reference int8 row and scale, written to every one of its
-// destinations, on every target. Lengths that end in each loop of the kernel (a block of 128 or
-// 256 elements, one vector of bytes, the scalar tail); a fixed run of kinds so that every kind
-// follows and precedes an ordinary row (each row's max is read during the row before it), ordinary
-// rows with their max at a random place (in any of the loops); 1-8 destinations per row; and, at n
-// = 7168 with 9 rows, enough work for the rows to be split over threads.
+// destinations, on every target. Lengths that end in each loop of the kernel (a block of 32 to
+// 256 elements, one vector of bytes, the scalar tail: 300 = 256 + 32 + 12 with AVX2); a fixed run
+// of kinds so that every kind follows and precedes an ordinary row (each row's max is read during
+// the row before it), ordinary rows with their max at a random place (in any of the loops); 1-8
+// destinations per row; and, at n = 7168 with 9 rows, enough work for the rows to be split over
+// threads.
 TEST(Simd, QuantizeRowsToEveryDestinationMatchReference) {
   for_each_target([] {
     std::mt19937_64 rng(29);
@@ -497,7 +498,7 @@ TEST(Simd, QuantizeRowsToEveryDestinationMatchReference) {
     // 1: zero, 2: an Inf, 3: a NaN, 4: tiny (|x| < 2^-130: the 2^64 pre-scale; zero in fp16)
     const int kinds[] = {0, 0, 4, 0, 2, 0, 3, 0, 1, 0};
     for (DType dtype : kFloatDTypes)
-      for (int64_t n : {0, 1, 15, 64, 65, 127, 200, 517, 7168})
+      for (int64_t n : {0, 1, 15, 64, 65, 127, 200, 300, 517, 7168})
         for (int64_t rows : {1, 2, 9})
           for (int stream : {0, 1, 2}) {  // 1: non-temporal, 64-byte aligned; 2: some not
             SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +

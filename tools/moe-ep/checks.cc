@@ -264,9 +264,10 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
   };
   const std::string rows = or_smaller(tokens, s.hidden_label, "--hidden");
   // dispatch_v2's A rows: global_bs (given, or W_ep x max BS) x min(local experts, K).
-  const std::string expand = or_smaller(
-      or_smaller(s.global_bs > 0 ? "a smaller --global-bs" : tokens, s.top_k_label, "--top-k"),
-      s.hidden_label, "--hidden");
+  const std::string expand =
+      or_smaller(or_smaller(s.global_bs > 0 ? "fewer --tokens with a smaller --global-bs" : tokens,
+                            s.top_k_label, "--top-k"),
+                 s.hidden_label, "--hidden");
   const bool swiglu = s.fn == ExpertFn::kSwiglu;
 
   MemoryEstimate m;

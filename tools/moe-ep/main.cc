@@ -298,7 +298,6 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
       ->check(validator(moe_ep_tool::check_timeout, "> 0"));
 }
 
-// The checks one flag cannot make alone.
 // The real-routing flags select the statistics that --routing real samples from; with another
 // routing they would be ignored, so they are refused.
 void check_real_routing_flags(CLI::App& sub, const std::string& routing) {
@@ -311,7 +310,9 @@ void check_real_routing_flags(CLI::App& sub, const std::string& routing) {
   }
 }
 
+// The checks one flag cannot make alone.
 void validate(CLI::App& run, const RunOptions& o) {
+  check_real_routing_flags(run, o.routing);
   const auto* p = moe_ep_tool::find_preset(o.preset);
   const int64_t E = o.experts.value_or(p->experts), K = o.top_k.value_or(p->top_k);
   const int64_t special = o.zero_experts + o.copy_experts + o.const_experts;
@@ -443,7 +444,6 @@ int main(int argc, char** argv) {
       options.tokens_given = run->count("--tokens") > 0;
       options.seed_given = run->count("--seed") > 0;
       validate(*run, options);
-      if (options.load_routing.empty()) check_real_routing_flags(*run, options.routing);
     } else {
       bench_options.preset_given = bench->count("--preset") > 0;
       check_real_routing_flags(*bench, bench_options.routing);

@@ -62,8 +62,8 @@ std::map<int64_t, double> read_counts(const RealRoutingSource& source) {
   if (std::filesystem::is_directory(source.file, ec)) {
     throw Error(ErrorKind::kInvalidArgument,
                 "real routing: '" + source.file +
-                    "' is a directory, not a file (set --routing-file to "
-                    "data/real-routing/expert_counts.csv)");
+                    "' is a directory, not a file (set --routing-file to an expert_counts.csv "
+                    "file)");
   }
   std::ifstream in(source.file);
   if (!in) {

@@ -190,7 +190,7 @@ StFile read_safetensors(const std::string& path) {
     const Span &a = spans[i - 1], &b = spans[i];
     if (b.begin < a.end) {
       malformed(path, "tensor '" + b.name + "': data_offsets [" + std::to_string(b.begin) + "," +
-                          std::to_string(b.end) + "] overlap tensor '" + a.name + "''s [" +
+                          std::to_string(b.end) + "] overlap tensor '" + a.name + "' at [" +
                           std::to_string(a.begin) + "," + std::to_string(a.end) + "]");
     }
   }

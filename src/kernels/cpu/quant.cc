@@ -208,8 +208,8 @@ HWY_INLINE hn::Vec<hn::Repartition<uint8_t, DU>> PackLowBytes(DU, hn::Vec<DU> b0
 #endif
 
 // quantize_row_int8 of one row without smoothing whose max bits mb are known, its int8 row
-// written to each of count destinations: one pass that quantises a block of 128 or 256 elements
-// at a time and stores it (two or four lines) to each destination in turn. The arithmetic runs
+// written to each of count destinations: one pass that quantises a block of elements at a time
+// and stores it to each destination in turn (several lines each, below). The arithmetic runs
 // between the stores, which bound the time when a token goes to several places (dispatch_v2: one
 // copy per expert). The same pass reads the next row (next, may be null) for its max (*next_mb):
 // its reads overlap these stores instead of making a pass of their own that the core waits for.
@@ -261,10 +261,10 @@ float QuantizeToT(const void* x, uint32_t mb, int64_t n, int8_t* const* dst, int
       next_max = hn::Max(hn::Max(next_max, hn::Max(abs_bits(at), abs_bits(at + lanes))),
                          hn::Max(abs_bits(at + 2 * lanes), abs_bits(at + 3 * lanes)));
     };
-    // Several lines to each destination in turn: two vectors of bytes (two lines) with 512-bit
-    // vectors (measured a little faster than one line, and than four), else eight (four lines
-    // with AVX2: int8 dispatch_v2 0.74-1.04 of bf16's time with one line, 0.58-0.63 with four).
-    constexpr int64_t kPer = HWY_MAX_BYTES >= 64 ? 2 : 8;  // vectors of bytes per destination
+    // Several lines to each destination in turn: with AVX2 eight vectors of bytes, four lines
+    // (int8 dispatch_v2 0.74-1.04 of bf16's time with one line, 0.58-0.63 with four); elsewhere
+    // two vectors (AVX-512: two lines, measured a little faster than one line and than four).
+    constexpr int64_t kPer = HWY_TARGET == HWY_AVX2 ? 8 : 2;  // vectors of bytes per destination
     for (; i + kPer * 4 * lanes <= n; i += kPer * 4 * lanes) {
       const auto v0 = packed(i), v1 = packed(i + 4 * lanes);
       if constexpr (kPer == 2) {
