@@ -13,6 +13,7 @@ from moe_ep._C import (
     SystemError,
     TimeoutError,
     UnsupportedError,
+    check_environment,
 )
 
 __version__ = "0.1.0"
@@ -26,4 +27,5 @@ __all__ = [
     "RemoteError",
     "UnsupportedError",
     "__version__",
+    "check_environment",
 ]

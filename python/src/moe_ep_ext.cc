@@ -575,6 +575,19 @@ NB_MODULE(_C, m) {
       .def_prop_ro("shm_window_bytes",
                    [](const PyCommunicator& c) { return c.comm->shm_window_bytes(); });
 
+  m.def(
+      "check_environment",
+      [](std::optional<double> timeout_s, const std::string& transport) {
+        moe_ep::CommOptions options;
+        options.timeout_s = timeout_s;
+        return moe_ep::check_environment(options, transport);
+      },
+      "timeout_s"_a = nb::none(), "transport"_a = "",
+      "Reads $MOE_EP_TIMEOUT_S (when timeout_s is None), $MOE_EP_TRANSPORT (when transport is "
+      "'') and $MOE_EP_STREAM_MIN_BYTES as Communicator.from_fortran and the ops will; no MPI "
+      "call, so every rank can run it before its first collective. Returns the deadline in "
+      "seconds the communicator would use. Raises InvalidArgumentError for a malformed value "
+      "(comm.h, check_environment)");
   m.def("strategies", &strategies, "op"_a, "has_probs"_a, "has_permuted_tokens"_a = true,
         "SPEC §5: the two sharding strategies of a local op, R first, as the C++ table gives "
         "them: [{'name', 'inputs': [(arg, placement, data_read)], 'outputs': [...]}], placement "

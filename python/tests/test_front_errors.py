@@ -56,6 +56,24 @@ def test_dispatch_workspace_is_exported():
     )
 
 
+def test_check_environment_reads_the_variables_without_mpi(monkeypatch):
+    monkeypatch.delenv("MOE_EP_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("MOE_EP_TRANSPORT", raising=False)
+    monkeypatch.delenv("MOE_EP_STREAM_MIN_BYTES", raising=False)
+    assert moe_ep.check_environment() == 300
+    assert moe_ep.check_environment(timeout_s=5.0, transport="mpi") == 5
+    monkeypatch.setenv("MOE_EP_TIMEOUT_S", "7.5")
+    assert moe_ep.check_environment() == 7.5
+    monkeypatch.setenv("MOE_EP_TRANSPORT", "tcp")
+    with pytest.raises(moe_ep.InvalidArgumentError,
+                       match='check_environment: MOE_EP_TRANSPORT = "tcp"'):
+        moe_ep.check_environment()
+    assert moe_ep.check_environment(transport="shm") == 7.5  # the variable is not used then
+    monkeypatch.setenv("MOE_EP_STREAM_MIN_BYTES", "-1")
+    with pytest.raises(moe_ep.InvalidArgumentError, match="MOE_EP_STREAM_MIN_BYTES"):
+        moe_ep.check_environment(transport="shm")
+
+
 def test_not_a_communicator_is_named():
     with pytest.raises(moe_ep.InvalidArgumentError, match="is not an mpi4py communicator"):
         mt.group_id("x")
