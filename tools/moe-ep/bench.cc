@@ -236,12 +236,12 @@ Setup plan_bench(const BenchOptions& o, int64_t W, int64_t rank, int node_ranks)
   // Per rank: every rank's tokens (verification), dispatch's A = W x BS x min(L, K) rows twice
   // (expand_x and the expert outputs) plus the int8 copy, and about eight (BS x K)-row buffers
   // (permute, the baselines' send/receive buffers, the combine buffers).
-  // Per expert: dispatch_v2's counts and offsets (as moe-ep run's estimate, checks.cc) and the
-  // router's tables.
+  // Per expert: dispatch_v2's counts and offsets and the router's tables (checks.h).
   const double A = static_cast<double>(W * max_bs) * static_cast<double>(std::min(s.L, K));
   const double rows_need =
       row * (static_cast<double>(W * max_bs) + 2.5 * A + 8 * entries) + 4 * A * 128;
-  const double experts_need = 105 * static_cast<double>(E);
+  const double experts_need =
+      (kDispatchBytesPerExpert + kRouterBytesPerExpert) * static_cast<double>(E);
   const double need = rows_need + experts_need;
   const double physical = static_cast<double>(physical_memory_bytes());
   if (physical > 0 && need * node_ranks > physical) {

@@ -94,13 +94,8 @@ std::pair<std::string, std::string> summarise(const MemoryEstimate& m) {
   for (size_t i = 0; i < parts.size() && i < 2; ++i) {
     if (i > 0 && parts[i].bytes < 0.2 * m.bytes) break;
     mostly += (i ? ", " : "") + parts[i].name + " " + gib(parts[i].bytes);
-    // Each alternative once ("fewer --tokens or a smaller --hidden" twice gives it once).
-    const std::string& a = parts[i].advice;
-    for (std::size_t at = 0; at <= a.size();) {
-      const std::size_t end = std::min(a.find(" or ", at), a.size());
-      const std::string item = a.substr(at, end - at);
+    for (const std::string& item : parts[i].advice) {  // each alternative once
       if (advised.insert(item).second) advice += (advice.empty() ? "" : " or ") + item;
-      at = end + 4;
     }
   }
   return {mostly, advice};
@@ -258,20 +253,21 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
   const std::string tokens = s.loaded ? "a routing file of fewer tokens" : "fewer --tokens";
   // The advice names what the user set: a flag given on the command line (its label starts
   // with the flag) is suggested beside the tokens.
-  auto or_smaller = [](std::string advice, const std::string& label, const char* flag) {
-    if (label.rfind(flag, 0) == 0) advice += std::string(" or a smaller ") + flag;
+  auto or_smaller = [](std::vector<std::string> advice, const std::string& label,
+                       const char* flag) {
+    if (label.rfind(flag, 0) == 0) advice.push_back(std::string("a smaller ") + flag);
     return advice;
   };
-  const std::string rows = or_smaller(tokens, s.hidden_label, "--hidden");
+  const std::vector<std::string> rows = or_smaller({tokens}, s.hidden_label, "--hidden");
   // dispatch_v2's A rows: global_bs (given, or W_ep x max BS) x min(local experts, K).
-  const std::string expand =
-      or_smaller(or_smaller(s.global_bs > 0 ? "fewer --tokens with a smaller --global-bs" : tokens,
-                            s.top_k_label, "--top-k"),
-                 s.hidden_label, "--hidden");
+  const std::vector<std::string> expand = or_smaller(
+      or_smaller({s.global_bs > 0 ? "fewer --tokens with a smaller --global-bs" : tokens},
+                 s.top_k_label, "--top-k"),
+      s.hidden_label, "--hidden");
   const bool swiglu = s.fn == ExpertFn::kSwiglu;
 
   MemoryEstimate m;
-  auto add = [&](std::string name, double bytes, std::string advice) {
+  auto add = [&](std::string name, double bytes, std::vector<std::string> advice) {
     m.parts.push_back({std::move(name), bytes, std::move(advice)});
     m.bytes += bytes;
   };
@@ -284,14 +280,15 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
   if (s.loaded) {
     // The file's bytes, the parsed tensors and the Batch's copies, on every rank.
     add("the routing file read whole", 3 * static_cast<double>(s.file_bytes),
-        "a routing file of fewer tokens");
+        {"a routing file of fewer tokens"});
   } else {
     // Per-expert tables of the router: probabilities, logits, sort keys, order, flags.
     const bool gate = s.routing == RoutingKind::kGate;
     add(gate ? "the gate router (H x E matrix and per-expert tables)"
              : "the router's per-expert tables",
-        41 * Etot + (gate ? 4 * H * Etot : 0),
-        gate ? "fewer --experts or a smaller --hidden" : "fewer --experts");
+        kRouterBytesPerExpert * Etot + (gate ? 4 * H * Etot : 0),
+        gate ? std::vector<std::string>{"fewer --experts", "a smaller --hidden"}
+             : std::vector<std::string>{"fewer --experts"});
   }
   // expand_x and the expert outputs (A rows each), expand_scales, assist_info_for_combine and
   // per-row metadata of dispatch_v2; its per-expert counts and offsets.
@@ -300,14 +297,14 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
   add("dispatch_v2's receive buffers and the expert outputs (A = " +
           std::to_string(static_cast<int64_t>(A)) + " rows)",
       A * (expand_row + row) + 4 * A + 4 * std::max(BS * K, 128 * A) + 32 * (A + BS * K), expand);
-  add("dispatch_v2's per-expert counts", 64 * E, "fewer --experts");
+  add("dispatch_v2's per-expert counts", kDispatchBytesPerExpert * E, {"fewer --experts"});
   if (swiglu) {
     // One expert's fp32 weights; GEMM buffers for up to G rows (N on rank 0's reference).
     const double weights = 12 * H * F;
     add(rank == 0 ? "swiglu weights and GEMM buffers (experts and reference)"
                   : "one expert's swiglu weights and GEMM buffers",
         (rank == 0 ? 2 : 1) * weights + (G + (rank == 0 ? N : 0)) * (2 * H + 3 * F) * 4,
-        "a smaller --ffn");
+        {"a smaller --ffn"});
   }
   // Rows back (int8 copies with --comm-quant), the output, shared_expert_x (S = 0), and the
   // const experts' alpha_1, alpha_2, v.
@@ -317,7 +314,7 @@ MemoryEstimate estimate_rank_memory(const RunShape& s, int64_t rank) {
           3 * static_cast<double>(s.special) * row,
       rows);
   if (swiglu && shared_local) {
-    add("the shared expert's GEMM buffers", BS * (2 * H + 3 * F) * 4, tokens);
+    add("the shared expert's GEMM buffers", BS * (2 * H + 3 * F) * 4, {tokens});
   }
   if (rank == 0) {
     // Gathered x, ids and scales (with their byte copies), the gathered output, the reference's

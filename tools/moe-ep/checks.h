@@ -67,10 +67,14 @@ void check_sizes(const RunShape& shape);
 // bytes (one MPI_Gatherv). Call after check_sizes.
 void check_gather_limits(const RunShape& shape);
 
+// The estimates' per-expert terms (moe-ep run's and bench's): dispatch_v2's per-expert counts
+// and offsets, and the router's tables (probabilities, logits, sort keys, order, flags).
+constexpr double kDispatchBytesPerExpert = 64, kRouterBytesPerExpert = 41;
+
 struct MemoryPart {
   std::string name;
   double bytes = 0;
-  std::string advice;  // "fewer --tokens", "a smaller --ffn", ...
+  std::vector<std::string> advice;  // alternatives: "fewer --tokens", "a smaller --ffn", ...
 };
 struct MemoryEstimate {
   double bytes = 0;
