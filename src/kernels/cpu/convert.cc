@@ -398,9 +398,9 @@ void ScaleRowFromT(void* dst, const void* g, float w, int64_t n, bool stream,
 
 // The entries of a token in two passes: first the dot products, kMaxDotRows rows of x side by
 // side (reads only), then each scaled row of dst in turn (writes only, from g, which the first
-// pass left in the cache). One fused pass reading x and writing dst side by side ran at about 0.6
-// of the two on a Zen 3 core (docs/performance.md): the reads and the non-temporal writes to many
-// rows at once contend.
+// pass left in the cache). On a Zen 3 VM one pass reading the rows of x while writing those of
+// dst side by side took 1.5-1.7 times as long as these two, in a test of the access pattern alone
+// (docs/performance.md): the reads and the non-temporal writes to many rows at once contend.
 template <DType kX, DType kOut, bool kScale>
 void ScaleDotRowsT(float* out, void* const* dst, const void* g, DType g_dtype, const float* w,
                    const void* const* x, int64_t count, int64_t n, bool stream,

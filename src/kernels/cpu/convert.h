@@ -112,13 +112,15 @@ void sum_rows(void* dst, DType dst_dtype, const void* const* rows, const float* 
 // acc[0] (+0 when n == 0). The lanes are vector lanes on every target (one AVX-512 vector, two
 // AVX2 or four SSE vectors, 16 scalars in the fallback), so the sum is one pass along the row.
 float dot_row_f32(const float* g, const void* x, DType dtype, int64_t n);
-// The entries of a token in unpermute_grad, in one pass: with gf = fp32(g[0..n)) (g a row of
-// g_dtype), for r < count, out[r] = dot_row_f32(gf, x[r], x_dtype, n) and dst[r][0..n) =
-// round(gf * w[r]) in dst_dtype, as scale_row_f32(dst[r], dst_dtype, gf, w[r], n, stream). Each
-// row of x and g is read once per group of up to eight rows walked side by side. The dst rows must
-// not overlap g or the rows of x. `ahead` (ahead_count rows of x_dtype, n elements each, may be
-// null): the next call's rows of x, whose blocks are prefetched in step with this call's
-// (ahead[r] along with x[r]'s group); they are not read.
+// The entries of a token in unpermute_grad: with gf = fp32(g[0..n)) (g a row of g_dtype), for
+// r < count, out[r] = dot_row_f32(gf, x[r], x_dtype, n) and dst[r][0..n) = round(gf * w[r]) in
+// dst_dtype, as scale_row_f32(dst[r], dst_dtype, gf, w[r], n, stream). Two passes: the dot
+// products first, reading each row of x once with g, in groups of up to eight (four on 16-register
+// targets) walked side by side; then each dst row in turn from g, which the first pass left in the
+// cache (reads and non-temporal writes to many rows at once contend: docs/performance.md). The dst
+// rows must not overlap g or the rows of x. `ahead` (ahead_count rows of x_dtype, n elements
+// each, may be null): the next call's rows of x, whose blocks are prefetched in step with this
+// call's (ahead[r] along with x[r]'s group); they are not read.
 void scale_dot_rows_f32(float* out, void* const* dst, DType dst_dtype, const void* g, DType g_dtype,
                         const float* w, const void* const* x, DType x_dtype, int64_t count,
                         int64_t n, bool stream = false, const void* const* ahead = nullptr,

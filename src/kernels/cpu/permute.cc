@@ -380,9 +380,9 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   const TensorView& probs = *q.probs;
   const TensorView& x = *q.permuted_tokens;
   void* const gprobs = res.grad_probs.data();
-  // One token at a time: one pass over grad_out's row and the token's present entries that
-  // reads each permuted row once, writes its scaled copy (grad_permuted) and computes its dot
-  // product (detail::scale_dot_rows_f32, in the order permute.h fixes).
+  // One token at a time: its present entries' dot products with grad_out's row (each permuted
+  // row read once, in the order permute.h fixes), then their scaled copies of grad_out's row
+  // (grad_permuted), by detail::scale_dot_rows_f32.
 #pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
   {
     const std::size_t ut = static_cast<std::size_t>(topk);
