@@ -786,6 +786,10 @@ struct PointResult {
   std::vector<Target> targets;
   double rows_other_mean = 0, rows_other_min = 0, rows_other_max = 0;
   double int8_bytes_ratio = kNaN, int8_time_ratio = kNaN;
+  // Memory traffic of int8 dispatch over bf16's on the one-copy path: each token row is read
+  // once (bf16) and each of its K copies written (H + 4 bytes against 2H): the time ratio the
+  // memory system allows, above bytes_ratio.
+  double int8_traffic_ratio = kNaN;
 };
 
 PointResult time_point(const BenchOptions& o, const Point& p, moe_ep::Communicator& comm,
@@ -936,6 +940,8 @@ PointResult time_point(const BenchOptions& o, const Point& p, moe_ep::Communicat
   }
   if (quant) {
     pr.int8_bytes_ratio = row8 / row_b;
+    pr.int8_traffic_ratio =
+        (row_b + static_cast<double>(p.K) * row8) / (row_b + static_cast<double>(p.K) * row_b);
     pr.int8_time_ratio = p50[kMoeDispatchInt8] / p50[kMoeDispatch];
   }
   if (compare) {
@@ -973,8 +979,9 @@ void print_table(const PointResult& pr, int64_t tokens) {
   if (!std::isnan(pr.int8_time_ratio)) {
     std::printf(
         "  int8 dispatch (quant_mode 2): bytes moved %.3f of bf16's (H + 4 B per row vs 2H), "
-        "time %.3f of bf16's (p50)\n",
-        pr.int8_bytes_ratio, pr.int8_time_ratio);
+        "time %.3f of bf16's (p50); memory traffic %.3f of bf16's (each token read once, "
+        "each of its K copies written)\n",
+        pr.int8_bytes_ratio, pr.int8_time_ratio, pr.int8_traffic_ratio);
   }
   std::fflush(stdout);
 }
@@ -1252,6 +1259,7 @@ int bench_command(const BenchOptions& o) {
         if (std::isnan(pr.int8_time_ratio)) continue;
         j["int8"].push_back({{"tokens_per_rank", pr.results.front().tokens},
                              {"bytes_ratio", pr.int8_bytes_ratio},
+                             {"traffic_ratio", pr.int8_traffic_ratio},
                              {"time_ratio", pr.int8_time_ratio}});
       }
       j["targets"] = nlohmann::json::array();
