@@ -837,23 +837,69 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
           slot->token, slot->ptr, quant ? DType::kI8 : sh.dtype, {tp_rows(cfg, sh.A), sh.H});
     }
   }
-  // Phase "counts": rank d learns how many rows each source sends for each of its local experts.
-  auto counts_out = std::make_shared<std::vector<int32_t>>(send.counts);
-  auto counts_in = std::make_shared<std::vector<int32_t>>(sh.W * sh.L, 0);
+  // The distinct tokens of each destination's send-order range, in increasing order. Over plain
+  // MPI a token goes to a peer once, however many of its experts live there, and the peer copies
+  // it to each (docs/design.md, "Plain MPI"); not to peers reached through shared memory (one
+  // copy already), nor when quant_mode 2 with smoothing scales gives each copy its own bytes.
+  // distinct[d] stays empty where d gets every copy.
+  std::vector<std::vector<int32_t>> distinct(W);
+  std::vector<int32_t> distinct_count(W);
+  {
+    const bool may_merge = sh.H > 0 && !(quant && in.scales);
+    std::vector<int32_t> seen(may_merge ? static_cast<std::size_t>(sh.BS) : 0, -1);
+    for (int d = 0; d < W; ++d) {
+      const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
+      distinct_count[d] = static_cast<int32_t>(n);
+      if (!may_merge || (shm && shm->node_of(peers[d]) >= 0)) continue;
+      std::vector<int32_t>& u = distinct[d];
+      for (int64_t j = first; j < first + n; ++j) {
+        const auto i = static_cast<int32_t>(send.order[j] / sh.KS);
+        if (seen[i] != d) seen[i] = d, u.push_back(i);
+      }
+      if (static_cast<int64_t>(u.size()) == n) {
+        u.clear();  // nothing to merge
+        continue;
+      }
+      std::sort(u.begin(), u.end());
+      distinct_count[d] = static_cast<int32_t>(u.size());
+    }
+  }
+  // Phase "counts": rank d learns how many rows each source sends for each of its local experts,
+  // then how many distinct tokens among them travel by MPI (the last entry of each message).
+  auto counts_out = std::make_shared<std::vector<int32_t>>();
+  auto counts_in = std::make_shared<std::vector<int32_t>>(sh.W * (sh.L + 1), 0);
+  for (int p = 0; p < W; ++p) {
+    const auto* c = send.counts.data() + sh.pl.block_base(p);
+    counts_out->insert(counts_out->end(), c, c + sh.pl.local_experts(p));
+    counts_out->push_back(distinct_count[p]);
+  }
   {
     Exchange ex(comm, op, "counts");
     ex.keep_alive(counts_out);
     ex.keep_alive(counts_in);
     for (int p = 0; p < W; ++p)
-      ex.irecv(counts_in->data() + p * L, L, MPI_INT32_T, peers[p], detail::kTagCounts);
-    for (int p = 0; p < W; ++p)
-      ex.isend(counts_out->data() + sh.pl.block_base(p), to_int(sh.pl.local_experts(p)),
-               MPI_INT32_T, peers[p], detail::kTagCounts);
+      ex.irecv(counts_in->data() + p * (L + 1), L + 1, MPI_INT32_T, peers[p], detail::kTagCounts);
+    for (int p = 0, at = 0; p < W; ++p) {
+      const int n = to_int(sh.pl.local_experts(p)) + 1;
+      ex.isend(counts_out->data() + at, n, MPI_INT32_T, peers[p], detail::kTagCounts);
+      at += n;
+    }
     ex.wait();
     if (perf) ex.add_recv_wait_us(perf);
   }
-  const detail::RecvPlan recv = detail::plan_recvs_from_counts(*counts_in, sh.W, sh.L);
+  std::vector<int32_t> from_source(static_cast<std::size_t>(sh.W * sh.L)), distinct_from(W);
+  for (int p = 0; p < W; ++p) {
+    std::copy_n(counts_in->data() + p * (L + 1), L, from_source.data() + p * L);
+    distinct_from[p] = (*counts_in)[p * (L + 1) + L];
+  }
+  const detail::RecvPlan recv = detail::plan_recvs_from_counts(from_source, sh.W, sh.L);
   MOE_EP_CHECK(recv.valid <= sh.A);
+  for (int p = 0; p < W; ++p)
+    if (distinct_from[p] < 0 || distinct_from[p] > recv.source_rows[p] ||
+        (distinct_from[p] == 0 && recv.source_rows[p] > 0))
+      detail::fail(ErrorKind::kInternal, op, ": rank ", peers[p], " announced ", distinct_from[p],
+                   " distinct tokens for its ", recv.source_rows[p],
+                   " rows (please report this bug)");
 
   const int64_t esize = static_cast<int64_t>(dtype_size(sh.dtype));
   const int64_t row_bytes = sh.H * esize;
@@ -958,13 +1004,43 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     a.scales = qsend_scale->data() + first;
     detail::quantize_rows_int8(a);
   };
+  // position[i]: token i's index among distinct[d] (the peer d being merged at the time).
+  std::vector<int32_t> position;
+  auto positions_of = [&](int d) {
+    position.resize(static_cast<std::size_t>(sh.BS));
+    for (std::size_t t = 0; t < distinct[d].size(); ++t)
+      position[static_cast<std::size_t>(distinct[d][t])] = static_cast<int32_t>(t);
+  };
   if (quant) {
-    for (int d = 0; d < W; ++d)
-      if (!shm_to[d])
+    // A merged destination's distinct tokens are quantised to the front of its range of the send
+    // buffer, their scales past the send order's (then copied to each entry of the token).
+    const int64_t n = static_cast<int64_t>(send.order.size());
+    int64_t merged = 0;
+    for (int d = 0; d < W; ++d) merged += static_cast<int64_t>(distinct[d].size());
+    qsend_scale->resize(static_cast<std::size_t>(n + merged));
+    for (int d = 0, extra = 0; d < W; ++d) {
+      if (shm_to[d]) continue;
+      char* q = reinterpret_cast<char*>(qsend->data()) + send.rank_offset[d] * sh.H;
+      if (distinct[d].empty()) {
         quantise(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d],
-                 qsend->data() + send.rank_offset[d] * sh.H);
+                 reinterpret_cast<int8_t*>(q));
+        continue;
+      }
+      for (std::size_t t = 0; t < distinct[d].size(); ++t) {
+        const int64_t i = distinct[d][t];
+        qcopies.push_back({in.x.ptr<char>() + i * in.x.strides[0] * esize,
+                           q + static_cast<int64_t>(t) * sh.H, i, n + extra++});
+      }
+    }
     parallel_quantize(qcopies, sh.H, sh.dtype, qsend_scale->data());  // MPI's send buffer
     qcopies.clear();
+    for (int d = 0, extra = 0; d < W; ++d) {
+      if (shm_to[d] || distinct[d].empty()) continue;
+      positions_of(d);
+      for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
+        (*qsend_scale)[j] = (*qsend_scale)[n + extra + position[send.order[j] / sh.KS]];
+      extra += static_cast<int>(distinct[d].size());
+    }
   }
 
   // Phase "rows": rows and their metadata, one message each per peer and direction. With shared
@@ -981,11 +1057,20 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in(W), meta_out(W);
     auto announced = std::make_shared<std::vector<int64_t>>(2 * W, 0);  // received, then sent
     ex.keep_alive(announced);
+    // Rows of a merged source: its distinct tokens, in increasing order, copied into place below.
+    std::vector<std::shared_ptr<Tensor>> merged_in(W);
     for (int s = 0; s < W; ++s) {
-      // One contiguous message per non-empty block (l, s), straight into place: OpenMPI moves
-      // contiguous messages with its single-copy path, derived datatypes through copy-in/out.
-      // Messages of one sender with one tag arrive in the order sent (MPI's non-overtaking rule).
-      if (!shm_from[s])
+      if (!shm_from[s] && distinct_from[s] < recv.source_rows[s]) {
+        merged_in[s] = std::make_shared<Tensor>(
+            Tensor::empty(DType::kI8, {static_cast<int64_t>(distinct_from[s]) * out_row_bytes}));
+        ex.keep_alive(merged_in[s]);
+        ex.irecv(merged_in[s]->data(), distinct_from[s], row.get(), peers[s], detail::kTagRows);
+      }
+      // Otherwise one contiguous message per non-empty block (l, s), straight into place:
+      // OpenMPI moves contiguous messages with its single-copy path, derived datatypes through
+      // copy-in/out. Messages of one sender with one tag arrive in the order sent (MPI's
+      // non-overtaking rule).
+      if (!shm_from[s] && !merged_in[s])
         for (int l = 0; l < L; ++l) {
           const int64_t b = static_cast<int64_t>(l) * W + s;
           if (recv.block_rows[b] > 0)
@@ -1013,11 +1098,19 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         send_rows = std::make_shared<Tensor>(
             Tensor::empty(sh.dtype, {static_cast<int64_t>(send.order.size()), sh.H}));
         std::vector<RowCopy> pack;
-        for (int d = 0; d < W; ++d)
-          if (!shm_to[d])
-            for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
-              pack.push_back({in.x.ptr<char>() + (send.order[j] / sh.KS) * x_row_stride,
-                              send_rows->ptr<char>() + j * row_bytes, send.order[j] / sh.KS});
+        for (int d = 0; d < W; ++d) {
+          if (shm_to[d]) continue;
+          char* to_d = send_rows->ptr<char>() + send.rank_offset[d] * row_bytes;
+          if (!distinct[d].empty()) {  // merged: each distinct token once
+            for (std::size_t t = 0; t < distinct[d].size(); ++t)
+              pack.push_back({in.x.ptr<char>() + distinct[d][t] * x_row_stride,
+                              to_d + static_cast<int64_t>(t) * row_bytes, distinct[d][t]});
+            continue;
+          }
+          for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
+            pack.push_back({in.x.ptr<char>() + (send.order[j] / sh.KS) * x_row_stride,
+                            send_rows->ptr<char>() + j * row_bytes, send.order[j] / sh.KS});
+        }
         parallel_copy(pack, row_bytes);
       }
       ex.keep_alive(send_rows);
@@ -1026,7 +1119,12 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
       meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
       ex.keep_alive(meta_out[d]);
-      if (shm_to[d]) continue;  // rows below, metadata after them
+      if (shm_to[d]) continue;     // rows below, metadata after them
+      if (!distinct[d].empty()) {  // merged: one message of the distinct tokens
+        ex.isend(send_rows->ptr<char>() + first * out_row_bytes,
+                 static_cast<int>(distinct[d].size()), row.get(), peers[d], detail::kTagRows);
+        continue;
+      }
       // One message per non-empty (d, local expert) run of the send order, in expert order
       // (the receiver posts one receive per block, in the same order): int8 rows are contiguous
       // in the send buffer, other rows packed into it first (below).
@@ -1105,6 +1203,36 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         detail::fail(ErrorKind::kInternal, op, ": rank ", peers[s], " announced ", (*announced)[s],
                      " rows in shared memory, its counts said ", recv.source_rows[s],
                      " (please report this bug)");
+
+    // Merged sources: each row copied to its place from the source's distinct tokens, which
+    // are the tokens its metadata names, in increasing order.
+    std::vector<RowCopy> spread;
+    for (int s = 0, keys = 0; s < W; ++s) {
+      if (!merged_in[s]) continue;
+      std::vector<int32_t> tokens;
+      for (const RowMeta& m : *meta_in[s]) tokens.push_back(m.token);
+      std::sort(tokens.begin(), tokens.end());
+      tokens.erase(std::unique(tokens.begin(), tokens.end()), tokens.end());
+      if (static_cast<int64_t>(tokens.size()) != distinct_from[s] || tokens.front() < 0)
+        detail::fail(ErrorKind::kInternal, op, ": rank ", peers[s], " sent ", distinct_from[s],
+                     " distinct tokens, its rows' metadata names ", tokens.size(),
+                     " (please report this bug)");
+      const RowMeta* m = meta_in[s]->data();
+      const char* base = merged_in[s]->ptr<char>();
+      for (int l = 0; l < L; ++l) {
+        const int64_t b = static_cast<int64_t>(l) * W + s;
+        for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
+             ++j, ++m) {
+          const int64_t t =
+              std::lower_bound(tokens.begin(), tokens.end(), m->token) - tokens.begin();
+          spread.push_back(
+              {base + t * out_row_bytes, out.expand_x.ptr<char>() + j * out_row_bytes, keys + t});
+        }
+      }
+      keys += static_cast<int>(tokens.size());
+    }
+    parallel_copy(spread, out_row_bytes,
+                  static_cast<int64_t>(spread.size()) * out_row_bytes >= stream_min);
 
     int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
     float* scales = out.expand_scales.ptr<float>();
