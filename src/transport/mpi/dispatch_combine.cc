@@ -839,9 +839,10 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   }
   // The distinct tokens of each destination's send-order range, in increasing order. Over plain
   // MPI a token goes to a peer once, however many of its experts live there, and the peer copies
-  // it to each (docs/design.md, "Plain MPI"); not to peers reached through shared memory (one
-  // copy already), nor when quant_mode 2 with smoothing scales gives each copy its own bytes.
-  // distinct[d] stays empty where d gets every copy.
+  // it to each (docs/design.md, dispatch_v2 step 4), when that sends at most 3/4 of the rows;
+  // not to peers reached through shared memory (one copy already), nor when quant_mode 2 with
+  // smoothing scales gives each copy its own bytes. distinct[d] stays empty where d gets every
+  // copy.
   std::vector<std::vector<int32_t>> distinct(W);
   std::vector<int32_t> distinct_count(W);
   {
@@ -856,8 +857,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         const auto i = static_cast<int32_t>(send.order[j] / sh.KS);
         if (seen[i] != d) seen[i] = d, u.push_back(i);
       }
-      if (static_cast<int64_t>(u.size()) == n) {
-        u.clear();  // nothing to merge
+      if (4 * static_cast<int64_t>(u.size()) > 3 * n) {
+        u.clear();  // too little to merge for the receiver's extra copy of every row
         continue;
       }
       std::sort(u.begin(), u.end());
