@@ -33,7 +33,7 @@ using detail::f32_to_bf16;
 using detail::f32_to_f16;
 
 constexpr DType kFloatDTypes[] = {DType::kBF16, DType::kF16, DType::kF32};
-constexpr int64_t kLengths[] = {0, 1, 7, 16, 31, 33, 517, 7168 + 3};
+constexpr int64_t kLengths[] = {0, 1, 7, 16, 31, 33, 45, 517, 7168 + 3};
 
 uint32_t bits(float f) {
   uint32_t u;
@@ -101,6 +101,18 @@ std::vector<uint16_t> make_row(std::mt19937_64& rng, DType dtype, int64_t n, boo
   std::vector<uint16_t> row(static_cast<std::size_t>(n) * dtype_size(dtype) / 2 + 1);
   for (int64_t i = 0; i < n; ++i) detail::store_f32(row.data(), dtype, i, awkward(rng, allow_nan));
   return row;
+}
+
+// Element i of a row of dtype set to a signalling NaN (quiet bit clear, payload non-zero), which
+// store_f32 never writes: a kernel must make it quiet exactly as the scalar code does.
+void put_signalling_nan(void* row, DType dtype, int64_t i) {
+  if (dtype == DType::kF32) {
+    const uint32_t u = 0xff800021u;
+    std::memcpy(static_cast<char*>(row) + i * 4, &u, 4);
+  } else {  // bf16 0x7f81, fp16 0x7c01
+    const uint16_t u = dtype == DType::kBF16 ? 0x7f81u : 0x7c01u;
+    std::memcpy(static_cast<char*>(row) + i * 2, &u, 2);
+  }
 }
 
 std::vector<float> f32_row(std::mt19937_64& rng, int64_t n, bool allow_nan) {
@@ -227,6 +239,11 @@ TEST(Simd, SumRowsMatchesScalarInRowOrder) {
               rows.push_back(make_row(rng, in, n, r == 0));
               w.push_back(awkward(rng, false));
             }
+            // Signalling NaNs in bf16 and fp32 rows (not fp16: without F16C its conversions are
+            // _Float16 casts, and GCC, assuming no signalling NaN, may fold a load and store into
+            // a copy that keeps one: its bits are not defined by the scalar code either).
+            if (count > 0 && in != DType::kF16)
+              for (int64_t i = 3; i < n; i += 29) put_signalling_nan(rows[0].data(), in, i);
             for (auto& r : rows) ptrs.push_back(r.data());
             for (bool weighted : {false, true})
               for (bool from_zero : {false, true}) {
@@ -305,16 +322,20 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
   for_each_target([] {
     std::mt19937_64 rng(13);
     for (DType dtype : kFloatDTypes)
-      for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 47, 64, 85, 111, 513, 1030, 7171})
-        for (int kind = 0; kind < 4; ++kind) {
+      for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 47, 64, 65, 80, 85, 111, 127, 513, 1030, 7171})
+        for (int kind = 0; kind < 7; ++kind) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
                        " kind=" + std::to_string(kind));
           // kind 0: awkward values, NaN included; 1: no NaN; 2: signed zeros and small values,
           // where the sign of a zero partial sum shows whether the tail added anything; 3: finite
           // awkward values (ties, subnormals, products that overflow to Inf), for the bf16 path
-          // that skips the NaN test when g and w are finite.
+          // that skips the NaN test when g and w are finite; 4: moderate finite values, so that
+          // every dot product is finite and shows the order of its lanes (awkward rows hold Inf);
+          // 5: some weights NaN (payloads 0x7fffffff, signalling 0x7fa00001), g without NaN; 6: g's
+          // row of x's dtype with signalling NaNs, weights finite (one NaN per product: its bits
+          // are defined).
           std::vector<float> g = f32_row(rng, n, kind == 0);
-          if (kind == 3)
+          if (kind == 3 || kind == 5)  // 5: so that only w can make a product NaN
             for (float& v : g)
               if (!std::isfinite(v)) v = 0x1.fep127f;
           // Nine rows sharing g, as a token's entries share its grad_out row.
@@ -332,6 +353,20 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
               g[ui] = rng() % 4 == 0 ? 0.5f : -1.0f;
               for (auto& row : x) detail::store_f32(row.data(), dtype, i, rng() % 3 ? -0.0f : 0.0f);
             }
+          if (kind == 4) {
+            std::uniform_real_distribution<float> unit(-2.0f, 2.0f);
+            for (int64_t i = 0; i < n; ++i) {
+              g[static_cast<std::size_t>(i)] = unit(rng);
+              for (auto& row : x) detail::store_f32(row.data(), dtype, i, unit(rng));
+            }
+          }
+          if (kind == 5) {
+            w[1] = from_bits(0x7fffffffu);
+            w[4] = from_bits(0x7fa00001u);
+          }
+          if (kind >= 4)
+            for (float& v : w)
+              if (std::isinf(v)) v = 0.375f;
           for (auto& row : x) xp.push_back(row.data());
           // g is read as fp32 (g_dtype kF32) and, rounded to x's dtype, as a row of that dtype
           // (grad_out of unpermute_grad); gf holds the values the kernel must see in fp32.
@@ -339,6 +374,7 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
           std::vector<float> g_rounded(g.size());
           for (int64_t i = 0; i < n; ++i) {
             detail::store_f32(g_row.data(), dtype, i, g[static_cast<std::size_t>(i)]);
+            if (kind == 6 && i % 23 == 5) put_signalling_nan(g_row.data(), dtype, i);
             g_rounded[static_cast<std::size_t>(i)] = detail::load_f32(g_row.data(), dtype, i);
           }
           for (const DType g_dtype : {DType::kF32, dtype}) {
@@ -377,7 +413,8 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
                   SCOPED_TRACE("row " + std::to_string(r));
                   const std::size_t ur = static_cast<std::size_t>(r);
                   expect_same_or_nan(DType::kF32, &dots[ur], &want[ur], 1);
-                  // g * w is one operation (w is never NaN): NaNs too have the scalar bits.
+                  // g * w is one operation with at most one NaN operand (kinds 0 and 6: in g, 5: in
+                  // w): NaNs too have the scalar bits.
                   expect_same_bytes(a[ur].data(), b[ur].data(), ob);
                   expect_same_bytes(a[ur].data() + ob, b[ur].data() + ob, 8);
                 }
@@ -442,6 +479,28 @@ TEST(Simd, StreamingStoresWriteTheSameBytes) {
         detail::sum_rows(pb, DType::kBF16, rows, w, 2, DType::kBF16, n, false);
         expect_same_or_nan(DType::kBF16, pa, pb, n);
         expect_same_bytes(pa + bytes, pb + bytes, 8);
+        // unpermute_grad's rows (scale_dot_rows_f32) into two rows, the second on the next 64-byte
+        // boundary: with NaNs in g, and with g finite (the path without the NaN test).
+        std::uniform_real_distribution<float> unit(-4.0f, 4.0f);
+        std::vector<uint16_t> finite(src.size());
+        for (int64_t i = 0; i < n; ++i)
+          detail::store_f32(finite.data(), DType::kBF16, i, unit(rng));
+        const std::size_t second = (bytes + 63) / 64 * 64;
+        const std::vector<uint16_t>* gs[] = {&src, &finite};
+        for (const std::vector<uint16_t>* g : gs) {
+          std::memset(pa, 0x5a, second + bytes + 8);
+          std::memset(pb, 0x5a, second + bytes + 8);
+          void* da[2] = {pa, pa + second};
+          void* db[2] = {pb, pb + second};
+          const void* xs[2] = {src.data(), finite.data()};
+          float dots_a[2], dots_b[2];
+          detail::scale_dot_rows_f32(dots_a, da, DType::kBF16, g->data(), DType::kBF16, w, xs,
+                                     DType::kBF16, 2, n, true);
+          detail::scale_dot_rows_f32(dots_b, db, DType::kBF16, g->data(), DType::kBF16, w, xs,
+                                     DType::kBF16, 2, n, false);
+          expect_same_bytes(pa, pb, second + bytes + 8);
+          expect_same_or_nan(DType::kF32, dots_a, dots_b, 2);
+        }
       }
   });
 }

@@ -286,8 +286,8 @@ HWY_INLINE int64_t DotBF16EvenOdd(VF (&acc)[kRows][2], const void* g, const void
   return i;
 }
 
-// ScaleRowFromT's bf16 -> bf16 body, whole lines (two vectors) at a time; returns the first
-// element not done.
+// ScaleRowFromT's bf16 -> bf16 body, two vectors of bf16 at a time (a 64-byte line on AVX2);
+// returns the first element not done.
 template <bool kQuietNaN>
 HWY_INLINE int64_t ScaleBF16EvenOdd(uint16_t* dst, const uint16_t* g, float w, int64_t n,
                                     bool stream) {
@@ -331,10 +331,11 @@ void DotT(float* out, const void* g, DType g_dtype, const void* const* x, int64_
   for (; i + kDotBlock <= n; i += kDotBlock) {
     PrefetchBlock(ahead, ahead_count, i * xsize, kDotBlock * xsize);
     VF gv[kBlockVecs];
-    for (size_t v = 0; v < kBlockVecs; ++v)
+    for (size_t v = 0; v < kBlockVecs; ++v) {
       gv[v] = LoadF32As(df, g_dtype, g, i + static_cast<int64_t>(v) * lanes);
-      // Unrolled, so that the accumulators stay in registers on AVX-512 (indexed by a loop counter
-      // they would live on the stack; narrower targets have too few registers for them anyway).
+    }
+    // Unrolled, so that the accumulators stay in registers on AVX-512 (indexed by a loop counter
+    // they would live on the stack; narrower targets have too few registers for them anyway).
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r)
 #pragma GCC unroll 16
@@ -417,7 +418,8 @@ void ScaleDotRowsT(float* out, void* const* dst, const void* g, DType g_dtype, c
   if constexpr (kScale) {
     bool g_finite = false;
 #if HWY_TARGET != HWY_SCALAR
-    g_finite = g_dtype == DType::kBF16 && AllFiniteBF16(g, n);
+    if constexpr (kOut == DType::kBF16)  // only the bf16 -> bf16 rows use it
+      g_finite = g_dtype == DType::kBF16 && AllFiniteBF16(g, n);
 #endif
     for (int64_t r = 0; r < count; ++r)
       WithFloatDType(g_dtype, [&](auto t) {
