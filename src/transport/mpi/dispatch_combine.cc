@@ -837,13 +837,13 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
           slot->token, slot->ptr, quant ? DType::kI8 : sh.dtype, {tp_rows(cfg, sh.A), sh.H});
     }
   }
-  // The distinct tokens of each destination's send-order range, in increasing order. Over plain
-  // MPI a token goes to a peer once, however many of its experts live there, and the peer copies
-  // it to each (docs/design.md, dispatch_v2 step 4), when that sends at most 3/4 of the rows;
-  // not to peers reached through shared memory (one copy already), nor when quant_mode 2 with
-  // smoothing scales gives each copy its own bytes. distinct[d] stays empty where d gets every
-  // copy.
-  std::vector<std::vector<int32_t>> distinct(W);
+  // Over plain MPI a token goes to a peer once, however many of its experts live there, and the
+  // peer copies it to each (docs/design.md, dispatch_v2 step 4), when that sends at most 3/4 of
+  // the rows; not to peers reached through shared memory (one copy already), nor when quant_mode 2
+  // with smoothing scales gives each copy its own bytes. distinct[d]: the send-order entry of
+  // each token's first copy to d, in send order (the order the tokens travel in, which the
+  // receiver finds again in the metadata); empty where d gets every copy.
+  std::vector<std::vector<int64_t>> distinct(W);
   std::vector<int32_t> distinct_count(W);
   {
     const bool may_merge = sh.H > 0 && !(quant && in.scales);
@@ -852,16 +852,15 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
       distinct_count[d] = static_cast<int32_t>(n);
       if (!may_merge || (shm && shm->node_of(peers[d]) >= 0)) continue;
-      std::vector<int32_t>& u = distinct[d];
+      std::vector<int64_t>& u = distinct[d];
       for (int64_t j = first; j < first + n; ++j) {
-        const auto i = static_cast<int32_t>(send.order[j] / sh.KS);
-        if (seen[i] != d) seen[i] = d, u.push_back(i);
+        const int64_t i = send.order[j] / sh.KS;
+        if (seen[i] != d) seen[i] = d, u.push_back(j);
       }
       if (4 * static_cast<int64_t>(u.size()) > 3 * n) {
         u.clear();  // too little to merge for the receiver's extra copy of every row
         continue;
       }
-      std::sort(u.begin(), u.end());
       distinct_count[d] = static_cast<int32_t>(u.size());
     }
   }
@@ -1005,42 +1004,31 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     a.scales = qsend_scale->data() + first;
     detail::quantize_rows_int8(a);
   };
-  // position[i]: token i's index among distinct[d] (the peer d being merged at the time).
-  std::vector<int32_t> position;
-  auto positions_of = [&](int d) {
-    position.resize(static_cast<std::size_t>(sh.BS));
-    for (std::size_t t = 0; t < distinct[d].size(); ++t)
-      position[static_cast<std::size_t>(distinct[d][t])] = static_cast<int32_t>(t);
-  };
   if (quant) {
     // A merged destination's distinct tokens are quantised to the front of its range of the send
-    // buffer, their scales past the send order's (then copied to each entry of the token).
-    const int64_t n = static_cast<int64_t>(send.order.size());
-    int64_t merged = 0;
-    for (int d = 0; d < W; ++d) merged += static_cast<int64_t>(distinct[d].size());
-    qsend_scale->resize(static_cast<std::size_t>(n + merged));
-    for (int d = 0, extra = 0; d < W; ++d) {
+    // buffer, each token's scale to its first copy's entry, then to its other copies'.
+    for (int d = 0; d < W; ++d) {
       if (shm_to[d]) continue;
-      char* q = reinterpret_cast<char*>(qsend->data()) + send.rank_offset[d] * sh.H;
+      int8_t* q = qsend->data() + send.rank_offset[d] * sh.H;
       if (distinct[d].empty()) {
-        quantise(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d],
-                 reinterpret_cast<int8_t*>(q));
+        quantise(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d], q);
         continue;
       }
       for (std::size_t t = 0; t < distinct[d].size(); ++t) {
-        const int64_t i = distinct[d][t];
+        const int64_t j = distinct[d][t], i = send.order[j] / sh.KS;
         qcopies.push_back({in.x.ptr<char>() + i * in.x.strides[0] * esize,
-                           q + static_cast<int64_t>(t) * sh.H, i, n + extra++});
+                           reinterpret_cast<char*>(q + static_cast<int64_t>(t) * sh.H), i, j});
       }
     }
     parallel_quantize(qcopies, sh.H, sh.dtype, qsend_scale->data());  // MPI's send buffer
     qcopies.clear();
-    for (int d = 0, extra = 0; d < W; ++d) {
+    std::vector<int64_t> first_copy;  // [token]: its first copy's entry (d being filled)
+    for (int d = 0; d < W; ++d) {
       if (shm_to[d] || distinct[d].empty()) continue;
-      positions_of(d);
+      first_copy.resize(static_cast<std::size_t>(sh.BS));
+      for (const int64_t j : distinct[d]) first_copy[send.order[j] / sh.KS] = j;
       for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
-        (*qsend_scale)[j] = (*qsend_scale)[n + extra + position[send.order[j] / sh.KS]];
-      extra += static_cast<int>(distinct[d].size());
+        (*qsend_scale)[j] = (*qsend_scale)[first_copy[send.order[j] / sh.KS]];
     }
   }
 
@@ -1058,7 +1046,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in(W), meta_out(W);
     auto announced = std::make_shared<std::vector<int64_t>>(2 * W, 0);  // received, then sent
     ex.keep_alive(announced);
-    // Rows of a merged source: its distinct tokens, in increasing order, copied into place below.
+    // Rows of a merged source: its distinct tokens in the order of their first rows, copied into
+    // place below.
     std::vector<std::shared_ptr<Tensor>> merged_in(W);
     for (int s = 0; s < W; ++s) {
       if (!shm_from[s] && distinct_from[s] < recv.source_rows[s]) {
@@ -1103,9 +1092,11 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
           if (shm_to[d]) continue;
           char* to_d = send_rows->ptr<char>() + send.rank_offset[d] * row_bytes;
           if (!distinct[d].empty()) {  // merged: each distinct token once
-            for (std::size_t t = 0; t < distinct[d].size(); ++t)
-              pack.push_back({in.x.ptr<char>() + distinct[d][t] * x_row_stride,
-                              to_d + static_cast<int64_t>(t) * row_bytes, distinct[d][t]});
+            for (std::size_t t = 0; t < distinct[d].size(); ++t) {
+              const int64_t i = send.order[distinct[d][t]] / sh.KS;
+              pack.push_back({in.x.ptr<char>() + i * x_row_stride,
+                              to_d + static_cast<int64_t>(t) * row_bytes, i});
+            }
             continue;
           }
           for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
@@ -1206,31 +1197,33 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
                      " (please report this bug)");
 
     // Merged sources: each row copied to its place from the source's distinct tokens, which
-    // are the tokens its metadata names, in increasing order.
+    // came in the order the metadata (in send order) first names them.
     std::vector<RowCopy> spread;
+    std::vector<int32_t> at;  // [token]: its row among the source's distinct tokens, or -1
     for (int s = 0, keys = 0; s < W; ++s) {
       if (!merged_in[s]) continue;
-      std::vector<int32_t> tokens;
-      for (const RowMeta& m : *meta_in[s]) tokens.push_back(m.token);
-      std::sort(tokens.begin(), tokens.end());
-      tokens.erase(std::unique(tokens.begin(), tokens.end()), tokens.end());
-      if (static_cast<int64_t>(tokens.size()) != distinct_from[s] || tokens.front() < 0)
-        detail::fail(ErrorKind::kInternal, op, ": rank ", peers[s], " sent ", distinct_from[s],
-                     " distinct tokens, its rows' metadata names ", tokens.size(),
-                     " (please report this bug)");
+      at.assign(static_cast<std::size_t>(headers[s].BS), -1);
+      int32_t next = 0;
       const RowMeta* m = meta_in[s]->data();
       const char* base = merged_in[s]->ptr<char>();
       for (int l = 0; l < L; ++l) {
         const int64_t b = static_cast<int64_t>(l) * W + s;
         for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
              ++j, ++m) {
-          const int64_t t =
-              std::lower_bound(tokens.begin(), tokens.end(), m->token) - tokens.begin();
-          spread.push_back(
-              {base + t * out_row_bytes, out.expand_x.ptr<char>() + j * out_row_bytes, keys + t});
+          if (m->token < 0 || m->token >= headers[s].BS)
+            detail::fail(ErrorKind::kInternal, op, ": rank ", peers[s], " sent token ", m->token,
+                         " of its ", headers[s].BS, " (please report this bug)");
+          int32_t& t = at[static_cast<std::size_t>(m->token)];
+          if (t < 0) t = next++;
+          spread.push_back({base + static_cast<int64_t>(t) * out_row_bytes,
+                            out.expand_x.ptr<char>() + j * out_row_bytes, keys + t});
         }
       }
-      keys += static_cast<int>(tokens.size());
+      if (next != distinct_from[s])
+        detail::fail(ErrorKind::kInternal, op, ": rank ", peers[s], " sent ", distinct_from[s],
+                     " distinct tokens, its rows' metadata names ", next,
+                     " (please report this bug)");
+      keys += next;
     }
     parallel_copy(spread, out_row_bytes,
                   static_cast<int64_t>(spread.size()) * out_row_bytes >= stream_min);
