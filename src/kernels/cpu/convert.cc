@@ -104,19 +104,6 @@ HWY_INLINE VF EvenF32(VU16 v) {
 HWY_INLINE VF OddF32(VU16 v) {
   return hn::BitCast(DF(), hn::And(hn::BitCast(DU32(), v), hn::Set(DU32(), 0xffff0000u)));
 }
-// p rounded to bf16 as StoreF32 rounds it, in the upper half of each 32-bit lane. kQuietNaN: p may
-// hold NaN (made quiet, as f32_to_bf16 does); without it p must hold none.
-template <bool kQuietNaN>
-HWY_INLINE VU32 RoundedBF16(VF p) {
-  const DU32 du32;
-  const VU32 u = hn::BitCast(du32, p);
-  const VU32 r = hn::Add(
-      u, hn::Add(hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u)), hn::Set(du32, 0x7fffu)));
-  if constexpr (kQuietNaN)
-    return hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(p)), hn::Or(u, hn::Set(du32, 0x00400000u)),
-                          r);
-  return r;
-}
 HWY_INLINE VU16 PackBF16(VU32 even, VU32 odd) {
   const DU16 du16;
   return hn::OddEven(hn::BitCast(du16, odd), hn::BitCast(du16, hn::ShiftRight<16>(even)));

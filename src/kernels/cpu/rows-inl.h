@@ -105,6 +105,23 @@ HWY_INLINE void WithRowCount(int64_t count, F&& f) {
   f(std::integral_constant<int, kMax>{});
 }
 
+#if HWY_TARGET != HWY_SCALAR
+// v rounded to bf16 as StoreF32 rounds it (u + 0x7fff + lsb, ties to even; NaN made quiet by
+// setting bit 22, as f32_to_bf16 does), in the upper half of each 32-bit lane. Without kQuietNaN
+// v must hold no NaN (the test is then skipped).
+template <bool kQuietNaN>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<DF>> RoundedBF16(VF v) {
+  const hn::RebindToUnsigned<DF> du32;
+  const auto u = hn::BitCast(du32, v);
+  const auto r = hn::Add(
+      u, hn::Add(hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u)), hn::Set(du32, 0x7fffu)));
+  if constexpr (kQuietNaN)
+    return hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)), hn::Or(u, hn::Set(du32, 0x00400000u)),
+                          r);
+  return r;
+}
+#endif
+
 // Two vectors, v0 at element i and v1 after it, as StoreF32 twice. On AVX2 and AVX-512 bf16 rows
 // are rounded as 32-bit lanes (the bf16 in each lane's upper half: u + 0x7fff + lsb, or u with the
 // quiet bit 22 set for NaN, the same bits as StoreF32) and the two upper halves are gathered into
@@ -115,16 +132,8 @@ template <DType kT>
 HWY_INLINE void StoreF32Pair(DF df, VF v0, VF v1, void* row, int64_t i, bool stream = false) {
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
   if constexpr (kT == DType::kBF16) {
-    const hn::RebindToUnsigned<DF> du32;
     const hn::Repartition<uint16_t, DF> du16;
-    auto upper = [&](VF v) {
-      const auto u = hn::BitCast(du32, v);
-      const auto bias =
-          hn::Add(hn::And(hn::ShiftRight<16>(u), hn::Set(du32, 1u)), hn::Set(du32, 0x7fffu));
-      return hn::BitCast(du16,
-                         hn::IfThenElse(hn::RebindMask(du32, hn::IsNaN(v)),
-                                        hn::Or(u, hn::Set(du32, 0x00400000u)), hn::Add(u, bias)));
-    };
+    auto upper = [&](VF v) { return hn::BitCast(du16, RoundedBF16<true>(v)); };
     Put(hn::ConcatOdd(du16, upper(v1), upper(v0)), du16, static_cast<uint16_t*>(row) + i, stream);
     return;
   }
