@@ -719,6 +719,54 @@ TEST(CombineErrors, ExpertIdsDifferFromDispatch) {
   round_trip(make_batch(s, mpi().size));
 }
 
+// An entry moved to another expert of the same peer: the rows per peer still agree, the rows per
+// block (local expert) do not. Over MPI each block is its own message, so one receive gets more
+// rows than posted and the next fewer; over shared memory the rows' metadata names the wrong
+// expert. Either way an error on the rank that moved it, and the other ranks finish.
+TEST(CombineErrors, ExpertIdMovedWithinAPeer) {
+  if (mpi().size == 1) GTEST_SKIP() << "needs a second rank to route to";
+  CombineErrorCase c = dispatched();
+  const int bad = last_rank();
+  std::vector<int32_t> ids = c.b.ids[bad];
+  const int64_t K = c.b.K, E = c.b.E, L = c.b.L, tokens = static_cast<int64_t>(ids.size()) / K;
+  ASSERT_GE(L, 2);
+  int64_t at = -1;
+  int32_t moved = -1;
+  for (int64_t j = 0; j < tokens * K && moved < 0; ++j) {
+    const int32_t e = ids[j];
+    if (e < 0 || e >= E || e / L == bad) continue;  // an expert of another rank
+    const int64_t i = j / K;
+    for (int32_t cand = static_cast<int32_t>(e / L * L); cand < (e / L + 1) * L; ++cand) {
+      bool used = false;
+      for (int64_t k = 0; k < K; ++k) used |= ids[i * K + k] == cand;
+      if (!used) {
+        at = j, moved = cand;
+        break;
+      }
+    }
+  }
+  ASSERT_GE(moved, 0) << "no entry to move";
+  ids[at] = moved;
+  CombineInputs in = combine_inputs(c.b, c.out, c.y);
+  if (is_bad(bad)) {
+    in.expert_ids.data = ids.data();
+    try {
+      combine_v2(in, config(c.b));
+      ADD_FAILURE() << "no error";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.kind(), ErrorKind::kInvalidArgument) << err.what();
+      EXPECT_NE(std::string(err.what()).find("combine_v2: "), std::string::npos) << err.what();
+      EXPECT_NE(std::string(err.what()).find("matching dispatch_v2"), std::string::npos)
+          << err.what();
+    }
+  } else {
+    EXPECT_NO_THROW(combine_v2(in, config(c.b)));
+  }
+  BatchSpec s;
+  s.name = "after_error";
+  round_trip(make_batch(s, mpi().size));
+}
+
 // Runs last in this file: it leaves rank 0's messages pending on a communicator of its own (freed
 // at the end of the scope); tests that follow, here or in other files, use other communicators.
 TEST(DispatchTimeout, MissingRankTimesOut) {

@@ -16,10 +16,12 @@
 //               §1.5; without smoothing scales each token is quantised once and its row copied
 //               per entry), sends each destination its contiguous slice of H-byte rows, and the
 //               metadata also carries each row's scale (-> dynamic_scales).
-// combine_v2 is the way back: the expert side packs its rows in send order (source s, then its
-// blocks (l, s) from ep_send_counts) and sends each source one contiguous message; the source
-// recomputes dispatch's send order from expert_ids, receives peer d's rows contiguously at d's
-// offset in that order, then reduces in the SPEC §2.3 order. combine's row messages are posted
+// combine_v2 is the way back: the expert side sends each source one contiguous message per block
+// (l, s), straight from expand_x when its rows are contiguous (else from its rows packed in send
+// order: s, then l); its own rows it does not send (its sum reads them in place, except with
+// comm_quant_mode 2). The source recomputes dispatch's send order from expert_ids, receives peer
+// d's block l after its block l - 1 at d's offset in that order (sizes from its own per-block
+// counts), then reduces in the SPEC §2.3 order. combine's row messages are posted
 // even when empty, so a disagreement between ranks shows up as a count mismatch (an error)
 // instead of a stray message that would poison the next op; dispatch's per-block messages follow
 // the counts the senders themselves sent, so they cannot disagree.
@@ -1516,14 +1518,20 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   } else if (stage) {
     pack_rows(stage->ptr);  // staging: the valid rows copied once into the window
   }
-  // The rows for sources that receive them through MPI, contiguous in send order (row_bytes
-  // apart, as in the staging slot, which serves when there is one): one contiguous message per
-  // source, which OpenMPI moves with its single-copy path, unlike a per-row datatype.
+  // The rows for sources that receive them through MPI go as one contiguous message per block
+  // (l, s), which OpenMPI moves with its single-copy path, unlike a per-row datatype: straight
+  // from expand_x (or the TP sums) when its rows are contiguous (`direct`: nothing is packed),
+  // else from the rows in send order (row_bytes apart, as in the staging slot, which serves when
+  // there is one; int8 with comm_quant_mode 2). Without comm_quant_mode 2, this rank's own rows
+  // are not sent at all: its weighted sum reads them where they are (`self_in_place`).
+  const bool direct = !cq && src_stride == row_bytes;
+  const bool self_in_place = !cq && !read[me];
   std::shared_ptr<Tensor> packed;
   const char* send_rows = cq ? reinterpret_cast<const char*>(qrows) : stage ? stage->ptr : nullptr;
   bool any_mpi_back = false;
-  for (int s = 0; s < W; ++s) any_mpi_back |= !provide[s] && blocks.source_rows[s] > 0;
-  if (!send_rows && any_mpi_back) {
+  for (int s = 0; s < W; ++s)
+    any_mpi_back |= !provide[s] && !(s == me && self_in_place) && blocks.source_rows[s] > 0;
+  if (!direct && !send_rows && any_mpi_back) {
     packed = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {blocks.valid, sh.H}));
     pack_rows(packed->ptr<char>());
     send_rows = packed->ptr<char>();
@@ -1579,29 +1587,46 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     // Rows through MPI land in y in this rank's send order (peer d's at back.rank_offset[d]); y is
     // allocated only when some peer sends any.
     bool need_y = false;
-    for (int d = 0; d < W; ++d) need_y |= !read[d] && back.rank_offset[d + 1] > back.rank_offset[d];
+    for (int d = 0; d < W; ++d)
+      need_y |=
+          !read[d] && !(d == me && self_in_place) && back.rank_offset[d + 1] > back.rank_offset[d];
     if (need_y && !y) {
       y = std::make_shared<Tensor>(
           Tensor::empty(cq ? DType::kI8 : sh.dtype, {sh.BS * sh.KS, sh.H}));
       ex.keep_alive(y);
     }
     static char no_rows;  // the buffer of empty receives when y is not needed
+    // The receives of peer d's rows through MPI: statuses [row_recv[d], row_recv[d] + its local
+    // experts), one per block (d's local expert l, this rank), in y at d's offset in the send
+    // order; -1 when d's rows are read in place (its window, or this rank's own rows).
+    std::vector<int64_t> row_recv(W, -1), meta_recv(W);
+    int64_t posted = 0;  // receives posted so far (wait() returns their statuses in that order)
     for (int d = 0; d < W; ++d) {
       const int64_t first = back.rank_offset[d], n = back.rank_offset[d + 1] - first;
       expected[d] = n * wire_row;
-      if (read[d]) {
+      if (d == me && self_in_place) {
+        // Read in place below.
+      } else if (read[d]) {
         if (d != me) {
           where_in[d] = std::make_shared<std::vector<int64_t>>(3 + 2 * sh.pl.local_experts(d));
           ex.keep_alive(where_in[d]);
           ex.irecv(where_in[d]->data(), to_int(3 + 2 * sh.pl.local_experts(d)), MPI_INT64_T,
                    peers[d], detail::kTagShmWhere);
+          ++posted;
         }
       } else {
-        ex.irecv(y ? y->ptr<char>() + first * wire_row : &no_rows, to_int(n), row.get(), peers[d],
-                 detail::kTagCombineRows);
+        row_recv[d] = posted;
+        int64_t at = first;
+        for (int64_t l = 0; l < sh.pl.local_experts(d); ++l, ++posted) {
+          const int64_t rows = back.counts[static_cast<std::size_t>(sh.pl.block_base(d) + l)];
+          ex.irecv(y ? y->ptr<char>() + at * wire_row : &no_rows, to_int(rows), row.get(), peers[d],
+                   detail::kTagCombineRows);
+          at += rows;
+        }
       }
       meta_in[d] = std::make_shared<std::vector<BackMeta>>(n);
       ex.keep_alive(meta_in[d]);
+      meta_recv[d] = posted++;
       ex.irecv(meta_in[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagCombineMeta);
     }
     if (shm) shm->sync();  // this rank's rows (the experts' stores, staging) before "where"
@@ -1629,11 +1654,18 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
           ex.isend(where_out[s]->data(), to_int(static_cast<int64_t>(where_out[s]->size())),
                    MPI_INT64_T, peers[s], detail::kTagShmWhere);
         }
-      } else {
-        // s's rows are contiguous in send order (int8 with comm_quant_mode 2).
+      } else if (!(s == me && self_in_place)) {
         static const char none = 0;
-        ex.isend(send_rows ? send_rows + send_first[s] * wire_row : &none,
-                 to_int(blocks.source_rows[s]), row.get(), peers[s], detail::kTagCombineRows);
+        int64_t staged = send_first[s];  // block (l, s)'s first row in send order
+        for (int l = 0; l < L; ++l) {
+          const int64_t b = static_cast<int64_t>(l) * W + s, rows = blocks.block_rows[b];
+          const char* from = rows == 0 ? &none
+                             : direct  ? static_cast<const char*>(rows_src.data) +
+                                            blocks.block_offset[b] * src_stride
+                                      : send_rows + staged * wire_row;
+          ex.isend(from, to_int(rows), row.get(), peers[s], detail::kTagCombineRows);
+          staged += rows;
+        }
       }
       ex.isend(meta_out[s]->data(), to_int(static_cast<int64_t>(meta_out[s]->size())),
                meta_type.get(), peers[s], detail::kTagCombineMeta);
@@ -1642,35 +1674,64 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       std::vector<MPI_Status> st = ex.wait();  // receives in the order posted, per peer
       if (perf) ex.add_recv_wait_us(perf);
       if (shm) shm->sync();  // the owners' rows, announced by "where", are visible
-      std::size_t at = 0;
       for (int d = 0; d < W; ++d) {
-        const MPI_Status& rows_or_where = st[at];
-        if (!(read[d] && d == me)) ++at;
-        const MPI_Status& meta_st = st[at++];
-        MPI_Count got = 0;
-        if (!read[d]) {
-          detail::check_mpi(MPI_Get_elements_x(&rows_or_where, row.get(), &got), op,
-                            "MPI_Get_elements_x");
-        } else {
-          int metas = 0;  // shm: the rows are counted by their metadata
-          detail::check_mpi(MPI_Get_count(&meta_st, meta_type.get(), &metas), op, "MPI_Get_count");
-          got = static_cast<MPI_Count>(metas) * wire_row;
-        }
-        if (got != expected[d])
-          detail::invalid(op, ": rank ", peers[d], " sent back ",
-                          got / std::max<int64_t>(wire_row, 1), " rows but expert_ids on rank ",
-                          comm.rank(), " route ", expected[d] / std::max<int64_t>(wire_row, 1),
+        auto mismatch = [&](int64_t got_rows, int64_t want_rows, const char* what) {
+          detail::invalid(op, ": rank ", peers[d], " sent back ", got_rows, " rows", what,
+                          " but expert_ids on rank ", comm.rank(), " route ", want_rows,
                           " entries to it: expert_ids and ep_send_counts must be those of the "
                           "matching dispatch_v2");
+        };
+        const int64_t unit = std::max<int64_t>(wire_row, 1);  // H may be 0
+        const int64_t want = expected[d] / unit;
+        if (row_recv[d] < 0) {  // read in place: the rows are counted by their metadata
+          int metas = 0;
+          detail::check_mpi(
+              MPI_Get_count(&st[static_cast<std::size_t>(meta_recv[d])], meta_type.get(), &metas),
+              op, "MPI_Get_count");
+          if (metas != want) mismatch(metas, want, "");
+          continue;
+        }
+        int64_t got_rows = 0;
+        std::vector<int64_t> block_got(static_cast<std::size_t>(sh.pl.local_experts(d)));
+        for (int64_t l = 0; l < sh.pl.local_experts(d); ++l) {
+          MPI_Count got = 0;
+          detail::check_mpi(
+              MPI_Get_elements_x(&st[static_cast<std::size_t>(row_recv[d] + l)], row.get(), &got),
+              op, "MPI_Get_elements_x");
+          // Elements are bytes; a partial row (never sent) would count as one more row.
+          const int64_t rows = (static_cast<int64_t>(got) + unit - 1) / unit;
+          block_got[static_cast<std::size_t>(l)] = rows;
+          got_rows += rows;
+        }
+        if (got_rows != want) mismatch(got_rows, want, "");
+        for (int64_t l = 0; l < sh.pl.local_experts(d); ++l) {
+          const int64_t w = back.counts[static_cast<std::size_t>(sh.pl.block_base(d) + l)];
+          if (block_got[static_cast<std::size_t>(l)] != w)
+            mismatch(block_got[static_cast<std::size_t>(l)], w,
+                     (" for its local expert " + std::to_string(l)).c_str());
+        }
       }
       // Every row must be the one expert_ids put at that position: same (token, slot), same
       // expert (a shared expert s is -1 - s).
       for (int d = 0; d < W; ++d) {
         const int64_t first = back.rank_offset[d];
         const std::vector<BackMeta>& m = *meta_in[d];
+        // Rows read in place: where[3 + l] and where[3 + Ld + l] are the first row and the row
+        // count of block (l, this rank) in the owner's rows (its window, or rows_src for this
+        // rank's own rows: self_in_place).
+        const bool own = d == me && self_in_place;
+        const int64_t Ld = sh.pl.local_experts(d);
         std::vector<int64_t> where;
-        if (read[d]) where = d == me ? where_for(me) : *where_in[d];
-        int64_t l = 0, in_block = 0;  // shm: position of row j in the owner's blocks
+        if (own) {
+          where.assign(static_cast<std::size_t>(3 + 2 * Ld), 0);
+          for (int64_t b = 0; b < Ld; ++b) {
+            where[static_cast<std::size_t>(3 + b)] = blocks.block_offset[b * W + me];
+            where[static_cast<std::size_t>(3 + Ld + b)] = blocks.block_rows[b * W + me];
+          }
+        } else if (read[d]) {
+          where = d == me ? where_for(me) : *where_in[d];
+        }
+        int64_t l = 0, in_block = 0;  // position of row j in the owner's blocks
         for (int64_t j = 0; j < static_cast<int64_t>(m.size()); ++j) {
           const int64_t flat = back.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
           const int64_t e = k < sh.K ? detail::index_at(in.expert_ids, i, k) : -1 - (k - sh.K);
@@ -1681,18 +1742,19 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                             ") at that position: expert_ids (and x_active_mask) must be those of "
                             "the matching dispatch_v2 (same tokens, same order)");
           if (cq) (*yscale)[flat] = m[j].qscale;
-          if (!read[d]) {
+          if (row_recv[d] >= 0) {
             yrow[flat] = y->ptr<char>() + (first + j) * wire_row;
             continue;
           }
-          const int64_t Ld = sh.pl.local_experts(d);
           while (l < Ld && in_block == where[3 + Ld + l]) ++l, in_block = 0;
           if (l >= Ld)
             detail::invalid(op, ": rank ", peers[d], " holds fewer rows for rank ", comm.rank(),
                             " than expert_ids route to it (ep_send_counts and expert_ids must be "
                             "those of the matching dispatch_v2)");
-          yrow[flat] = shm->peer_ptr(static_cast<int>(where[0]), peers[d],
-                                     where[1] + (where[3 + l] + in_block) * where[2], wire_row);
+          yrow[flat] =
+              own ? static_cast<const char*>(rows_src.data) + (where[3 + l] + in_block) * src_stride
+                  : shm->peer_ptr(static_cast<int>(where[0]), peers[d],
+                                  where[1] + (where[3 + l] + in_block) * where[2], wire_row);
           ++in_block;
         }
       }
