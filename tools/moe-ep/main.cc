@@ -393,15 +393,41 @@ void validate(CLI::App& run, const RunOptions& o) {
   }
 }
 
-// Prints the error, unless it is kRemote: then another rank failed and prints the real error;
-// this rank gives it a moment to do so before aborting the job.
-[[noreturn]] void fail(const char* kind, const char* message, bool remote) {
-  if (remote) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  } else {
+// Only the error path uses it: a rank that failed waits here for the others (MPI_Ibarrier).
+MPI_Comm g_fail_comm = MPI_COMM_NULL;
+
+// True when every rank of g_fail_comm reaches this call within `seconds`.
+bool all_ranks_failed_within(double seconds) {
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (MPI_Ibarrier(g_fail_comm, &req) != MPI_SUCCESS) return false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  for (;;) {
+    int done = 0;
+    if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return false;
+    if (done) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+// Prints the error, unless it is kRemote: then another rank failed and prints the real error.
+// `agreed`: an error every rank raises once the op's header agreement has run (a bad argument,
+// or kRemote: another rank's), which leaves no message pending: if every rank reaches the same
+// point within a few seconds, they all end with MPI_Finalize and exit status 2, without
+// OpenMPI's MPI_ABORT banner. Otherwise (a timeout, an MPI or internal failure, or ranks that
+// do not all fail) the job is aborted with MPI_Abort, as it must be so that no rank waits
+// forever for one that left. Returns the exit status when it did not abort.
+int fail(const char* kind, const char* message, bool remote, bool agreed) {
+  if (!remote) {
     std::fprintf(stderr, "moe-ep: error: %s: %s\n", kind, message);
     std::fflush(stderr);
   }
+  if (agreed && all_ranks_failed_within(10.0)) {
+    MPI_Comm_free(&g_fail_comm);
+    return 2;
+  }
+  // This rank's peer may still print the real error: give it a moment.
+  if (remote) std::this_thread::sleep_for(std::chrono::milliseconds(500));
   MPI_Abort(MPI_COMM_WORLD, 2);
   std::_Exit(2);
 }
@@ -412,6 +438,7 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_dup(MPI_COMM_WORLD, &g_fail_comm);
 
   CLI::App app{"moe-ep: mixture-of-experts expert parallelism over MPI"};
   app.require_subcommand(1);
@@ -477,12 +504,17 @@ int main(int argc, char** argv) {
     code = run->parsed() ? moe_ep_tool::run_command(options)
                          : moe_ep_tool::bench_command(bench_options);
   } catch (const moe_ep::Error& e) {
-    fail(moe_ep::error_kind_name(e.kind()), e.what(), e.kind() == moe_ep::ErrorKind::kRemote);
+    const moe_ep::ErrorKind k = e.kind();
+    code = fail(moe_ep::error_kind_name(k), e.what(), k == moe_ep::ErrorKind::kRemote,
+                k == moe_ep::ErrorKind::kInvalidArgument || k == moe_ep::ErrorKind::kUnsupported ||
+                    k == moe_ep::ErrorKind::kRemote);
   } catch (const std::bad_alloc&) {
-    fail("System", "out of memory (std::bad_alloc); use fewer --tokens or a smaller --ffn", false);
+    fail("System", "out of memory (std::bad_alloc); use fewer --tokens or a smaller --ffn", false,
+         false);
   } catch (const std::exception& e) {
-    fail("Internal", e.what(), false);
+    fail("Internal", e.what(), false, false);
   }
+  if (g_fail_comm != MPI_COMM_NULL) MPI_Comm_free(&g_fail_comm);
   MPI_Finalize();
   return code;
 }
