@@ -109,23 +109,34 @@ HWY_INLINE VU16 PackBF16(VU32 even, VU32 odd) {
   return hn::OddEven(hn::BitCast(du16, odd), hn::BitCast(du16, hn::ShiftRight<16>(even)));
 }
 
+#endif  // HWY_TARGET != HWY_SCALAR
+
+// The terms of SumRowsT: w[r] * x (x itself unweighted), the first one starting the sum (after
+// +0 with kFromZero).
+template <bool kWeighted, bool kFromZero>
+struct SumTerms {
+  const float* w;
+  HWY_INLINE VF term(VF x, int64_t r) const {
+    if constexpr (kWeighted) return hn::Mul(hn::Set(DF(), w[r]), x);
+    return x;
+  }
+  HWY_INLINE VF first(VF x) const {
+    if constexpr (kFromZero) return hn::Add(hn::Zero(DF()), term(x, 0));
+    return term(x, 0);
+  }
+};
+
+#if HWY_TARGET != HWY_SCALAR
 // SumRowsT's bf16 -> bf16 blocks (2 vectors of bf16, 4 of fp32); returns the first element not
 // done. The sums may hold NaN (Inf - Inf) even of finite rows.
 template <bool kWeighted, bool kFromZero>
-HWY_INLINE int64_t SumBF16EvenOdd(uint16_t* dst, const void* const* rows, const float* w,
-                                  int64_t count, int64_t n, bool stream, const void* const* ahead,
-                                  int64_t ahead_count) {
-  const DF df;
+HWY_INLINE int64_t SumBF16EvenOdd(uint16_t* dst, const void* const* rows,
+                                  SumTerms<kWeighted, kFromZero> t, int64_t count, int64_t n,
+                                  bool stream, const void* const* ahead, int64_t ahead_count) {
   const DU16 du16;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(du16));
-  auto term = [&](VF x, int64_t r) {
-    if constexpr (kWeighted) return hn::Mul(hn::Set(df, w[r]), x);
-    return x;
-  };
-  auto first = [&](VF x) {  // the first term (x rounded already), or +0 + it
-    if constexpr (kFromZero) return hn::Add(hn::Zero(df), term(x, 0));
-    return term(x, 0);
-  };
+  auto term = [&](VF x, int64_t r) { return t.term(x, r); };
+  auto first = [&](VF x) { return t.first(x); };
   auto row = [&](int64_t r) { return static_cast<const uint16_t*>(rows[r]); };
   int64_t i = 0;
   for (; i + 2 * lanes <= n; i += 2 * lanes) {
@@ -159,18 +170,15 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
   constexpr int64_t kBlock = 4;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
   const int64_t esize = static_cast<int64_t>(dtype_size(kIn));
-  auto term = [&](const VF& x, int64_t r) {
-    if constexpr (kWeighted) return hn::Mul(hn::Set(df, w[r]), x);
-    return x;
-  };
-  auto first = [&](const VF& x) {  // the first term (x rounded already), or +0 + it
-    if constexpr (kFromZero) return hn::Add(hn::Zero(df), term(x, 0));
-    return term(x, 0);
-  };
+  const SumTerms<kWeighted, kFromZero> t{w};
+  auto term = [&](VF x, int64_t r) { return t.term(x, r); };
+  auto first = [&](VF x) { return t.first(x); };
   int64_t i = 0;
 #if HWY_TARGET != HWY_SCALAR
+  // bf16 -> bf16 leaves fewer than 2 bf16 vectors (4 fp32 vectors) to the loops below, so their
+  // block loop never runs for it.
   if constexpr (kIn == DType::kBF16 && kOut == DType::kBF16)
-    i = SumBF16EvenOdd<kWeighted, kFromZero>(static_cast<uint16_t*>(dst), rows, w, count, n, stream,
+    i = SumBF16EvenOdd<kWeighted, kFromZero>(static_cast<uint16_t*>(dst), rows, t, count, n, stream,
                                              ahead, ahead_count);
 #endif
   for (; i + kBlock * lanes <= n; i += kBlock * lanes) {
