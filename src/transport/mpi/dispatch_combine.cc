@@ -738,7 +738,9 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   int64_t* perf = nullptr;
   const bool quant = in.quant_mode == 2;
   // quant_mode 2: the int8 rows in send order (SPEC §1.5) and their dynamic scales.
-  std::shared_ptr<std::vector<int8_t>> qsend;
+  // Not a std::vector: its zero fill cost a pass over fresh pages every call (the allocator's
+  // block cache reuses mapped pages and fills nothing).
+  std::shared_ptr<Tensor> qsend;
   std::shared_ptr<std::vector<float>> qsend_scale;
   // Shared-memory transport: expand_x's slot in this rank's window, or, when the window must
   // first grow, its allocation deferred until after the header agreement.
@@ -800,8 +802,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       const int64_t n = static_cast<int64_t>(send.order.size());
       // With shm the int8 rows for peers on this machine are written straight into their
       // expand_x; the send buffer is allocated later, only if some peer needs MPI.
-      if (!shm_want)
-        qsend = std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(n * sh.H));
+      if (!shm_want) qsend = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {n * sh.H}));
       qsend_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(n));
     }
     // Only the first 3 * valid entries are written (SPEC §1.4: opaque, only those are read).
@@ -853,7 +854,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     for (int d = 0; d < W; ++d) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
       distinct_count[d] = static_cast<int32_t>(n);
-      if (!may_merge || (shm && shm->node_of(peers[d]) >= 0)) continue;
+      if (!may_merge || d == me || (shm && shm->node_of(peers[d]) >= 0)) continue;
       std::vector<int64_t>& u = distinct[d];
       for (int64_t j = first; j < first + n; ++j) {
         const int64_t i = send.order[j] / sh.KS;
@@ -948,11 +949,14 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       shm_to[p] = to[p][0] >= 0;
     }
   }
+  // This rank's own rows never go through MPI: without a window slot they are copied (or
+  // quantised) straight into its expand_x, like rows to a peer through shared memory.
+  auto in_place_to = [&](int d) { return shm_to[d] || d == me; };
   bool any_mpi_to = false;
-  for (int d = 0; d < W; ++d) any_mpi_to |= !shm_to[d];
+  for (int d = 0; d < W; ++d) any_mpi_to |= !in_place_to(d);
   if (quant && any_mpi_to && !qsend)
-    qsend =
-        std::make_shared<std::vector<int8_t>>(send.order.size() * static_cast<std::size_t>(sh.H));
+    qsend = std::make_shared<Tensor>(
+        Tensor::empty(DType::kI8, {static_cast<int64_t>(send.order.size()) * sh.H}));
 
   // quant_mode 2 (SPEC §1.5): every (token, destination) copy in send order, smoothed by its
   // expert's row of scales (Ns + e for MoE expert e, s for shared expert s). Without scales every
@@ -1010,8 +1014,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     // A merged destination's distinct tokens are quantised to the front of its range of the send
     // buffer, each token's scale to its first copy's entry, then to its other copies'.
     for (int d = 0; d < W; ++d) {
-      if (shm_to[d]) continue;
-      int8_t* q = qsend->data() + send.rank_offset[d] * sh.H;
+      if (in_place_to(d)) continue;
+      int8_t* q = qsend->ptr<int8_t>() + send.rank_offset[d] * sh.H;
       if (distinct[d].empty()) {
         quantise(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d], q);
         continue;
@@ -1026,7 +1030,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     qcopies.clear();
     std::vector<int64_t> first_copy;  // [token]: its first copy's entry (d being filled)
     for (int d = 0; d < W; ++d) {
-      if (shm_to[d] || distinct[d].empty()) continue;
+      if (in_place_to(d) || distinct[d].empty()) continue;
       first_copy.resize(static_cast<std::size_t>(sh.BS));
       for (const int64_t j : distinct[d]) first_copy[send.order[j] / sh.KS] = j;
       for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
@@ -1062,7 +1066,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       // OpenMPI moves contiguous messages with its single-copy path, derived datatypes through
       // copy-in/out. Messages of one sender with one tag arrive in the order sent (MPI's
       // non-overtaking rule).
-      if (!shm_from[s] && !merged_in[s])
+      if (!shm_from[s] && !merged_in[s] && s != me)  // own rows: copied into place below
         for (int l = 0; l < L; ++l) {
           const int64_t b = static_cast<int64_t>(l) * W + s;
           if (recv.block_rows[b] > 0)
@@ -1091,7 +1095,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
             Tensor::empty(sh.dtype, {static_cast<int64_t>(send.order.size()), sh.H}));
         std::vector<RowCopy> pack;
         for (int d = 0; d < W; ++d) {
-          if (shm_to[d]) continue;
+          if (in_place_to(d)) continue;
           char* to_d = send_rows->ptr<char>() + send.rank_offset[d] * row_bytes;
           if (!distinct[d].empty()) {  // merged: each distinct token once
             for (std::size_t t = 0; t < distinct[d].size(); ++t) {
@@ -1113,8 +1117,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
       meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
       ex.keep_alive(meta_out[d]);
-      if (shm_to[d]) continue;     // rows below, metadata after them
-      if (!distinct[d].empty()) {  // merged: one message of the distinct tokens
+      if (in_place_to(d)) continue;  // rows below, metadata after them
+      if (!distinct[d].empty()) {    // merged: one message of the distinct tokens
         ex.isend(send_rows->ptr<char>() + first * out_row_bytes,
                  static_cast<int>(distinct[d].size()), row.get(), peers[d], detail::kTagRows);
         continue;
@@ -1130,16 +1134,19 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
         j += rows;
       }
     }
-    // Shared memory: each (destination, local expert) run of the send order is contiguous at
-    // its destination; bf16/fp16/fp32 rows are copied there in parallel (the one copy), int8
-    // rows quantised there (once per token without smoothing scales, once per copy with them).
+    // Shared memory (and this rank's own rows): each (destination, local expert) run of the
+    // send order is contiguous at its destination; bf16/fp16/fp32 rows are copied there in
+    // parallel (the one copy), int8 rows quantised there (once per token without smoothing
+    // scales, once per copy with them).
     for (int d = 0; d < W; ++d) {
-      if (!shm_to[d]) continue;
+      if (!in_place_to(d)) continue;
       int64_t j = send.rank_offset[d];
       for (int64_t l = 0; l < sh.pl.local_experts(d); ++l) {
         const int64_t n = send.counts[sh.pl.block_base(d) + l];
-        char* dst =
-            shm->peer_ptr(static_cast<int>(to[d][0]), peers[d], to[d][1 + l], n * out_row_bytes);
+        char* dst = shm_to[d]
+                        ? shm->peer_ptr(static_cast<int>(to[d][0]), peers[d], to[d][1 + l],
+                                        n * out_row_bytes)
+                        : out.expand_x.ptr<char>() + recv.block_offset[l * W + me] * out_row_bytes;
         if (quant) {
           quantise(j, n, reinterpret_cast<int8_t*>(dst));
         } else {
@@ -1331,7 +1338,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   // comm_quant_mode 2: the dynamic scale of y's row i*KS+k; the int8 rows this rank sends back
   // (in send order: source rank, then its blocks) and their scales.
   std::shared_ptr<std::vector<float>> yscale;
-  std::shared_ptr<std::vector<int8_t>> qback;
+  std::shared_ptr<Tensor> qback;  // a Tensor, not a zero-filled std::vector (see qsend)
   std::shared_ptr<std::vector<float>> qback_scale;
   Tensor out;
   int64_t* perf = nullptr;
@@ -1432,8 +1439,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     if (cq) {
       yscale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(sh.BS * sh.KS));
       if (!stage && !stage_defer)
-        qback =
-            std::make_shared<std::vector<int8_t>>(static_cast<std::size_t>(blocks.valid * sh.H));
+        qback = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {blocks.valid * sh.H}));
       qback_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(blocks.valid));
     }
     out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
@@ -1481,7 +1487,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   for (int s = 0; s < W; ++s) send_first[s + 1] = send_first[s] + blocks.source_rows[s];
   const TensorView& rows_src = rs_out ? rs_out->view() : in.expand_x;  // T == 2: the TP sums
   const int64_t src_stride = rows_src.strides[0] * esize;
-  int8_t* qrows = cq ? (stage ? reinterpret_cast<int8_t*>(stage->ptr) : qback->data()) : nullptr;
+  int8_t* qrows =
+      cq ? (stage ? reinterpret_cast<int8_t*>(stage->ptr) : qback->ptr<int8_t>()) : nullptr;
   // expand_x's rows in this rank's send order back: source s, then its blocks (l, s).
   std::vector<int32_t> back_rows;
   back_rows.reserve(static_cast<std::size_t>(blocks.valid));
