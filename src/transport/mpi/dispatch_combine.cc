@@ -10,8 +10,9 @@
 //               (l, s) straight into expand_x, so rows land at their final position (contiguous
 //               messages take OpenMPI's single-copy path; derived datatypes did not, ~6x slower).
 //               A second message per peer carries (token, slot, expert_scale) per row for
-//               assist_info_for_combine and expand_scales. Peers on this machine with the
-//               shared-memory transport: see docs/design.md.
+//               assist_info_for_combine and expand_scales. A rank's own rows are copied (or
+//               quantised) straight into its expand_x, never sent to itself. Peers on this
+//               machine with the shared-memory transport: see docs/design.md.
 //               quant_mode 2: the sender builds the int8 row of every send-order entry (SPEC
 //               §1.5; without smoothing scales each token is quantised once and its row copied
 //               per entry), sends each destination its contiguous slice of H-byte rows, and the
