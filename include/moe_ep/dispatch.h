@@ -69,9 +69,10 @@
 // tp_world_size is 2 or elastic_info scales in (is_scaled_down 1).
 //
 // Data flow (docs/design.md): a header exchange, then per-(destination, local expert) counts, then
-// the rows, packed by the sender in send order and sent as contiguous messages (dispatch: one per
-// (destination, local expert) block, received straight into place; combine: one per peer), plus
-// a per-row metadata message (int8 rows: their fp32 scale travels there). Row counts and offsets
+// the rows as contiguous messages, one per (destination, local expert) block (dispatch: packed by
+// the sender in send order, or each distinct token once, received straight into place; combine:
+// sent straight from expand_x when its rows are contiguous), plus a per-row metadata message
+// (int8 rows: their fp32 scale travels there). A rank's own rows go through no message. Row counts and offsets
 // are 64-bit; one message holds at most INT32_MAX rows of at most INT_MAX bytes each
 // (Error(kUnsupported) beyond).
 #pragma once

@@ -379,11 +379,13 @@ void expect_error(const std::function<void()>& call, int bad, ErrorKind kind,
   round_trip(make_batch(s, mpi().size));
 }
 
-Batch error_batch() {
+// h: rows of more than 4 KiB (h 4096) take OpenMPI's single-copy path between processes.
+Batch error_batch(int64_t h = 16) {
   BatchSpec s;
   s.name = "errors";
   s.tokens = 24;
   s.seed = 3;
+  s.H = h;
   return make_batch(s, mpi().size);
 }
 
@@ -612,8 +614,8 @@ struct CombineErrorCase {
   Batch b;
 };
 
-CombineErrorCase dispatched() {
-  CombineErrorCase c{{}, {}, error_batch()};
+CombineErrorCase dispatched(int64_t h = 16) {
+  CombineErrorCase c{{}, {}, error_batch(h)};
   c.out = dispatch_v2(dispatch_inputs(c.b), config(c.b));
   c.y = run_experts(c.b, c.out, ref::scale_expert(c.b.E));
   return c;
@@ -719,34 +721,10 @@ TEST(CombineErrors, ExpertIdsDifferFromDispatch) {
   round_trip(make_batch(s, mpi().size));
 }
 
-// An entry moved to another expert of the same peer: the rows per peer still agree, the rows per
-// block (local expert) do not. Over MPI each block is its own message, so one receive gets more
-// rows than posted and the next fewer; over shared memory the rows' metadata names the wrong
-// expert. Either way an error on the rank that moved it, and the other ranks finish.
-TEST(CombineErrors, ExpertIdMovedWithinAPeer) {
-  if (mpi().size == 1) GTEST_SKIP() << "needs a second rank to route to";
-  CombineErrorCase c = dispatched();
-  const int bad = last_rank();
-  std::vector<int32_t> ids = c.b.ids[bad];
-  const int64_t K = c.b.K, E = c.b.E, L = c.b.L, tokens = static_cast<int64_t>(ids.size()) / K;
-  ASSERT_GE(L, 2);
-  int64_t at = -1;
-  int32_t moved = -1;
-  for (int64_t j = 0; j < tokens * K && moved < 0; ++j) {
-    const int32_t e = ids[j];
-    if (e < 0 || e >= E || e / L == bad) continue;  // an expert of another rank
-    const int64_t i = j / K;
-    for (int32_t cand = static_cast<int32_t>(e / L * L); cand < (e / L + 1) * L; ++cand) {
-      bool used = false;
-      for (int64_t k = 0; k < K; ++k) used |= ids[i * K + k] == cand;
-      if (!used) {
-        at = j, moved = cand;
-        break;
-      }
-    }
-  }
-  ASSERT_GE(moved, 0) << "no entry to move";
-  ids[at] = moved;
+// Runs combine_v2 with expert_ids `ids` on rank `bad` (the others pass dispatch's) and expects
+// an InvalidArgument naming combine_v2 and dispatch_v2 on `bad` and success elsewhere, then a
+// good round trip.
+void expect_combine_rejects_on(const CombineErrorCase& c, int bad, std::vector<int32_t>& ids) {
   CombineInputs in = combine_inputs(c.b, c.out, c.y);
   if (is_bad(bad)) {
     in.expert_ids.data = ids.data();
@@ -765,6 +743,56 @@ TEST(CombineErrors, ExpertIdMovedWithinAPeer) {
   BatchSpec s;
   s.name = "after_error";
   round_trip(make_batch(s, mpi().size));
+}
+
+// An entry moved to another expert of the same peer: the rows per peer still agree, the rows per
+// block (local expert) do not. Over MPI each block is its own message; the source sizes its
+// receives by the owner's counts, so it takes every row (rows of more than 4 KiB too, which
+// OpenMPI's single-copy path would write past a shorter receive) and then reports the
+// disagreement; over shared memory likewise from the counts. Other ranks finish.
+class CombineMovedWithinAPeer : public ::testing::TestWithParam<int64_t> {};
+TEST_P(CombineMovedWithinAPeer, IsAnErrorOnTheSourceOnly) {
+  if (mpi().size == 1) GTEST_SKIP() << "needs a second rank to route to";
+  CombineErrorCase c = dispatched(GetParam());
+  const int bad = last_rank();
+  std::vector<int32_t> ids = c.b.ids[bad];
+  const int64_t K = c.b.K, E = c.b.E, L = c.b.L;
+  ASSERT_GE(L, 2);
+  int64_t at = -1;
+  int32_t moved = -1;
+  for (int64_t j = 0; j < static_cast<int64_t>(ids.size()) && moved < 0; ++j) {
+    const int32_t e = ids[j];
+    if (e < 0 || e >= E || e / L == bad) continue;  // an expert of another rank
+    const int64_t i = j / K;
+    for (auto cand = static_cast<int32_t>(e / L * L); cand < (e / L + 1) * L; ++cand) {
+      bool used = false;
+      for (int64_t k = 0; k < K; ++k) used |= ids[i * K + k] == cand;
+      if (!used) {
+        at = j, moved = cand;
+        break;
+      }
+    }
+  }
+  ASSERT_GE(moved, 0) << "no entry to move";
+  ids[at] = moved;
+  expect_combine_rejects_on(c, bad, ids);
+}
+INSTANTIATE_TEST_SUITE_P(CombineErrors, CombineMovedWithinAPeer, ::testing::Values(16, 4096),
+                         [](const auto& info) { return "H" + std::to_string(info.param); });
+
+// The last entry a rank routes to itself dropped (-1) before combine: only this rank's own rows
+// disagree, which travel through no message at all.
+TEST(CombineErrors, OwnEntryDroppedBeforeCombine) {
+  CombineErrorCase c = dispatched(4096);
+  const int bad = last_rank();
+  std::vector<int32_t> ids = c.b.ids[bad];
+  const int64_t E = c.b.E, L = c.b.L;
+  int64_t at = -1;
+  for (int64_t j = 0; j < static_cast<int64_t>(ids.size()); ++j)
+    if (ids[j] >= 0 && ids[j] < E && ids[j] / L == bad) at = j;
+  ASSERT_GE(at, 0) << "no entry routed to the rank itself";
+  ids[at] = -1;
+  expect_combine_rejects_on(c, bad, ids);
 }
 
 // Runs last in this file: it leaves rank 0's messages pending on a communicator of its own (freed

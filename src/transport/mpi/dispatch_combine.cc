@@ -19,13 +19,14 @@
 //               metadata also carries each row's scale (-> dynamic_scales).
 // combine_v2 is the way back: the expert side sends each source one contiguous message per block
 // (l, s), straight from expand_x when its rows are contiguous (else from its rows packed in send
-// order: s, then l); its own rows it does not send (its sum reads them in place, except with
-// comm_quant_mode 2). The source recomputes dispatch's send order from expert_ids, receives peer
-// d's block l after its block l - 1 at d's offset in that order (sizes from its own per-block
-// counts), then reduces in the SPEC §2.3 order. combine's row messages are posted
-// even when empty, so a disagreement between ranks shows up as a count mismatch (an error)
-// instead of a stray message that would poison the next op; dispatch's per-block messages follow
-// the counts the senders themselves sent, so they cannot disagree.
+// order: s, then l, or the int8 rows of comm_quant_mode 2); its own rows it does not send (its
+// sum reads them in place). The source recomputes dispatch's send order from expert_ids, learns
+// each owner's per-block row counts first (phase "layout back"), receives peer d's block l after
+// its block l - 1 at d's offset in that order (sized by those counts, so no receive is ever shorter
+// than its message; a disagreement with expert_ids is reported after the rows phase), then
+// reduces in the SPEC §2.3 order. combine's row messages are posted even when empty, so both
+// sides post the same number of them; dispatch's per-block messages follow the counts the senders
+// themselves sent, so they cannot disagree.
 #include <algorithm>
 #include <cerrno>
 #include <climits>
@@ -1530,15 +1531,13 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   // (l, s), which OpenMPI moves with its single-copy path, unlike a per-row datatype: straight
   // from expand_x (or the TP sums) when its rows are contiguous (`direct`: nothing is packed),
   // else from the rows in send order (row_bytes apart, as in the staging slot, which serves when
-  // there is one; int8 with comm_quant_mode 2). Without comm_quant_mode 2, this rank's own rows
-  // are not sent at all: its weighted sum reads them where they are (`self_in_place`).
+  // there is one; int8 with comm_quant_mode 2). This rank's own rows are not sent at all: its
+  // weighted sum reads them where they are (expand_x, the TP sums, or the int8 rows).
   const bool direct = !cq && src_stride == row_bytes;
-  const bool self_in_place = !cq && !read[me];
   std::shared_ptr<Tensor> packed;
   const char* send_rows = cq ? reinterpret_cast<const char*>(qrows) : stage ? stage->ptr : nullptr;
   bool any_mpi_back = false;
-  for (int s = 0; s < W; ++s)
-    any_mpi_back |= !provide[s] && !(s == me && self_in_place) && blocks.source_rows[s] > 0;
+  for (int s = 0; s < W; ++s) any_mpi_back |= !provide[s] && s != me && blocks.source_rows[s] > 0;
   if (!direct && !send_rows && any_mpi_back) {
     packed = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {blocks.valid, sh.H}));
     pack_rows(packed->ptr<char>());
@@ -1581,6 +1580,62 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     }
     ex.wait();
   };
+  // (token, slot, expert, int8 scale) of this rank's rows for source s, in s's send order.
+  const TensorView& ai = in.assist_info_for_combine;
+  std::vector<std::shared_ptr<std::vector<BackMeta>>> meta_out(W);
+  for (int s = 0; s < W; ++s) {
+    meta_out[s] = std::make_shared<std::vector<BackMeta>>();
+    meta_out[s]->reserve(static_cast<std::size_t>(blocks.source_rows[s]));
+    for (int l = 0; l < L; ++l) {
+      const int64_t b = static_cast<int64_t>(l) * W + s;
+      for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
+           ++j)
+        meta_out[s]->push_back(BackMeta{
+            static_cast<int32_t>(detail::index_at(ai, 3 * j + 1)),
+            static_cast<int32_t>(detail::index_at(ai, 3 * j + 2)),
+            static_cast<int32_t>(sh.pl.expert_on(sh.rank, l)),
+            cq ? (*qback_scale)[send_first[s] + static_cast<int64_t>(meta_out[s]->size())] : 0.0f});
+    }
+  }
+  // Phase "layout back": every owner tells every other source how many rows it holds for it per
+  // block (local expert l), and where in its window when the source reads them there
+  // (where_for). The rows phase sizes its receives by these counts, never by what expert_ids
+  // lead this rank to expect: MPI rejects a message longer than its receive, and OpenMPI's
+  // single-copy path writes all of it past the end of the buffer first. A source whose counts
+  // disagree with expert_ids still takes every row announced (no message is left behind), then
+  // raises the error. layout[d]: owner d's announcement (this rank's own, for d == me).
+  if (shm) shm->sync();  // this rank's rows (the experts' stores, staging) before "where"
+  std::vector<std::vector<int64_t>> layout(W);
+  {
+    Exchange ex(comm, op, "layout back");
+    std::vector<std::shared_ptr<std::vector<int64_t>>> in_lay(W), out_lay(W);
+    for (int d = 0; d < W; ++d) {
+      if (d == me) continue;
+      const int64_t ld = sh.pl.local_experts(d);
+      in_lay[d] = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(3 + 2 * ld));
+      out_lay[d] = std::make_shared<std::vector<int64_t>>(where_for(d));
+      ex.keep_alive(in_lay[d]);
+      ex.keep_alive(out_lay[d]);
+      ex.irecv(in_lay[d]->data(), to_int(3 + 2 * ld), MPI_INT64_T, peers[d], detail::kTagShmWhere);
+      ex.isend(out_lay[d]->data(), to_int(3 + 2 * static_cast<int64_t>(L)), MPI_INT64_T, peers[d],
+               detail::kTagShmWhere);
+    }
+    ex.wait();
+    if (perf) ex.add_recv_wait_us(perf);
+    for (int d = 0; d < W; ++d) layout[d] = d == me ? where_for(me) : *in_lay[d];
+  }
+  // announced[d]: rows owner d holds for this rank; agrees[d]: block by block what expert_ids
+  // route to d.
+  std::vector<int64_t> announced(W, 0);
+  std::vector<char> agrees(W, 1);
+  for (int d = 0; d < W; ++d) {
+    const int64_t ld = sh.pl.local_experts(d);
+    for (int64_t l = 0; l < ld; ++l) {
+      const int64_t rows = layout[d][static_cast<std::size_t>(3 + ld + l)];
+      announced[d] += rows;
+      agrees[d] &= rows == back.counts[static_cast<std::size_t>(sh.pl.block_base(d) + l)];
+    }
+  }
   {
     Exchange ex(comm, op, "rows");
     if (y) ex.keep_alive(y);
@@ -1588,81 +1643,49 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     if (qback) ex.keep_alive(qback);
     if (packed) ex.keep_alive(packed);
     const MpiType row = detail::contiguous_bytes(wire_row, op);
-    std::vector<int64_t> expected(W);
     const MpiType meta_type = detail::contiguous_bytes(sizeof(BackMeta), op);
-    std::vector<std::shared_ptr<std::vector<BackMeta>>> meta_in(W), meta_out(W);
-    std::vector<std::shared_ptr<std::vector<int64_t>>> where_in(W), where_out(W);
-    // Rows through MPI land in y in this rank's send order (peer d's at back.rank_offset[d]); y is
-    // allocated only when some peer sends any.
+    // The metadata of every peer's rows, in this rank's send order (this rank's own: meta_out).
+    std::vector<std::shared_ptr<std::vector<BackMeta>>> meta_in(W);
+    // Rows through MPI land in y in this rank's send order (peer d's at back.rank_offset[d]), or,
+    // from a peer whose counts disagree with expert_ids, in a buffer of their own (discarded).
+    std::vector<std::shared_ptr<Tensor>> discard(W);
     bool need_y = false;
-    for (int d = 0; d < W; ++d)
-      need_y |=
-          !read[d] && !(d == me && self_in_place) && back.rank_offset[d + 1] > back.rank_offset[d];
+    for (int d = 0; d < W; ++d) need_y |= d != me && !read[d] && agrees[d] && announced[d] > 0;
     if (need_y && !y) {
       y = std::make_shared<Tensor>(
           Tensor::empty(cq ? DType::kI8 : sh.dtype, {sh.BS * sh.KS, sh.H}));
       ex.keep_alive(y);
     }
-    static char no_rows;  // the buffer of empty receives when y is not needed
-    // The receives of peer d's rows through MPI: statuses [row_recv[d], row_recv[d] + its local
-    // experts), one per block (d's local expert l, this rank), in y at d's offset in the send
-    // order; -1 when d's rows are read in place (its window, or this rank's own rows).
-    std::vector<int64_t> row_recv(W, -1), meta_recv(W);
-    int64_t posted = 0;  // receives posted so far (wait() returns their statuses in that order)
     for (int d = 0; d < W; ++d) {
-      const int64_t first = back.rank_offset[d], n = back.rank_offset[d + 1] - first;
-      expected[d] = n * wire_row;
-      if (d == me && self_in_place) {
-        // Read in place below.
-      } else if (read[d]) {
-        if (d != me) {
-          where_in[d] = std::make_shared<std::vector<int64_t>>(3 + 2 * sh.pl.local_experts(d));
-          ex.keep_alive(where_in[d]);
-          ex.irecv(where_in[d]->data(), to_int(3 + 2 * sh.pl.local_experts(d)), MPI_INT64_T,
-                   peers[d], detail::kTagShmWhere);
-          ++posted;
+      if (d == me) continue;  // this rank's own rows and metadata are here already
+      if (!read[d]) {
+        char* to = nullptr;
+        if (agrees[d]) {
+          to = y ? y->ptr<char>() + back.rank_offset[d] * wire_row : nullptr;
+        } else {
+          discard[d] =
+              std::make_shared<Tensor>(Tensor::empty(DType::kI8, {announced[d] * wire_row}));
+          ex.keep_alive(discard[d]);
+          to = discard[d]->ptr<char>();
         }
-      } else {
-        row_recv[d] = posted;
-        int64_t at = first;
-        for (int64_t l = 0; l < sh.pl.local_experts(d); ++l, ++posted) {
-          const int64_t rows = back.counts[static_cast<std::size_t>(sh.pl.block_base(d) + l)];
-          ex.irecv(y ? y->ptr<char>() + at * wire_row : &no_rows, to_int(rows), row.get(), peers[d],
+        const int64_t ld = sh.pl.local_experts(d);
+        for (int64_t l = 0, at = 0; l < ld; ++l) {
+          const int64_t rows = layout[d][static_cast<std::size_t>(3 + ld + l)];
+          static char none;  // the buffer of empty receives
+          ex.irecv(rows > 0 ? to + at * wire_row : &none, to_int(rows), row.get(), peers[d],
                    detail::kTagCombineRows);
           at += rows;
         }
       }
-      meta_in[d] = std::make_shared<std::vector<BackMeta>>(n);
+      meta_in[d] = std::make_shared<std::vector<BackMeta>>(static_cast<std::size_t>(announced[d]));
       ex.keep_alive(meta_in[d]);
-      meta_recv[d] = posted++;
-      ex.irecv(meta_in[d]->data(), to_int(n), meta_type.get(), peers[d], detail::kTagCombineMeta);
+      ex.irecv(meta_in[d]->data(), to_int(announced[d]), meta_type.get(), peers[d],
+               detail::kTagCombineMeta);
     }
-    if (shm) shm->sync();  // this rank's rows (the experts' stores, staging) before "where"
-    const TensorView& ai = in.assist_info_for_combine;
     for (int s = 0; s < W; ++s) {
-      meta_out[s] = std::make_shared<std::vector<BackMeta>>();
-      meta_out[s]->reserve(blocks.source_rows[s]);
+      if (s == me) continue;
       ex.keep_alive(meta_out[s]);
-      for (int l = 0; l < L; ++l) {
-        const int64_t b = static_cast<int64_t>(l) * W + s;
-        for (int64_t j = blocks.block_offset[b]; j < blocks.block_offset[b] + blocks.block_rows[b];
-             ++j) {
-          meta_out[s]->push_back(BackMeta{
-              static_cast<int32_t>(detail::index_at(ai, 3 * j + 1)),
-              static_cast<int32_t>(detail::index_at(ai, 3 * j + 2)),
-              static_cast<int32_t>(sh.pl.expert_on(sh.rank, l)),
-              cq ? (*qback_scale)[send_first[s] + static_cast<int64_t>(meta_out[s]->size())]
-                 : 0.0f});
-        }
-      }
-      if (provide[s]) {
-        if (s != me) {
-          where_out[s] = std::make_shared<std::vector<int64_t>>(where_for(s));
-          ex.keep_alive(where_out[s]);
-          ex.isend(where_out[s]->data(), to_int(static_cast<int64_t>(where_out[s]->size())),
-                   MPI_INT64_T, peers[s], detail::kTagShmWhere);
-        }
-      } else if (!(s == me && self_in_place)) {
+      if (!provide[s]) {
         static const char none = 0;
         int64_t staged = send_first[s];  // block (l, s)'s first row in send order
         for (int l = 0; l < L; ++l) {
@@ -1679,67 +1702,40 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                meta_type.get(), peers[s], detail::kTagCombineMeta);
     }
     try {
-      std::vector<MPI_Status> st = ex.wait();  // receives in the order posted, per peer
+      ex.wait();
       if (perf) ex.add_recv_wait_us(perf);
       if (shm) shm->sync();  // the owners' rows, announced by "where", are visible
+      // Every peer's rows, block by block, must be those expert_ids route to it.
       for (int d = 0; d < W; ++d) {
-        auto mismatch = [&](int64_t got_rows, int64_t want_rows, const char* what) {
-          detail::invalid(op, ": rank ", peers[d], " sent back ", got_rows, " rows", what,
-                          " but expert_ids on rank ", comm.rank(), " route ", want_rows,
+        if (agrees[d]) continue;
+        const int64_t ld = sh.pl.local_experts(d);
+        const int64_t want = back.rank_offset[d + 1] - back.rank_offset[d];
+        if (announced[d] != want)
+          detail::invalid(op, ": rank ", peers[d], " sent back ", announced[d],
+                          " rows but expert_ids on rank ", comm.rank(), " route ", want,
                           " entries to it: expert_ids and ep_send_counts must be those of the "
                           "matching dispatch_v2");
-        };
-        const int64_t unit = std::max<int64_t>(wire_row, 1);  // H may be 0
-        const int64_t want = expected[d] / unit;
-        if (row_recv[d] < 0) {  // read in place: the rows are counted by their metadata
-          int metas = 0;
-          detail::check_mpi(
-              MPI_Get_count(&st[static_cast<std::size_t>(meta_recv[d])], meta_type.get(), &metas),
-              op, "MPI_Get_count");
-          if (metas != want) mismatch(metas, want, "");
-          continue;
-        }
-        int64_t got_rows = 0;
-        std::vector<int64_t> block_got(static_cast<std::size_t>(sh.pl.local_experts(d)));
-        for (int64_t l = 0; l < sh.pl.local_experts(d); ++l) {
-          MPI_Count got = 0;
-          detail::check_mpi(
-              MPI_Get_elements_x(&st[static_cast<std::size_t>(row_recv[d] + l)], row.get(), &got),
-              op, "MPI_Get_elements_x");
-          // Elements are bytes; a partial row (never sent) would count as one more row.
-          const int64_t rows = (static_cast<int64_t>(got) + unit - 1) / unit;
-          block_got[static_cast<std::size_t>(l)] = rows;
-          got_rows += rows;
-        }
-        if (got_rows != want) mismatch(got_rows, want, "");
-        for (int64_t l = 0; l < sh.pl.local_experts(d); ++l) {
+        for (int64_t l = 0; l < ld; ++l) {
+          const int64_t got = layout[d][static_cast<std::size_t>(3 + ld + l)];
           const int64_t w = back.counts[static_cast<std::size_t>(sh.pl.block_base(d) + l)];
-          if (block_got[static_cast<std::size_t>(l)] != w)
-            mismatch(block_got[static_cast<std::size_t>(l)], w,
-                     (" for its local expert " + std::to_string(l)).c_str());
+          if (got != w)
+            detail::invalid(op, ": rank ", peers[d], " sent back ", got, " rows of expert ",
+                            sh.pl.expert_on(d, l), " but expert_ids on rank ", comm.rank(),
+                            " route ", w,
+                            " entries to it: expert_ids and ep_send_counts must be those of the "
+                            "matching dispatch_v2");
         }
       }
       // Every row must be the one expert_ids put at that position: same (token, slot), same
       // expert (a shared expert s is -1 - s).
       for (int d = 0; d < W; ++d) {
-        const int64_t first = back.rank_offset[d];
-        const std::vector<BackMeta>& m = *meta_in[d];
-        // Rows read in place: where[3 + l] and where[3 + Ld + l] are the first row and the row
-        // count of block (l, this rank) in the owner's rows (its window, or rows_src for this
-        // rank's own rows: self_in_place).
-        const bool own = d == me && self_in_place;
-        const int64_t Ld = sh.pl.local_experts(d);
-        std::vector<int64_t> where;
-        if (own) {
-          where.assign(static_cast<std::size_t>(3 + 2 * Ld), 0);
-          for (int64_t b = 0; b < Ld; ++b) {
-            where[static_cast<std::size_t>(3 + b)] = blocks.block_offset[b * W + me];
-            where[static_cast<std::size_t>(3 + Ld + b)] = blocks.block_rows[b * W + me];
-          }
-        } else if (read[d]) {
-          where = d == me ? where_for(me) : *where_in[d];
-        }
-        int64_t l = 0, in_block = 0;  // position of row j in the owner's blocks
+        const int64_t first = back.rank_offset[d], ld = sh.pl.local_experts(d);
+        const std::vector<BackMeta>& m = d == me ? *meta_out[me] : *meta_in[d];
+        const std::vector<int64_t>& where = layout[d];
+        // This rank's own rows, when not in its window: in rows_src at their blocks, or int8 in
+        // qrows in send order (comm_quant_mode 2).
+        const bool own = d == me && !read[me];
+        int64_t l = 0, in_block = 0, staged = send_first[me];  // row j's block and place in it
         for (int64_t j = 0; j < static_cast<int64_t>(m.size()); ++j) {
           const int64_t flat = back.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
           const int64_t e = k < sh.K ? detail::index_at(in.expert_ids, i, k) : -1 - (k - sh.K);
@@ -1750,19 +1746,19 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                             ") at that position: expert_ids (and x_active_mask) must be those of "
                             "the matching dispatch_v2 (same tokens, same order)");
           if (cq) (*yscale)[flat] = m[j].qscale;
-          if (row_recv[d] >= 0) {
+          if (!read[d] && !own) {
             yrow[flat] = y->ptr<char>() + (first + j) * wire_row;
             continue;
           }
-          while (l < Ld && in_block == where[3 + Ld + l]) ++l, in_block = 0;
-          if (l >= Ld)
-            detail::invalid(op, ": rank ", peers[d], " holds fewer rows for rank ", comm.rank(),
-                            " than expert_ids route to it (ep_send_counts and expert_ids must be "
-                            "those of the matching dispatch_v2)");
-          yrow[flat] =
-              own ? static_cast<const char*>(rows_src.data) + (where[3 + l] + in_block) * src_stride
-                  : shm->peer_ptr(static_cast<int>(where[0]), peers[d],
-                                  where[1] + (where[3 + l] + in_block) * where[2], wire_row);
+          while (l < ld && in_block == where[static_cast<std::size_t>(3 + ld + l)])
+            staged += in_block, ++l, in_block = 0;
+          MOE_EP_CHECK(l < ld);  // the counts agree (above)
+          const int64_t at = where[static_cast<std::size_t>(3 + l)] + in_block;
+          yrow[flat] = !own ? shm->peer_ptr(static_cast<int>(where[0]), peers[d],
+                                            where[1] + at * where[2], wire_row)
+                       : cq ? reinterpret_cast<const char*>(qrows) + (staged + in_block) * wire_row
+                            : static_cast<const char*>(rows_src.data) +
+                                  (blocks.block_offset[l * W + me] + in_block) * src_stride;
           ++in_block;
         }
       }
