@@ -105,6 +105,14 @@ cli_expect_error(repeated_id "moe-ep: error: [A-Za-z]+: dispatch_v2: expert_ids\
 cli_expect_error(id_out_of_range "moe-ep: error: [A-Za-z]+: dispatch_v2: expert_ids\\[3,1\\][^\n]*11[^\n]*8"
                  "${_run2} --load-routing ${_work}/bad_ids/range.safetensors"
                  FIXTURES_REQUIRED cli_bad_ids)
+# An error every rank raises (here: one rank's bad expert id, the others learn it through the
+# header agreement) ends the job with status 2 through MPI_Finalize, not MPI_Abort's banner.
+add_test(NAME cli.error.agreed_error_finalizes
+         COMMAND ${CMAKE_COMMAND} "-DCMD=${_run2} --load-routing ${_work}/bad_ids/repeat.safetensors"
+                 "-DREGEX=moe-ep: error: [A-Za-z]+: dispatch_v2: expert_ids" -DEXIT=2
+                 -DNOT_REGEX=MPI_ABORT -DONCE=1 -DTIMEOUT=45 -P ${_cli}/expect_error.cmake)
+set_tests_properties(cli.error.agreed_error_finalizes PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
+                     TIMEOUT 60 FIXTURES_REQUIRED cli_bad_ids)
 # A routing file of another shape is rejected before any communication.
 cli_expect_error(load_wrong_preset "InvalidArgument: --load-routing.*H = 4096.*H = 2048"
                  "${_mpi} -n 2 --oversubscribe ${_exe} run --preset olmoe --load-routing ${_work}/bad_ids/good.safetensors"

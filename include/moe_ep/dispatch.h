@@ -69,10 +69,14 @@
 // tp_world_size is 2 or elastic_info scales in (is_scaled_down 1).
 //
 // Data flow (docs/design.md): a header exchange, then per-(destination, local expert) counts, then
-// the rows as contiguous messages, one per (destination, local expert) block (dispatch: packed by
-// the sender in send order, or each distinct token once, received straight into place; combine:
-// sent straight from expand_x when its rows are contiguous), plus a per-row metadata message
-// (int8 rows: their fp32 scale travels there). A rank's own rows go through no message. Row counts and offsets
+// the rows as contiguous messages (dispatch: one per (destination, local expert) block, packed by
+// the sender in send order and received straight into place, or one per destination of each
+// distinct token once; combine: one per block, sent straight from expand_x when its rows are
+// contiguous, after the owners announce their counts per block), plus a per-row metadata message
+// (int8 rows: their fp32 scale travels there). A rank's own rows go through no message (dispatch
+// still sends itself their metadata). After a timeout (Error kTimeout) MPI may still read the
+// buffers of the abandoned call, the caller's expand_x included: keep them alive, and treat the
+// communicator as unusable. Row counts and offsets
 // are 64-bit; one message holds at most INT32_MAX rows of at most INT_MAX bytes each
 // (Error(kUnsupported) beyond).
 #pragma once
@@ -234,7 +238,8 @@ struct CombineInputs {
   std::optional<TensorView> const_expert_alpha_1;
   std::optional<TensorView> const_expert_alpha_2;
   std::optional<TensorView> const_expert_v;
-  std::optional<TensorView> performance_info;  // [in/out] int64 (W,): as dispatch_v2's (rows phase)
+  // [in/out] int64 (W,): as dispatch_v2's (header, layout back and rows phases)
+  std::optional<TensorView> performance_info;
   // 0, or 2: each expert output row travels back as int8 with an fp32 scale (SPEC §1.5 rounding,
   // no smoothing) and is dequantised inside the weighted sum (axpy of fl(q * scale), SPEC §2.3
   // order unchanged; the shared-expert rows too). Per token the result differs from the

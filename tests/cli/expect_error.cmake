@@ -1,6 +1,7 @@
 # Runs CMD (space-separated) and passes when it exits with a non-zero code (not a signal, not a
 # timeout) within TIMEOUT seconds and its stderr matches REGEX; with ONCE set, stderr must also
-# hold exactly one "moe-ep: error:" line (the failing rank's; the others stay quiet).
+# hold exactly one "moe-ep: error:" line (the failing rank's; the others stay quiet); with EXIT
+# set, the exit code must be EXIT; with NOT_REGEX set, stderr must not match it.
 separate_arguments(cmd UNIX_COMMAND "${CMD}")
 if(NOT TIMEOUT)
   set(TIMEOUT 30)
@@ -19,6 +20,12 @@ if(rc EQUAL 0)
 endif()
 if(NOT err MATCHES "${REGEX}")
   message(FATAL_ERROR "stderr does not match '${REGEX}'")
+endif()
+if(EXIT AND NOT rc EQUAL EXIT)
+  message(FATAL_ERROR "expected exit code ${EXIT}, got ${rc}")
+endif()
+if(NOT_REGEX AND err MATCHES "${NOT_REGEX}")
+  message(FATAL_ERROR "stderr matches '${NOT_REGEX}'")
 endif()
 if(ONCE)
   string(REGEX MATCHALL "moe-ep: error:" hits "${err}")

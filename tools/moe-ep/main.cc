@@ -1,7 +1,8 @@
 // moe-ep: the command-line tool. `moe-ep run` runs one MoE layer forward across the MPI ranks
 // (see run.h); `moe-ep bench` times dispatch/combine against the baselines (see bench.h); errors
-// print "moe-ep: error: <kind>: <message>" and abort the whole MPI job. A rank whose error is
-// Remote (another rank failed and prints the real error) prints nothing.
+// print "moe-ep: error: <kind>: <message>" and end the job with status 2: through MPI_Finalize when
+// every rank fails within 10 s, else MPI_Abort (fail()). A rank whose error is Remote (another
+// rank failed and prints the real error) prints nothing.
 #include <mpi.h>
 
 #include <CLI/CLI.hpp>
@@ -415,8 +416,9 @@ bool all_ranks_failed_within(double seconds) {
 // or kRemote: another rank's), which leaves no message pending: if every rank reaches the same
 // point within a few seconds, they all end with MPI_Finalize and exit status 2, without
 // OpenMPI's MPI_ABORT banner. Otherwise (a timeout, an MPI or internal failure, or ranks that
-// do not all fail) the job is aborted with MPI_Abort, as it must be so that no rank waits
-// forever for one that left. Returns the exit status when it did not abort.
+// do not all fail: an InvalidArgument only the source of a combine can see waits the 10 s) the job
+// is aborted with MPI_Abort, as it must be so that no rank waits forever for one that left.
+// Returns the exit status when it did not abort (only when `agreed`).
 int fail(const char* kind, const char* message, bool remote, bool agreed) {
   if (!remote) {
     std::fprintf(stderr, "moe-ep: error: %s: %s\n", kind, message);

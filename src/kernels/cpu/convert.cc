@@ -135,22 +135,20 @@ HWY_INLINE int64_t SumBF16EvenOdd(uint16_t* dst, const void* const* rows,
                                   bool stream, const void* const* ahead, int64_t ahead_count) {
   const DU16 du16;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(du16));
-  auto term = [&](VF x, int64_t r) { return t.term(x, r); };
-  auto first = [&](VF x) { return t.first(x); };
   auto row = [&](int64_t r) { return static_cast<const uint16_t*>(rows[r]); };
   int64_t i = 0;
   for (; i + 2 * lanes <= n; i += 2 * lanes) {
     PrefetchBlock(ahead, ahead_count, i * 2, 2 * lanes * 2);
     VU16 v0 = hn::LoadU(du16, row(0) + i), v1 = hn::LoadU(du16, row(0) + i + lanes);
-    VF e0 = first(EvenF32(v0)), o0 = first(OddF32(v0));
-    VF e1 = first(EvenF32(v1)), o1 = first(OddF32(v1));
+    VF e0 = t.first(EvenF32(v0)), o0 = t.first(OddF32(v0));
+    VF e1 = t.first(EvenF32(v1)), o1 = t.first(OddF32(v1));
     for (int64_t r = 1; r < count; ++r) {
       v0 = hn::LoadU(du16, row(r) + i);
       v1 = hn::LoadU(du16, row(r) + i + lanes);
-      e0 = hn::Add(e0, term(EvenF32(v0), r));
-      o0 = hn::Add(o0, term(OddF32(v0), r));
-      e1 = hn::Add(e1, term(EvenF32(v1), r));
-      o1 = hn::Add(o1, term(OddF32(v1), r));
+      e0 = hn::Add(e0, t.term(EvenF32(v0), r));
+      o0 = hn::Add(o0, t.term(OddF32(v0), r));
+      e1 = hn::Add(e1, t.term(EvenF32(v1), r));
+      o1 = hn::Add(o1, t.term(OddF32(v1), r));
     }
     Put(PackBF16(RoundedBF16<true>(e0), RoundedBF16<true>(o0)), du16, dst + i, stream);
     Put(PackBF16(RoundedBF16<true>(e1), RoundedBF16<true>(o1)), du16, dst + i + lanes, stream);
@@ -171,8 +169,6 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(df));
   const int64_t esize = static_cast<int64_t>(dtype_size(kIn));
   const SumTerms<kWeighted, kFromZero> t{w};
-  auto term = [&](VF x, int64_t r) { return t.term(x, r); };
-  auto first = [&](VF x) { return t.first(x); };
   int64_t i = 0;
 #if HWY_TARGET != HWY_SCALAR
   // bf16 -> bf16 leaves fewer than 2 bf16 vectors (4 fp32 vectors) to the loops below, so their
@@ -183,29 +179,29 @@ void SumRowsT(void* dst, const void* const* rows, const float* w, int64_t count,
 #endif
   for (; i + kBlock * lanes <= n; i += kBlock * lanes) {
     PrefetchBlock(ahead, ahead_count, i * esize, kBlock * lanes * esize);
-    VF a0 = first(LoadF32<kIn>(df, rows[0], i));
-    VF a1 = first(LoadF32<kIn>(df, rows[0], i + lanes));
-    VF a2 = first(LoadF32<kIn>(df, rows[0], i + 2 * lanes));
-    VF a3 = first(LoadF32<kIn>(df, rows[0], i + 3 * lanes));
+    VF a0 = t.first(LoadF32<kIn>(df, rows[0], i));
+    VF a1 = t.first(LoadF32<kIn>(df, rows[0], i + lanes));
+    VF a2 = t.first(LoadF32<kIn>(df, rows[0], i + 2 * lanes));
+    VF a3 = t.first(LoadF32<kIn>(df, rows[0], i + 3 * lanes));
     for (int64_t r = 1; r < count; ++r) {
-      a0 = hn::Add(a0, term(LoadF32<kIn>(df, rows[r], i), r));
-      a1 = hn::Add(a1, term(LoadF32<kIn>(df, rows[r], i + lanes), r));
-      a2 = hn::Add(a2, term(LoadF32<kIn>(df, rows[r], i + 2 * lanes), r));
-      a3 = hn::Add(a3, term(LoadF32<kIn>(df, rows[r], i + 3 * lanes), r));
+      a0 = hn::Add(a0, t.term(LoadF32<kIn>(df, rows[r], i), r));
+      a1 = hn::Add(a1, t.term(LoadF32<kIn>(df, rows[r], i + lanes), r));
+      a2 = hn::Add(a2, t.term(LoadF32<kIn>(df, rows[r], i + 2 * lanes), r));
+      a3 = hn::Add(a3, t.term(LoadF32<kIn>(df, rows[r], i + 3 * lanes), r));
     }
     StoreF32Pair<kOut>(df, a0, a1, dst, i, stream);
     StoreF32Pair<kOut>(df, a2, a3, dst, i + 2 * lanes, stream);
   }
   for (; i + lanes <= n; i += lanes) {
-    VF a = first(LoadF32<kIn>(df, rows[0], i));
-    for (int64_t r = 1; r < count; ++r) a = hn::Add(a, term(LoadF32<kIn>(df, rows[r], i), r));
+    VF a = t.first(LoadF32<kIn>(df, rows[0], i));
+    for (int64_t r = 1; r < count; ++r) a = hn::Add(a, t.term(LoadF32<kIn>(df, rows[r], i), r));
     StoreF32<kOut>(df, a, dst, i, stream);
   }
   if (i < n) {
     const size_t rest = static_cast<size_t>(n - i);
-    VF a = first(Tail<kIn>(rows[0], i, rest).load(df));
+    VF a = t.first(Tail<kIn>(rows[0], i, rest).load(df));
     for (int64_t r = 1; r < count; ++r)
-      a = hn::Add(a, term(Tail<kIn>(rows[r], i, rest).load(df), r));
+      a = hn::Add(a, t.term(Tail<kIn>(rows[r], i, rest).load(df), r));
     StoreTail<kOut>(df, a, dst, i, rest);
   }
 }

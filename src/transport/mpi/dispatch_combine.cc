@@ -24,9 +24,9 @@
 // each owner's per-block row counts first (phase "layout back"), receives peer d's block l after
 // its block l - 1 at d's offset in that order (sized by those counts, so no receive is ever shorter
 // than its message; a disagreement with expert_ids is reported after the rows phase), then
-// reduces in the SPEC §2.3 order. combine's row messages are posted even when empty, so both
-// sides post the same number of them; dispatch's per-block messages follow the counts the senders
-// themselves sent, so they cannot disagree.
+// reduces in the SPEC §2.3 order. Empty blocks send nothing: both sides know every block's count
+// (dispatch's from its counts phase, combine's from "layout back"), so no message can be longer
+// than its receive.
 #include <algorithm>
 #include <cerrno>
 #include <climits>
@@ -1040,7 +1040,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     }
   }
 
-  // Phase "rows": rows and their metadata, one message each per peer and direction. With shared
+  // Phase "rows": rows (one message per block, or per destination when merged) and their metadata
+  // (one per peer and direction; a rank's own rows travel through no message). With shared
   // memory the sender writes the rows and their metadata itself, then sends their count, which
   // announces them (a message of 8 bytes instead of 16 per row: such a message of a few
   // thousand rows went through MPI's rendezvous, which stalled about 0.25 ms in half the calls).
@@ -1160,7 +1161,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       }
       MOE_EP_CHECK(j == send.rank_offset[d + 1]);
     }
-    // Window stores only (stream_min_bytes): MPI's send buffer above is read at once.
+    // Window stores and this rank's own rows only (stream_min_bytes): MPI's send buffer above is
+    // read at once.
     parallel_copy(copies, out_row_bytes,
                   static_cast<int64_t>(copies.size()) * out_row_bytes >= stream_min);
     if (quant)
@@ -1616,24 +1618,35 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       out_lay[d] = std::make_shared<std::vector<int64_t>>(where_for(d));
       ex.keep_alive(in_lay[d]);
       ex.keep_alive(out_lay[d]);
-      ex.irecv(in_lay[d]->data(), to_int(3 + 2 * ld), MPI_INT64_T, peers[d], detail::kTagShmWhere);
+      ex.irecv(in_lay[d]->data(), to_int(3 + 2 * ld), MPI_INT64_T, peers[d],
+               detail::kTagCombineLayout);
       ex.isend(out_lay[d]->data(), to_int(3 + 2 * static_cast<int64_t>(L)), MPI_INT64_T, peers[d],
-               detail::kTagShmWhere);
+               detail::kTagCombineLayout);
     }
     ex.wait();
     if (perf) ex.add_recv_wait_us(perf);
     for (int d = 0; d < W; ++d) layout[d] = d == me ? where_for(me) : *in_lay[d];
   }
   // announced[d]: rows owner d holds for this rank; agrees[d]: block by block what expert_ids
-  // route to d.
+  // route to d. mismatch: the first block that differs (raised after the rows phase).
   std::vector<int64_t> announced(W, 0);
   std::vector<char> agrees(W, 1);
+  std::optional<Error> mismatch;
   for (int d = 0; d < W; ++d) {
     const int64_t ld = sh.pl.local_experts(d);
     for (int64_t l = 0; l < ld; ++l) {
       const int64_t rows = layout[d][static_cast<std::size_t>(3 + ld + l)];
+      const int64_t want = back.counts[static_cast<std::size_t>(sh.pl.block_base(d) + l)];
       announced[d] += rows;
-      agrees[d] &= rows == back.counts[static_cast<std::size_t>(sh.pl.block_base(d) + l)];
+      if (rows == want) continue;
+      agrees[d] = 0;
+      if (!mismatch)
+        mismatch = Error(ErrorKind::kInvalidArgument,
+                         detail::cat(op, ": rank ", peers[d], " sent back ", rows,
+                                     " rows of expert ", sh.pl.expert_on(d, l),
+                                     " but expert_ids on rank ", comm.rank(), " route ", want,
+                                     " entries to it: expert_ids and ep_send_counts must be those "
+                                     "of the matching dispatch_v2"));
     }
   }
   {
@@ -1671,71 +1684,52 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
         const int64_t ld = sh.pl.local_experts(d);
         for (int64_t l = 0, at = 0; l < ld; ++l) {
           const int64_t rows = layout[d][static_cast<std::size_t>(3 + ld + l)];
-          static char none;  // the buffer of empty receives
-          ex.irecv(rows > 0 ? to + at * wire_row : &none, to_int(rows), row.get(), peers[d],
-                   detail::kTagCombineRows);
+          if (rows > 0)
+            ex.irecv(to + at * wire_row, to_int(rows), row.get(), peers[d],
+                     detail::kTagCombineRows);
           at += rows;
         }
       }
       meta_in[d] = std::make_shared<std::vector<BackMeta>>(static_cast<std::size_t>(announced[d]));
       ex.keep_alive(meta_in[d]);
-      ex.irecv(meta_in[d]->data(), to_int(announced[d]), meta_type.get(), peers[d],
-               detail::kTagCombineMeta);
+      if (announced[d] > 0)
+        ex.irecv(meta_in[d]->data(), to_int(announced[d]), meta_type.get(), peers[d],
+                 detail::kTagCombineMeta);
     }
     for (int s = 0; s < W; ++s) {
       if (s == me) continue;
       ex.keep_alive(meta_out[s]);
       if (!provide[s]) {
-        static const char none = 0;
         int64_t staged = send_first[s];  // block (l, s)'s first row in send order
         for (int l = 0; l < L; ++l) {
           const int64_t b = static_cast<int64_t>(l) * W + s, rows = blocks.block_rows[b];
-          const char* from = rows == 0 ? &none
-                             : direct  ? static_cast<const char*>(rows_src.data) +
-                                            blocks.block_offset[b] * src_stride
-                                      : send_rows + staged * wire_row;
-          ex.isend(from, to_int(rows), row.get(), peers[s], detail::kTagCombineRows);
+          if (rows > 0)
+            ex.isend(direct ? static_cast<const char*>(rows_src.data) +
+                                  blocks.block_offset[b] * src_stride
+                            : send_rows + staged * wire_row,
+                     to_int(rows), row.get(), peers[s], detail::kTagCombineRows);
           staged += rows;
         }
       }
-      ex.isend(meta_out[s]->data(), to_int(static_cast<int64_t>(meta_out[s]->size())),
-               meta_type.get(), peers[s], detail::kTagCombineMeta);
+      if (!meta_out[s]->empty())
+        ex.isend(meta_out[s]->data(), to_int(static_cast<int64_t>(meta_out[s]->size())),
+                 meta_type.get(), peers[s], detail::kTagCombineMeta);
     }
     try {
       ex.wait();
       if (perf) ex.add_recv_wait_us(perf);
-      if (shm) shm->sync();  // the owners' rows, announced by "where", are visible
-      // Every peer's rows, block by block, must be those expert_ids route to it.
-      for (int d = 0; d < W; ++d) {
-        if (agrees[d]) continue;
-        const int64_t ld = sh.pl.local_experts(d);
-        const int64_t want = back.rank_offset[d + 1] - back.rank_offset[d];
-        if (announced[d] != want)
-          detail::invalid(op, ": rank ", peers[d], " sent back ", announced[d],
-                          " rows but expert_ids on rank ", comm.rank(), " route ", want,
-                          " entries to it: expert_ids and ep_send_counts must be those of the "
-                          "matching dispatch_v2");
-        for (int64_t l = 0; l < ld; ++l) {
-          const int64_t got = layout[d][static_cast<std::size_t>(3 + ld + l)];
-          const int64_t w = back.counts[static_cast<std::size_t>(sh.pl.block_base(d) + l)];
-          if (got != w)
-            detail::invalid(op, ": rank ", peers[d], " sent back ", got, " rows of expert ",
-                            sh.pl.expert_on(d, l), " but expert_ids on rank ", comm.rank(),
-                            " route ", w,
-                            " entries to it: expert_ids and ep_send_counts must be those of the "
-                            "matching dispatch_v2");
-        }
-      }
+      if (shm) shm->sync();           // the owners' rows, announced by "where", are visible
+      if (mismatch) throw *mismatch;  // every row announced is taken; now the error
       // Every row must be the one expert_ids put at that position: same (token, slot), same
       // expert (a shared expert s is -1 - s).
       for (int d = 0; d < W; ++d) {
         const int64_t first = back.rank_offset[d], ld = sh.pl.local_experts(d);
         const std::vector<BackMeta>& m = d == me ? *meta_out[me] : *meta_in[d];
         const std::vector<int64_t>& where = layout[d];
-        // This rank's own rows, when not in its window: in rows_src at their blocks, or int8 in
-        // qrows in send order (comm_quant_mode 2).
+        // This rank's own rows, when not in its window: row j is back_rows[send_first[me] + j] of
+        // rows_src, or int8 row send_first[me] + j of qrows (comm_quant_mode 2).
         const bool own = d == me && !read[me];
-        int64_t l = 0, in_block = 0, staged = send_first[me];  // row j's block and place in it
+        int64_t l = 0, in_block = 0;  // a window's row j: its block l and place in it
         for (int64_t j = 0; j < static_cast<int64_t>(m.size()); ++j) {
           const int64_t flat = back.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
           const int64_t e = k < sh.K ? detail::index_at(in.expert_ids, i, k) : -1 - (k - sh.K);
@@ -1746,19 +1740,22 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
                             ") at that position: expert_ids (and x_active_mask) must be those of "
                             "the matching dispatch_v2 (same tokens, same order)");
           if (cq) (*yscale)[flat] = m[j].qscale;
-          if (!read[d] && !own) {
+          if (own) {
+            const int64_t r = send_first[me] + j;
+            yrow[flat] = cq ? reinterpret_cast<const char*>(qrows) + r * wire_row
+                            : static_cast<const char*>(rows_src.data) + back_rows[r] * src_stride;
+            continue;
+          }
+          if (!read[d]) {
             yrow[flat] = y->ptr<char>() + (first + j) * wire_row;
             continue;
           }
           while (l < ld && in_block == where[static_cast<std::size_t>(3 + ld + l)])
-            staged += in_block, ++l, in_block = 0;
+            ++l, in_block = 0;
           MOE_EP_CHECK(l < ld);  // the counts agree (above)
-          const int64_t at = where[static_cast<std::size_t>(3 + l)] + in_block;
-          yrow[flat] = !own ? shm->peer_ptr(static_cast<int>(where[0]), peers[d],
-                                            where[1] + at * where[2], wire_row)
-                       : cq ? reinterpret_cast<const char*>(qrows) + (staged + in_block) * wire_row
-                            : static_cast<const char*>(rows_src.data) +
-                                  (blocks.block_offset[l * W + me] + in_block) * src_stride;
+          yrow[flat] = shm->peer_ptr(
+              static_cast<int>(where[0]), peers[d],
+              where[1] + (where[static_cast<std::size_t>(3 + l)] + in_block) * where[2], wire_row);
           ++in_block;
         }
       }

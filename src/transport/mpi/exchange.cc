@@ -168,9 +168,10 @@ std::vector<MPI_Status> Exchange::wait() {
     }
   }
   if (truncated)
-    invalid(op_, ": rank ", comm_.rank(), " received more data than expected in phase '", phase_,
-            "' (", mpi_failure, "): the ranks' arguments disagree (combine_v2's expert_ids and ",
-            "ep_send_counts must be those of the matching dispatch_v2)");
+    fail(ErrorKind::kInternal, op_, ": rank ", comm_.rank(),
+         " received more data than posted for in phase '", phase_, "' (", mpi_failure,
+         "); every receive is sized from what its sender announced, so "
+         "this is a bug (please report it)");
   if (!mpi_failure.empty())
     fail(ErrorKind::kSystem, op_, ": MPI failed in phase '", phase_, "' on rank ", comm_.rank(),
          ": ", mpi_failure);

@@ -28,10 +28,10 @@ enum Tag : int {
   kTagRows = 0x4d04,
   kTagCombineRows = 0x4d05,
   kTagCombineMeta = 0x4d06,
-  kTagShmOffsets = 0x4d07,  // shared-memory transport: where a sender's rows go (dispatch_v2)
-  kTagShmWhere = 0x4d08,    // where a reader finds its rows (combine_v2)
-  kTagShmDone = 0x4d09,     // a reader is done with an owner's rows (combine_v2)
-  kTagShmReady = 0x4d0a,    // every rank passed the header before a collective shm call
+  kTagShmOffsets = 0x4d07,     // shared-memory transport: where a sender's rows go (dispatch_v2)
+  kTagCombineLayout = 0x4d08,  // combine_v2: an owner's rows per block, and where in its window
+  kTagShmDone = 0x4d09,        // a reader is done with an owner's rows (combine_v2)
+  kTagShmReady = 0x4d0a,       // every rank passed the header before a collective shm call
 };
 
 // EpConfig::transport as carried in the header (0: not resolved, the op failed before).
@@ -76,8 +76,9 @@ class Exchange {
 
   // Waits for every request until the deadline (now + comm.timeout_s()). Returns the statuses of
   // the receives in the order they were posted. Throws Error(kTimeout) on expiry, Error(kSystem)
-  // on an MPI error, Error(kInvalidArgument) when a receive got more data than posted for (the
-  // ranks' arguments disagree).
+  // on an MPI error, Error(kInternal) when a receive got more data than posted for: the ops size
+  // every receive from what its sender announced, so that is a bug (and OpenMPI's single-copy
+  // path may already have written past the buffer).
   std::vector<MPI_Status> wait();
 
   // After wait(): for every peer with a receive in this phase, adds to per_peer[peer] the
