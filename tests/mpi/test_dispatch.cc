@@ -723,9 +723,11 @@ TEST(CombineErrors, ExpertIdsDifferFromDispatch) {
 
 // Runs combine_v2 with expert_ids `ids` on rank `bad` (the others pass dispatch's) and expects
 // an InvalidArgument naming combine_v2 and dispatch_v2 on `bad` and success elsewhere, then a
-// good round trip.
-void expect_combine_rejects_on(const CombineErrorCase& c, int bad, std::vector<int32_t>& ids) {
+// good round trip. comm_quant_mode (every rank): 2 sends the rows back as int8.
+void expect_combine_rejects_on(const CombineErrorCase& c, int bad, std::vector<int32_t>& ids,
+                               int64_t comm_quant_mode = 0) {
   CombineInputs in = combine_inputs(c.b, c.out, c.y);
+  in.comm_quant_mode = comm_quant_mode;
   if (is_bad(bad)) {
     in.expert_ids.data = ids.data();
     try {
@@ -750,10 +752,11 @@ void expect_combine_rejects_on(const CombineErrorCase& c, int bad, std::vector<i
 // receives by the owner's counts, so it takes every row (rows of more than 4 KiB too, which
 // OpenMPI's single-copy path would write past a shorter receive) and then reports the
 // disagreement; over shared memory likewise from the counts. Other ranks finish.
-class CombineMovedWithinAPeer : public ::testing::TestWithParam<int64_t> {};
+// Parameters: H, comm_quant_mode.
+class CombineMovedWithinAPeer : public ::testing::TestWithParam<std::pair<int64_t, int64_t>> {};
 TEST_P(CombineMovedWithinAPeer, IsAnErrorOnTheSourceOnly) {
   if (mpi().size == 1) GTEST_SKIP() << "needs a second rank to route to";
-  CombineErrorCase c = dispatched(GetParam());
+  CombineErrorCase c = dispatched(GetParam().first);
   const int bad = last_rank();
   std::vector<int32_t> ids = c.b.ids[bad];
   const int64_t K = c.b.K, E = c.b.E, L = c.b.L;
@@ -775,14 +778,21 @@ TEST_P(CombineMovedWithinAPeer, IsAnErrorOnTheSourceOnly) {
   }
   ASSERT_GE(moved, 0) << "no entry to move";
   ids[at] = moved;
-  expect_combine_rejects_on(c, bad, ids);
+  expect_combine_rejects_on(c, bad, ids, GetParam().second);
 }
-INSTANTIATE_TEST_SUITE_P(CombineErrors, CombineMovedWithinAPeer, ::testing::Values(16, 4096),
-                         [](const auto& info) { return "H" + std::to_string(info.param); });
+INSTANTIATE_TEST_SUITE_P(CombineErrors, CombineMovedWithinAPeer,
+                         ::testing::Values(std::pair<int64_t, int64_t>{16, 0},
+                                           std::pair<int64_t, int64_t>{4096, 0},
+                                           std::pair<int64_t, int64_t>{4096, 2}),
+                         [](const auto& info) {
+                           return "H" + std::to_string(info.param.first) + "_comm_quant" +
+                                  std::to_string(info.param.second);
+                         });
 
 // The last entry a rank routes to itself dropped (-1) before combine: only this rank's own rows
 // disagree, which travel through no message at all.
-TEST(CombineErrors, OwnEntryDroppedBeforeCombine) {
+class CombineOwnEntryDropped : public ::testing::TestWithParam<int64_t> {};
+TEST_P(CombineOwnEntryDropped, IsAnError) {
   CombineErrorCase c = dispatched(4096);
   const int bad = last_rank();
   std::vector<int32_t> ids = c.b.ids[bad];
@@ -792,8 +802,12 @@ TEST(CombineErrors, OwnEntryDroppedBeforeCombine) {
     if (ids[j] >= 0 && ids[j] < E && ids[j] / L == bad) at = j;
   ASSERT_GE(at, 0) << "no entry routed to the rank itself";
   ids[at] = -1;
-  expect_combine_rejects_on(c, bad, ids);
+  expect_combine_rejects_on(c, bad, ids, GetParam());
 }
+INSTANTIATE_TEST_SUITE_P(CombineErrors, CombineOwnEntryDropped, ::testing::Values(0, 2),
+                         [](const auto& info) {
+                           return "comm_quant" + std::to_string(info.param);
+                         });
 
 // Runs last in this file: it leaves rank 0's messages pending on a communicator of its own (freed
 // at the end of the scope); tests that follow, here or in other files, use other communicators.
