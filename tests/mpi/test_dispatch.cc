@@ -684,43 +684,6 @@ TEST(CombineErrors, CommQuantModeDiffersAcrossRanks) {
 
 // expert_ids that differ from dispatch's: the source sees a row count it did not route. Only the
 // rank holding the changed ids can tell; the others finish (no hang).
-TEST(CombineErrors, ExpertIdsDifferFromDispatch) {
-  if (mpi().size == 1) GTEST_SKIP() << "needs a second rank to route to";
-  CombineErrorCase c = dispatched();
-  const int bad = last_rank();
-  std::vector<int32_t> ids = c.b.ids[bad];
-  // Move token 0's slot-0 entry to an expert on another rank, not already in its row.
-  const int64_t K = c.b.K, E = c.b.E, L = c.b.L;
-  int32_t e = ids[0];
-  ASSERT_GE(e, 0);
-  int32_t moved = -1;
-  for (int64_t step = L; step < E && moved < 0; ++step) {
-    const auto cand = static_cast<int32_t>((e + step) % E);
-    if (cand / L == e / L) continue;
-    bool used = false;
-    for (int64_t k = 0; k < K; ++k) used |= ids[k] == cand;
-    if (!used) moved = cand;
-  }
-  ASSERT_GE(moved, 0);
-  ids[0] = moved;
-  CombineInputs in = combine_inputs(c.b, c.out, c.y);
-  if (is_bad(bad)) in.expert_ids.data = ids.data();
-  if (is_bad(bad)) {
-    try {
-      combine_v2(in, config(c.b));
-      ADD_FAILURE() << "no error";
-    } catch (const Error& err) {
-      EXPECT_EQ(err.kind(), ErrorKind::kInvalidArgument) << err.what();
-      EXPECT_NE(std::string(err.what()).find("combine_v2: "), std::string::npos) << err.what();
-    }
-  } else {
-    EXPECT_NO_THROW(combine_v2(in, config(c.b)));
-  }
-  BatchSpec s;
-  s.name = "after_error";
-  round_trip(make_batch(s, mpi().size));
-}
-
 // Runs combine_v2 with expert_ids `ids` on rank `bad` (the others pass dispatch's) and expects
 // an InvalidArgument naming combine_v2 and dispatch_v2 on `bad` and success elsewhere, then a
 // good round trip. comm_quant_mode (every rank): 2 sends the rows back as int8.
@@ -745,6 +708,28 @@ void expect_combine_rejects_on(const CombineErrorCase& c, int bad, std::vector<i
   BatchSpec s;
   s.name = "after_error";
   round_trip(make_batch(s, mpi().size));
+}
+
+TEST(CombineErrors, ExpertIdsDifferFromDispatch) {
+  if (mpi().size == 1) GTEST_SKIP() << "needs a second rank to route to";
+  CombineErrorCase c = dispatched();
+  const int bad = last_rank();
+  std::vector<int32_t> ids = c.b.ids[bad];
+  // Move token 0's slot-0 entry to an expert on another rank, not already in its row.
+  const int64_t K = c.b.K, E = c.b.E, L = c.b.L;
+  int32_t e = ids[0];
+  ASSERT_GE(e, 0);
+  int32_t moved = -1;
+  for (int64_t step = L; step < E && moved < 0; ++step) {
+    const auto cand = static_cast<int32_t>((e + step) % E);
+    if (cand / L == e / L) continue;
+    bool used = false;
+    for (int64_t k = 0; k < K; ++k) used |= ids[k] == cand;
+    if (!used) moved = cand;
+  }
+  ASSERT_GE(moved, 0);
+  ids[0] = moved;
+  expect_combine_rejects_on(c, bad, ids);
 }
 
 // An entry moved to another expert of the same peer: the rows per peer still agree, the rows per
