@@ -14,6 +14,8 @@ from moe_ep._C import (
     TimeoutError,
     UnsupportedError,
     check_environment,
+    num_threads,
+    set_num_threads,
 )
 
 __version__ = "0.1.0"
@@ -28,4 +30,6 @@ __all__ = [
     "UnsupportedError",
     "__version__",
     "check_environment",
+    "num_threads",
+    "set_num_threads",
 ]

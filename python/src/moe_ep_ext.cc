@@ -26,6 +26,7 @@
 #include "moe_ep/permute.h"
 #include "moe_ep/sharding.h"
 #include "moe_ep/tensor.h"
+#include "moe_ep/threads.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -588,6 +589,15 @@ NB_MODULE(_C, m) {
       "call, so every rank can run it before its first collective. Returns the deadline in "
       "seconds the communicator would use. Raises InvalidArgumentError for a malformed value "
       "(comm.h, check_environment)");
+  m.def("set_num_threads", &moe_ep::set_num_threads, "n"_a,
+        "n >= 1: moe-ep's parallel loops use n threads from now on (process-wide); 0: back to "
+        "the automatic rule (num_threads). Raises InvalidArgumentError for n < 0 (threads.h)");
+  m.def("num_threads", &moe_ep::num_threads,
+        "The thread count of moe-ep's parallel loops: set_num_threads's n; else "
+        "omp_get_max_threads() when $OMP_NUM_THREADS is set; else the CPUs of this process's "
+        "affinity mask divided by the most ranks sharing this machine in any Communicator "
+        "created so far, at least 1 and at most omp_get_max_threads() (threads.h). Results never "
+        "depend on it");
   m.def("strategies", &strategies, "op"_a, "has_probs"_a, "has_permuted_tokens"_a = true,
         "SPEC §5: the two sharding strategies of a local op, R first, as the C++ table gives "
         "them: [{'name', 'inputs': [(arg, placement, data_read)], 'outputs': [...]}], placement "

@@ -56,6 +56,25 @@ def test_dispatch_workspace_is_exported():
     )
 
 
+def test_set_num_threads_fixes_then_resets_the_count():
+    automatic = moe_ep.num_threads()
+    assert automatic >= 1
+    moe_ep.set_num_threads(1)
+    assert moe_ep.num_threads() == 1
+    x = torch.randn(300, 64)
+    ids = torch.randint(0, 8, (300, 4), dtype=torch.int32)
+    one = mt.token_permute(x, ids)[0]
+    moe_ep.set_num_threads(3)
+    assert moe_ep.num_threads() == 3
+    assert torch.equal(mt.token_permute(x, ids)[0], one)  # results never depend on the count
+    moe_ep.set_num_threads(0)
+    assert moe_ep.num_threads() == automatic
+    with pytest.raises(moe_ep.InvalidArgumentError,
+                       match=re.escape("set_num_threads: n = -1 must be >= 0")):
+        moe_ep.set_num_threads(-1)
+    assert moe_ep.num_threads() == automatic
+
+
 def test_check_environment_reads_the_variables_without_mpi(monkeypatch):
     monkeypatch.delenv("MOE_EP_TIMEOUT_S", raising=False)
     monkeypatch.delenv("MOE_EP_TRANSPORT", raising=False)

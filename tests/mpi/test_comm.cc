@@ -1,7 +1,11 @@
-// Communicator: duplication, deadline settings and their validation.
+// Communicator: duplication, deadline settings and their validation, and the thread count it
+// sets (moe_ep/threads.h).
+#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -12,6 +16,7 @@
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
+#include "moe_ep/threads.h"
 
 namespace moe_ep {
 namespace {
@@ -163,6 +168,40 @@ TEST(Communicator, RejectsNullCommunicator) {
     EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
     EXPECT_NE(std::string(e.what()).find("MPI_COMM_NULL"), std::string::npos) << e.what();
   }
+}
+
+// The automatic thread count (threads.h) after a Communicator exists: each rank takes its share
+// of the CPUs, counted here independently of the library (the job's ranks on this machine, the
+// affinity mask). ctest also runs this test at 4 ranks without $OMP_NUM_THREADS
+// (mpi_tests_threads_auto.np4), where on a machine of fewer than 8 CPUs the share (1 or 2)
+// differs from OpenMP's default.
+TEST(Communicator, AutomaticThreadCountSharesTheMachine) {
+  set_num_threads(0);
+  MPI_Comm node = MPI_COMM_NULL;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  int ranks = 0;
+  MPI_Comm_size(node, &ranks);
+  MPI_Comm_free(&node);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
+  const int cpus = CPU_COUNT(&set);
+  // The test binary does not link OpenMP itself; the library's runtime is already loaded.
+  using GetFn = int (*)();
+  auto max_threads = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+  ASSERT_NE(max_threads, nullptr);
+  const int omp_max = max_threads();
+  auto comm = Communicator::from_mpi(MPI_COMM_WORLD);
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  const bool env_set = env != nullptr && *env != '\0';
+  const int want = env_set ? omp_max : std::clamp(cpus / ranks, 1, omp_max);
+  EXPECT_EQ(num_threads(), want) << ranks << " ranks on this machine, " << cpus << " CPUs, "
+                                 << "omp_get_max_threads() " << omp_max
+                                 << (env_set ? ", $OMP_NUM_THREADS set" : "");
+  set_num_threads(1);
+  EXPECT_EQ(num_threads(), 1);
+  set_num_threads(0);
+  EXPECT_EQ(num_threads(), want);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "moe_ep/error.h"
 #include "moe_ep/permute.h"
 #include "moe_ep/tensor.h"
+#include "moe_ep/threads.h"
 #include "ref/numeric.h"
 #include "ref/permute_ref.h"
 
@@ -748,6 +749,18 @@ TEST(Permute, SameBitsWithOneAndFourThreads) {
   ASSERT_EQ(max_threads(), 4);
   const AllOutputs four = run_all_ops(5);
   set_threads(before);
+  ASSERT_EQ(one.tensors.size(), four.tensors.size());
+  for (std::size_t i = 0; i < one.tensors.size(); ++i)
+    EXPECT_TRUE(same_bits(four.tensors[i], one.tensors[i])) << "output " << i;
+}
+
+TEST(Permute, SameBitsWithSetNumThreadsOneAndFour) {
+  set_num_threads(1);
+  ASSERT_EQ(num_threads(), 1);
+  const AllOutputs one = run_all_ops(6);
+  set_num_threads(4);
+  const AllOutputs four = run_all_ops(6);
+  set_num_threads(0);
   ASSERT_EQ(one.tensors.size(), four.tensors.size());
   for (std::size_t i = 0; i < one.tensors.size(); ++i)
     EXPECT_TRUE(same_bits(four.tensors[i], one.tensors[i])) << "output " << i;

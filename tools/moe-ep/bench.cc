@@ -1139,6 +1139,7 @@ int bench_command(const BenchOptions& o) {
         static_cast<unsigned long long>(o.seed), transport_name(o.transport).c_str(),
         compare ? "  --compare" : "", quant ? "  --quant int8" : "");
     std::printf("  routing: %s\n", setup.routing_desc.c_str());
+    print_threads_line();
     std::printf(
         "  placement: %lld experts per rank (expert e on rank e / %lld), no shared experts\n",
         static_cast<long long>(setup.L), static_cast<long long>(setup.L));

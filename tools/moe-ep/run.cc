@@ -22,6 +22,7 @@
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
+#include "moe_ep/threads.h"
 #include "numeric.h"
 #include "presets.h"
 #include "redundant.h"
@@ -721,6 +722,15 @@ MPI_Comm split_world(int color, int key) {
 
 }  // namespace
 
+void print_threads_line() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  std::printf("  threads: %d per rank in moe-ep's parallel loops (%s)\n", moe_ep::num_threads(),
+              env != nullptr && *env != '\0'
+                  ? "$OMP_NUM_THREADS"
+                  : "automatic: the rank's CPUs / the ranks on its machine; set OMP_NUM_THREADS "
+                    "to choose");
+}
+
 int run_command(const RunOptions& o) {
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -827,6 +837,7 @@ int run_command(const RunOptions& o) {
     if (!loaded) std::printf("  router scores: %s\n", describe_scoring(layer).c_str());
     if (!layer.note.empty()) std::printf("  note: %s\n", layer.note.c_str());
     std::printf("  routing: %s\n", plan.routing_desc.c_str());
+    print_threads_line();
     std::string placement;
     if (S > 0) {
       placement = std::to_string(S) + " shared-expert rank" + (S > 1 ? "s" : "") + " [0, " +

@@ -49,4 +49,8 @@ int run_command(const RunOptions& options);
 // <dir of /proc/self/exe>/../share/moe-ep/real-routing/expert_counts.csv
 std::string default_routing_file();
 
+// Prints "  threads: N per rank ..." (moe_ep::num_threads() of this rank, and where it comes
+// from) for the header of run and bench; call after the job's Communicators exist.
+void print_threads_line();
+
 }  // namespace moe_ep_tool

@@ -8,8 +8,6 @@
 // once to the output dtype.
 #include "moe_ep/permute.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -19,6 +17,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "core/threads.h"
 #include "core/validate.h"
 #include "kernels/cpu/convert.h"
 
@@ -159,7 +158,8 @@ void check_sorted_range(const char* op, const TensorView& si, int64_t bound,
                         const char* bound_what) {
   const int64_t m = si.shape[0];
   bool bad = false;
-#pragma omp parallel for schedule(static) reduction(|| : bad) if (m >= kParallelMinWork)
+  const int team = detail::threads_if(m >= kParallelMinWork);
+#pragma omp parallel for schedule(static) reduction(|| : bad) num_threads(team)
   for (int64_t j = 0; j < m; ++j) {
     const int64_t s = sorted_at(si, j);
     bad = bad || s < 0 || s >= bound;
@@ -238,9 +238,10 @@ void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key, std::vect
   // after every entry with a smaller key and after chunk c' < c's entries with key e, which is
   // exactly the stable order whatever the chunk count.
   const int64_t chunks =
-      m < kParallelSortMinEntries ? 1 : std::min<int64_t>(omp_get_max_threads(), m / 4096);
+      m < kParallelSortMinEntries ? 1 : std::min<int64_t>(detail::op_threads(), m / 4096);
   hist.assign(static_cast<std::size_t>(chunks * num_keys), 0);
-#pragma omp parallel for schedule(static) if (chunks > 1)
+  const int team = detail::threads_if(chunks > 1);
+#pragma omp parallel for schedule(static) num_threads(team)
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t* h = hist.data() + c * num_keys;
     for (int64_t j = c * m / chunks; j < (c + 1) * m / chunks; ++j) ++h[keys[j]];
@@ -253,7 +254,7 @@ void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key, std::vect
       h = next;
       next += count;
     }
-#pragma omp parallel for schedule(static) if (chunks > 1)
+#pragma omp parallel for schedule(static) num_threads(team)
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t* h = hist.data() + c * num_keys;
     for (int64_t j = c * m / chunks; j < (c + 1) * m / chunks; ++j)
@@ -277,7 +278,8 @@ void reduce_rows(char* out, DType out_dtype, const TensorView& src, const Tensor
   const int64_t rows = src.shape[0], h = src.shape[1];
   const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
   const bool stream = n * static_cast<int64_t>(out_row_bytes) >= kStreamMinBytes;
-#pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
+  const int team = detail::threads_if(n > 1 && n * topk * h >= kParallelMinWork);
+#pragma omp parallel num_threads(team)
   {
     // The present rows of token i and their weights, and those of token i + 1 (its rows are
     // prefetched during token i's pass).
@@ -358,16 +360,18 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   char* const gp = static_cast<char*>(res.grad_permuted_tokens.data());
   if (q.probs) res.grad_probs = Tensor::empty(q.probs->dtype, {n, topk});
 
-    // Rows nothing refers to are 0 (SPEC §4.3 Decision); the others are written once below. Without
-    // a bitmap every row is zeroed first.
-#pragma omp parallel for schedule(static) if (p > 1 && p * row_bytes >= kParallelMinWork)
+  // Rows nothing refers to are 0 (SPEC §4.3 Decision); the others are written once below. Without
+  // a bitmap every row is zeroed first.
+  const int zero_team = detail::threads_if(p > 1 && p * row_bytes >= kParallelMinWork);
+#pragma omp parallel for schedule(static) num_threads(zero_team)
   for (int64_t s = 0; s < (row_bytes > 0 ? p : 0); ++s)
     if (q.seen.empty() || !bit_set(q.seen, s))
       std::memset(gp + s * row_bytes, 0, static_cast<std::size_t>(row_bytes));
 
   if (!q.probs) {
     if (h == 0) return res;
-#pragma omp parallel for schedule(static) if (n > 1 && n * row_bytes >= kParallelMinWork)
+    const int team = detail::threads_if(n > 1 && n * row_bytes >= kParallelMinWork);
+#pragma omp parallel for schedule(static) num_threads(team)
     for (int64_t j = 0; j < n; ++j) {
       const int64_t s = sorted_at(si, j);
       if (s < p)
@@ -383,7 +387,8 @@ UnpermuteGradResult unpermute_grad_kernel(const UnpermuteGradProblem& q) {
   // One token at a time: its present entries' dot products with grad_out's row (each permuted
   // row read once, in the order permute.h fixes), then their scaled copies of grad_out's row
   // (grad_permuted), by detail::scale_dot_rows_f32.
-#pragma omp parallel if (n > 1 && n * topk * h >= kParallelMinWork)
+  const int team = detail::threads_if(n > 1 && n * topk * h >= kParallelMinWork);
+#pragma omp parallel num_threads(team)
   {
     const std::size_t ut = static_cast<std::size_t>(topk);
     std::vector<float> w(ut), dots(ut);
@@ -450,7 +455,8 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
     res.permuted_tokens_for_backward = Tensor::empty(x.dtype, {p, h});
     char* const saved = static_cast<char*>(res.permuted_tokens_for_backward.data());
     if (h > 0) {
-#pragma omp parallel for schedule(static) if (p > 1 && p * row_bytes >= kParallelMinWork)
+      const int team = detail::threads_if(p > 1 && p * row_bytes >= kParallelMinWork);
+#pragma omp parallel for schedule(static) num_threads(team)
       for (int64_t s = 0; s < p; ++s)
         detail::copy_row(saved + s * row_bytes, row_ptr(x, s), static_cast<std::size_t>(row_bytes),
                          p * row_bytes >= kStreamMinBytes);
@@ -459,7 +465,8 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
   if (h == 0) return res;
 
   if (!args.probs) {  // a pure gather: bit copies, zeros for dropped entries
-#pragma omp parallel for schedule(static) if (n > 1 && n * row_bytes >= kParallelMinWork)
+    const int team = detail::threads_if(n > 1 && n * row_bytes >= kParallelMinWork);
+#pragma omp parallel for schedule(static) num_threads(team)
     for (int64_t i = 0; i < n; ++i) {
       const int64_t s = sorted_at(si, i);
       if (s < p) {
@@ -512,10 +519,10 @@ PermuteResult permute(const PermuteArgs& args) {
   keys.resize(static_cast<std::size_t>(m));
   bool bad = false;
   int64_t max_key = 0;
-#pragma omp parallel for schedule(static) reduction(||     \
-                                                    : bad) \
-    reduction(max                                          \
-              : max_key) if (m >= kParallelMinWork)
+  const int team = detail::threads_if(m >= kParallelMinWork);
+#pragma omp parallel for schedule(static) reduction(||                   \
+                                                    : bad) reduction(max \
+                                                                     : max_key) num_threads(team)
   for (int64_t j = 0; j < m; ++j) {
     const int64_t e = index_at(indices, j / topk, j % topk);
     const bool ok = e >= 0 && e < kIndexLimit;
@@ -540,7 +547,8 @@ PermuteResult permute(const PermuteArgs& args) {
   PermuteResult res;
   res.sorted_indices = Tensor::empty(DType::kI32, {m});
   int32_t* const si = res.sorted_indices.ptr<int32_t>();
-#pragma omp parallel for schedule(static) if (m >= kParallelMinWork)
+  const int sort_team = detail::threads_if(m >= kParallelMinWork);
+#pragma omp parallel for schedule(static) num_threads(sort_team)
   for (int64_t pos = 0; pos < m; ++pos) si[order[pos]] = static_cast<int32_t>(pos);
 
   res.permuted_tokens = Tensor::empty(tokens.dtype, {rows, h});
@@ -548,7 +556,8 @@ PermuteResult permute(const PermuteArgs& args) {
     const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(tokens.dtype));
     char* const out = static_cast<char*>(res.permuted_tokens.data());
     const bool stream = rows * row_bytes >= kStreamMinBytes;
-#pragma omp parallel for schedule(static) if (rows > 1 && rows * row_bytes >= kParallelMinWork)
+    const int team = detail::threads_if(rows > 1 && rows * row_bytes >= kParallelMinWork);
+#pragma omp parallel for schedule(static) num_threads(team)
     for (int64_t pos = 0; pos < rows; ++pos)
       detail::copy_row(out + pos * row_bytes, row_ptr(tokens, order[pos] / topk),
                        static_cast<std::size_t>(row_bytes), stream);

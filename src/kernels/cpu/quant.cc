@@ -9,6 +9,7 @@
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
+#include "core/threads.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/rows-inl.h"
 
@@ -419,9 +420,11 @@ void quantize_rows_int8_to(const void* const* src, DType dtype, int64_t rows, in
   MOE_EP_CHECK(dtype == DType::kBF16 || dtype == DType::kF16 || dtype == DType::kF32);
   if (rows == 0) return;
   for (int64_t t = 0; t < rows; ++t) MOE_EP_CHECK(first[t + 1] > first[t]);
-    // Each thread takes a contiguous run of rows (the kernel reads a row's max during the stores
-    // of the row before it); rows are independent, so any split gives the same bits.
-#pragma omp parallel if (rows > 1 && (first[rows] - first[0]) * n >= (int64_t{1} << 15))
+  // Each thread takes a contiguous run of rows (the kernel reads a row's max during the stores
+  // of the row before it); rows are independent, so any split gives the same bits.
+  const int team =
+      detail::threads_if(rows > 1 && (first[rows] - first[0]) * n >= (int64_t{1} << 15));
+#pragma omp parallel num_threads(team)
   {
     const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t lo = rows * me / nt, hi = rows * (me + 1) / nt;
@@ -456,7 +459,8 @@ void quantize_rows_int8(const QuantizeRowsInt8Args& a) {
   // of kGroup rows go to one QuantizeRows call (its max pass walks them side by side).
   constexpr int64_t kGroup = 16;
   const int64_t groups = (a.rows + kGroup - 1) / kGroup;
-#pragma omp parallel for schedule(static) if (a.rows > 1 && a.rows * a.n >= (int64_t{1} << 15))
+  const int team = detail::threads_if(a.rows > 1 && a.rows * a.n >= (int64_t{1} << 15));
+#pragma omp parallel for schedule(static) num_threads(team)
   for (int64_t g = 0; g < groups; ++g) {
     const void* x[kGroup];
     const float* sm[kGroup];

@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "core/check.h"
+#include "core/threads.h"
 #include "moe_ep/comm.h"
 #include "transport/mpi/exchange.h"
 #include "transport/shm/context.h"
@@ -28,6 +29,28 @@ double resolve_timeout(const CommOptions& options, const char* op) {
   if (errno != 0 || end == env || *end != '\0' || !(t > 0) || !std::isfinite(t))
     detail::invalid(op, ": MOE_EP_TIMEOUT_S = \"", env, "\" is not a finite number of seconds > 0");
   return t;
+}
+
+// The processes sharing this machine, for the automatic thread count (moe_ep/threads.h): the
+// ranks of `comm` on it (collective over comm), or the launcher's count of all of the job's
+// ranks on it when that is larger (OpenMPI's $OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's
+// $MPI_LOCALNRANKS): they all compete for its CPUs, also when `comm` is a subgroup.
+int ranks_on_node(MPI_Comm comm) {
+  MPI_Comm node = MPI_COMM_NULL;
+  detail::check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+                    "Communicator", "MPI_Comm_split_type");
+  int ranks = 1;
+  MPI_Comm_size(node, &ranks);
+  MPI_Comm_free(&node);
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(v, &end, 10);
+    if (errno == 0 && *end == '\0' && n > ranks && n < (1L << 20)) ranks = static_cast<int>(n);
+  }
+  return ranks;
 }
 
 }  // namespace
@@ -56,8 +79,10 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
   int rank = 0, size = 0;
   MPI_Comm_rank(dup, &rank);
   MPI_Comm_size(dup, &size);
-  return std::shared_ptr<Communicator>(
+  std::shared_ptr<Communicator> made(
       new Communicator(dup, rank, size, timeout, options.shm_window_bytes));
+  detail::note_ranks_on_node(ranks_on_node(dup));
+  return made;
 }
 
 Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s,

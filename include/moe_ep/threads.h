@@ -1,0 +1,35 @@
+// How many OpenMP threads moe-ep's parallel loops use (docs/performance.md, "Threads").
+//
+// Every op that splits rows across threads (dispatch_v2's and combine_v2's row copies and sums,
+// the int8 quantisation, permute / unpermute and their gradients) runs its parallel loops on
+// num_threads() threads; small calls stay on the calling thread. Results never depend on the
+// count: every element sees the same operations in the same order on any number of threads.
+//
+// Ranks that share a machine each start their own threads. OpenMP's default is one thread per
+// CPU the process may run on, so N ranks without CPU binding (mpirun --oversubscribe, or more
+// ranks than the launcher binds) start N times as many threads as there are CPUs; a parallel
+// loop then waits for threads the other ranks' threads keep off the CPU, and dispatch_v2 or
+// combine_v2 can take ten times longer. The automatic rule gives each rank its share instead.
+#pragma once
+
+#include "moe_ep/export.h"
+
+namespace moe_ep {
+
+// n >= 1: every later parallel loop of moe-ep uses n threads (at most OpenMP's limit on the
+// number of threads, omp_get_thread_limit()). n == 0: back to the automatic rule (num_threads()).
+// Process-wide; thread-safe. Throws Error(kInvalidArgument) for n < 0.
+MOE_EP_API void set_num_threads(int n);
+
+// The thread count of moe-ep's parallel loops, >= 1:
+//   - n, when set_num_threads(n) set n >= 1;
+//   - else, when $OMP_NUM_THREADS is set and not empty: omp_get_max_threads() (the caller chose
+//     the count);
+//   - else: max(1, min(omp_get_max_threads(), C / R)), C the CPUs this process may run on (its
+//     affinity mask) and R the most ranks sharing this machine in any Communicator created so
+//     far (Communicator::from_mpi counts them; 1 before the first). So two ranks on 16 CPUs
+//     take 8 threads each, four ranks on 2 CPUs one each, and a process without communicators
+//     keeps OpenMP's default.
+MOE_EP_API int num_threads();
+
+}  // namespace moe_ep
