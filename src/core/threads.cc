@@ -2,6 +2,7 @@
 
 #include <omp.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +61,11 @@ int op_threads() {
   if (fixed > 0) return std::min(fixed, std::max(omp_get_thread_limit(), 1));
   return auto_threads(omp_get_max_threads(), omp_env_set(), affinity_cpus(),
                       g_ranks_on_node.load(std::memory_order_relaxed));
+}
+
+bool cpus_for_every_rank() {
+  static const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  return online > 0 && g_ranks_on_node.load(std::memory_order_relaxed) <= online;
 }
 
 void note_ranks_on_node(int ranks) {

@@ -3,6 +3,7 @@
 // depend on the count is checked per op (test_permute.cc, SameBitsWithOneAndFourThreads) and, for
 // dispatch / combine, by the MPI suites at 1 and 2 threads.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <string>
@@ -64,6 +65,18 @@ TEST(Threads, SetNumThreadsRejectsANegativeCount) {
     EXPECT_NE(msg.find("set_num_threads: n = -2 must be >= 0"), std::string::npos) << msg;
   }
   EXPECT_EQ(num_threads(), before);
+}
+
+// Exchange::wait polls before it yields only while every rank of the machine has a CPU. (This
+// raises the process's count of ranks on the machine for good: with $OMP_NUM_THREADS unset, the
+// automatic thread count of later tests in this process is then 1, which changes no result.)
+TEST(Threads, PollingOnlyWhileEveryRankHasACpu) {
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  ASSERT_GT(online, 0);
+  detail::note_ranks_on_node(static_cast<int>(online));
+  EXPECT_TRUE(detail::cpus_for_every_rank());
+  detail::note_ranks_on_node(static_cast<int>(online) + 1);
+  EXPECT_FALSE(detail::cpus_for_every_rank());
 }
 
 }  // namespace
