@@ -43,8 +43,10 @@ class MOE_EP_API Communicator {
  public:
   // Collective over `comm` (MPI must be initialised; MPI_THREAD_SINGLE suffices: moe-ep calls
   // MPI from the calling thread only). `comm` is duplicated, not owned: the caller may free it.
-  // Also counts the ranks of `comm` on this machine (MPI_Comm_split_type), for the automatic
-  // thread count of moe-ep's parallel loops (threads.h).
+  // Also counts the ranks of `comm` on this machine and the CPUs of their affinity masks
+  // (MPI_Comm_split_type, MPI_Allreduce) for the automatic thread count of moe-ep's parallel
+  // loops (threads.h): process-wide, it only ever lowers that count, also after the
+  // Communicator is gone.
   // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout or a negative
   // shm_window_bytes.
   static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});

@@ -23,13 +23,16 @@ MOE_EP_API void set_num_threads(int n);
 
 // The thread count of moe-ep's parallel loops, >= 1:
 //   - n, when set_num_threads(n) set n >= 1;
-//   - else, when $OMP_NUM_THREADS is set and not empty: omp_get_max_threads() (the caller chose
-//     the count);
-//   - else: max(1, min(omp_get_max_threads(), C / R)), C the CPUs this process may run on (its
-//     affinity mask) and R the most ranks sharing this machine in any Communicator created so
-//     far (Communicator::from_mpi counts them; 1 before the first). So two ranks on 16 CPUs
-//     take 8 threads each, four ranks on 2 CPUs one each, and a process without communicators
-//     keeps OpenMP's default.
+//   - else omp_get_max_threads() when the caller chose the OpenMP threads: $OMP_NUM_THREADS
+//     holds a positive count, or OpenMP binds its threads to places ($OMP_PROC_BIND,
+//     $OMP_PLACES);
+//   - else min(C, S), at least 1 and at most omp_get_max_threads(): C the CPUs of this process's
+//     affinity mask, S its share of the machine, the smallest over the Communicators created so
+//     far (Communicator::from_mpi: the union of the affinity masks of the communicator's ranks on
+//     this machine, divided by those ranks, or by the launcher's count of the job's ranks on it
+//     when larger: $OMPI_COMM_WORLD_LOCAL_SIZE, $MPI_LOCALNRANKS). So two unbound ranks on 16
+//     CPUs take 8 threads each, four on 2 CPUs one each, four bound two by two to the 16 CPUs of
+//     each of two sockets 8 each, and a process without communicators keeps OpenMP's default.
 MOE_EP_API int num_threads();
 
 }  // namespace moe_ep

@@ -594,10 +594,10 @@ NB_MODULE(_C, m) {
         "the automatic rule (num_threads). Raises InvalidArgumentError for n < 0 (threads.h)");
   m.def("num_threads", &moe_ep::num_threads,
         "The thread count of moe-ep's parallel loops: set_num_threads's n; else "
-        "omp_get_max_threads() when $OMP_NUM_THREADS is set; else the CPUs of this process's "
-        "affinity mask divided by the most ranks sharing this machine in any Communicator "
-        "created so far, at least 1 and at most omp_get_max_threads() (threads.h). Results never "
-        "depend on it");
+        "omp_get_max_threads() when $OMP_NUM_THREADS holds a positive count or OpenMP binds its "
+        "threads; else this rank's share of its machine (the CPUs of the ranks on it, from the "
+        "Communicators created so far, divided by those ranks), at least 1 and at most this "
+        "process's CPUs and omp_get_max_threads() (threads.h). Results never depend on it");
   m.def("strategies", &strategies, "op"_a, "has_probs"_a, "has_permuted_tokens"_a = true,
         "SPEC §5: the two sharding strategies of a local op, R first, as the C++ table gives "
         "them: [{'name', 'inputs': [(arg, placement, data_read)], 'outputs': [...]}], placement "

@@ -1,6 +1,7 @@
 """The checks the Python layer makes itself (docs/errors.md, "The Python front"): communicator
 handling, the fake implementation's num_out_tokens bound, and the exception classes."""
 
+import os
 import re
 import subprocess
 import sys
@@ -59,15 +60,19 @@ def test_dispatch_workspace_is_exported():
 def test_set_num_threads_fixes_then_resets_the_count():
     automatic = moe_ep.num_threads()
     assert automatic >= 1
-    moe_ep.set_num_threads(1)
-    assert moe_ep.num_threads() == 1
-    x = torch.randn(300, 64)
-    ids = torch.randint(0, 8, (300, 4), dtype=torch.int32)
-    one = mt.token_permute(x, ids)[0]
-    moe_ep.set_num_threads(3)
-    assert moe_ep.num_threads() == 3
-    assert torch.equal(mt.token_permute(x, ids)[0], one)  # results never depend on the count
-    moe_ep.set_num_threads(0)
+    # Large enough for every parallel loop of permute to split (kParallelMinWork).
+    x = torch.randn(4096, 256)
+    ids = torch.randint(0, 64, (4096, 8), dtype=torch.int32)
+    try:
+        moe_ep.set_num_threads(1)
+        assert moe_ep.num_threads() == 1
+        one = mt.token_permute(x, ids)[0]
+        moe_ep.set_num_threads(3)
+        if "OMP_THREAD_LIMIT" not in os.environ:
+            assert moe_ep.num_threads() == 3
+        assert torch.equal(mt.token_permute(x, ids)[0], one)  # the count changes no result
+    finally:
+        moe_ep.set_num_threads(0)
     assert moe_ep.num_threads() == automatic
     with pytest.raises(moe_ep.InvalidArgumentError,
                        match=re.escape("set_num_threads: n = -1 must be >= 0")):

@@ -2,10 +2,11 @@
 
 #include <omp.h>
 #include <sched.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <climits>
 #include <cstdlib>
 
 #include "core/check.h"
@@ -15,8 +16,9 @@ namespace moe_ep {
 
 namespace {
 
-std::atomic<int> g_fixed{0};          // set_num_threads(n >= 1), else 0
-std::atomic<int> g_ranks_on_node{1};  // the most ranks sharing this machine in a Communicator
+std::atomic<int> g_fixed{0};         // set_num_threads(n >= 1), else 0
+std::atomic<int> g_share{INT_MAX};   // the smallest NodeShare::share so far
+std::atomic<bool> g_crowded{false};  // some NodeShare was crowded
 
 // CPUs this process may run on (its affinity mask; the launcher's binding shows here), 0 when
 // unknown. Read once: the mask of a running process rarely changes, and a wrong guess only
@@ -31,12 +33,20 @@ int affinity_cpus() {
   return cpus;
 }
 
-bool omp_env_set() {
-  static const bool set = [] {
-    const char* v = std::getenv("OMP_NUM_THREADS");
-    return v != nullptr && *v != '\0';
+// $OMP_NUM_THREADS holds a positive count (its first, for a list; OpenMP ignores a malformed
+// value, so it chooses nothing), or OpenMP binds threads to places: it has then pinned this
+// thread, whose mask no longer shows the process's CPUs, and the caller placed the threads.
+bool caller_chose() {
+  static const bool chose = [] {
+    if (const char* v = std::getenv("OMP_NUM_THREADS"); v != nullptr) {
+      errno = 0;
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (errno == 0 && end != v && n > 0 && (*end == '\0' || *end == ',')) return true;
+    }
+    return omp_get_proc_bind() != omp_proc_bind_false;
   }();
-  return set;
+  return chose;
 }
 
 }  // namespace
@@ -50,30 +60,35 @@ int num_threads() { return detail::op_threads(); }
 
 namespace detail {
 
-int auto_threads(int omp_max, bool env_set, int cpus, int ranks) {
+int auto_threads(int omp_max, bool caller_chose, int cpus, int share) {
   omp_max = std::max(omp_max, 1);
-  if (env_set || cpus <= 0) return omp_max;
-  return std::clamp(cpus / std::max(ranks, 1), 1, omp_max);
+  if (caller_chose || cpus <= 0) return omp_max;
+  return std::clamp(std::min(cpus, share), 1, omp_max);
 }
 
 int op_threads() {
   const int fixed = g_fixed.load(std::memory_order_relaxed);
   if (fixed > 0) return std::min(fixed, std::max(omp_get_thread_limit(), 1));
-  return auto_threads(omp_get_max_threads(), omp_env_set(), affinity_cpus(),
-                      g_ranks_on_node.load(std::memory_order_relaxed));
+  return auto_threads(omp_get_max_threads(), caller_chose(), affinity_cpus(),
+                      g_share.load(std::memory_order_relaxed));
 }
 
-bool cpus_for_every_rank() {
-  static const long online = sysconf(_SC_NPROCESSORS_ONLN);
-  return online > 0 && g_ranks_on_node.load(std::memory_order_relaxed) <= online;
+NodeShare node_share(int ranks, int cpus) {
+  ranks = std::max(ranks, 1);
+  if (cpus <= 0) return {INT_MAX, false};  // unknown: no limit from this machine
+  return {std::max(cpus / ranks, 1), ranks > cpus};
 }
 
-void note_ranks_on_node(int ranks) {
-  int seen = g_ranks_on_node.load(std::memory_order_relaxed);
-  while (ranks > seen &&
-         !g_ranks_on_node.compare_exchange_weak(seen, ranks, std::memory_order_relaxed)) {
+void note_node(int ranks, int cpus) {
+  const NodeShare s = node_share(ranks, cpus);
+  int seen = g_share.load(std::memory_order_relaxed);
+  while (s.share < seen &&
+         !g_share.compare_exchange_weak(seen, s.share, std::memory_order_relaxed)) {
   }
+  if (s.crowded) g_crowded.store(true, std::memory_order_relaxed);
 }
+
+bool cpus_for_every_rank() { return !g_crowded.load(std::memory_order_relaxed); }
 
 }  // namespace detail
 }  // namespace moe_ep

@@ -13,17 +13,27 @@ int op_threads();
 //   #pragma omp parallel for num_threads(team)
 inline int threads_if(bool parallel) { return parallel ? op_threads() : 1; }
 
-// Communicator::from_mpi: `ranks` processes of the new communicator share this machine.
-void note_ranks_on_node(int ranks);
+// What one Communicator learns of this machine: `ranks` processes share the `cpus` CPUs of the
+// union of their affinity masks. share: each one's part, cpus / ranks, at least 1; crowded: the
+// ranks outnumber the CPUs.
+struct NodeShare {
+  int share;
+  bool crowded;
+};
+NodeShare node_share(int ranks, int cpus);
 
-// True when the ranks sharing this machine (note_ranks_on_node) do not outnumber its online
-// CPUs: a rank waiting for a message may then poll for a few microseconds before it yields the
-// CPU, without keeping a peer off it (Exchange::wait).
+// Communicator::from_mpi: applies node_share(ranks, cpus) to every later op of the process (the
+// smallest share so far; crowded once any communicator was).
+void note_node(int ranks, int cpus);
+
+// False when some Communicator's ranks on this machine outnumber their CPUs (node_share): a rank
+// waiting for a message then yields the CPU at once instead of polling first (Exchange::wait).
 bool cpus_for_every_rank();
 
-// The automatic rule of num_threads(), as a pure function: omp_max = omp_get_max_threads(),
-// env_set = $OMP_NUM_THREADS is set and not empty, cpus = CPUs of the affinity mask (<= 0:
-// unknown), ranks = ranks sharing this machine (>= 1).
-int auto_threads(int omp_max, bool env_set, int cpus, int ranks);
+// The automatic rule of num_threads(), as a pure function: omp_max = omp_get_max_threads();
+// caller_chose = $OMP_NUM_THREADS holds a positive count, or OpenMP binds its threads
+// ($OMP_PROC_BIND, $OMP_PLACES); cpus = CPUs of this process's affinity mask (<= 0: unknown);
+// share = the smallest node_share so far (a large value before the first Communicator).
+int auto_threads(int omp_max, bool caller_chose, int cpus, int share);
 
 }  // namespace moe_ep::detail

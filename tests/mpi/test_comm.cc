@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/threads.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
@@ -172,32 +173,42 @@ TEST(Communicator, RejectsNullCommunicator) {
 
 // The automatic thread count (threads.h) after a Communicator exists: each rank takes its share
 // of the CPUs, counted here independently of the library (the job's ranks on this machine, the
-// affinity mask). ctest also runs this test at 4 ranks without $OMP_NUM_THREADS
-// (mpi_tests_threads_auto.np4), where on a machine of fewer than 8 CPUs the share (1 or 2)
-// differs from OpenMP's default.
+// union of their affinity masks). ctest also runs this test at 4 ranks without
+// $OMP_NUM_THREADS (mpi_tests_threads_auto.np4), where on a machine of fewer than 8 CPUs the
+// share (1 or 2) differs from OpenMP's default and the ranks outnumber 2 or 3 CPUs.
 TEST(Communicator, AutomaticThreadCountSharesTheMachine) {
   set_num_threads(0);
   MPI_Comm node = MPI_COMM_NULL;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   int ranks = 0;
   MPI_Comm_size(node, &ranks);
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  ASSERT_EQ(sched_getaffinity(0, sizeof(mine), &mine), 0);
+  std::vector<cpu_set_t> masks(static_cast<std::size_t>(ranks));
+  MPI_Allgather(&mine, sizeof(cpu_set_t), MPI_BYTE, masks.data(), sizeof(cpu_set_t), MPI_BYTE,
+                node);
   MPI_Comm_free(&node);
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  ASSERT_EQ(sched_getaffinity(0, sizeof(set), &set), 0);
-  const int cpus = CPU_COUNT(&set);
+  cpu_set_t all;
+  CPU_ZERO(&all);
+  for (cpu_set_t& m : masks) CPU_OR(&all, &all, &m);
+  const int cpus = CPU_COUNT(&mine), node_cpus = CPU_COUNT(&all);
   // The test binary does not link OpenMP itself; the library's runtime is already loaded.
   using GetFn = int (*)();
   auto max_threads = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
+  auto proc_bind = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "omp_get_proc_bind"));
   ASSERT_NE(max_threads, nullptr);
+  ASSERT_NE(proc_bind, nullptr);
   const int omp_max = max_threads();
   auto comm = Communicator::from_mpi(MPI_COMM_WORLD);
   const char* env = std::getenv("OMP_NUM_THREADS");
-  const bool env_set = env != nullptr && *env != '\0';
-  const int want = env_set ? omp_max : std::clamp(cpus / ranks, 1, omp_max);
-  EXPECT_EQ(num_threads(), want) << ranks << " ranks on this machine, " << cpus << " CPUs, "
-                                 << "omp_get_max_threads() " << omp_max
-                                 << (env_set ? ", $OMP_NUM_THREADS set" : "");
+  const bool chose = (env != nullptr && std::atoi(env) > 0) || proc_bind() != 0;
+  const int want = chose ? omp_max : std::clamp(std::min(cpus, node_cpus / ranks), 1, omp_max);
+  EXPECT_EQ(num_threads(), want) << ranks << " ranks on this machine, " << node_cpus
+                                 << " CPUs, this rank's " << cpus << ", omp_get_max_threads() "
+                                 << omp_max << (chose ? ", the caller chose" : "");
+  EXPECT_EQ(detail::cpus_for_every_rank(), ranks <= node_cpus)
+      << ranks << " ranks on " << node_cpus << " CPUs";
   set_num_threads(1);
   EXPECT_EQ(num_threads(), 1);
   set_num_threads(0);

@@ -3,8 +3,8 @@
 // depend on the count is checked per op (test_permute.cc, SameBitsWithOneAndFourThreads) and, for
 // dispatch / combine, by the MPI suites at 1 and 2 threads.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
+#include <climits>
 #include <cstdlib>
 #include <string>
 
@@ -18,25 +18,43 @@ namespace {
 TEST(Threads, AutomaticRuleGivesEachRankItsShareOfTheCpus) {
   struct Case {
     int omp_max;
-    bool env_set;
-    int cpus, ranks, want;
+    bool caller_chose;
+    int cpus, share, want;
   };
   const Case cases[] = {
-      {2, false, 2, 1, 2},     // one process: OpenMP's default
-      {2, false, 2, 2, 1},     // two ranks on 2 CPUs: one thread each
-      {2, false, 2, 4, 1},     // oversubscribed: never below 1
-      {16, false, 16, 2, 8},   // two ranks on 16 CPUs
-      {16, false, 16, 3, 5},   // rounded down, so the ranks never oversubscribe
-      {4, false, 64, 2, 4},    // at most omp_get_max_threads()
-      {4, true, 2, 4, 4},      // $OMP_NUM_THREADS set: the caller's count
-      {8, false, 0, 4, 8},     // affinity unknown: OpenMP's default
-      {0, false, 2, 1, 1},     // a nonsensical omp_max still gives >= 1
-      {16, false, 16, 0, 16},  // ranks < 1 read as 1
+      {2, false, 2, INT_MAX, 2},  // before any Communicator: OpenMP's default
+      {2, false, 2, 1, 1},        // two ranks on 2 CPUs: one thread each
+      {12, false, 12, 6, 6},      // two unbound ranks on 12 CPUs: 12 / 2
+      {16, false, 16, 8, 8},      // four ranks on 2 x 16 CPUs, each bound to its 16: 32 / 4
+                                  // (its mask / 4 ranks, 4, would leave half the CPUs idle)
+      {16, false, 1, 4, 1},       // bound to one CPU: never more threads than the mask holds
+      {4, false, 64, 32, 4},      // at most omp_get_max_threads()
+      {4, true, 2, 1, 4},         // $OMP_NUM_THREADS or OpenMP binding: the caller's count
+      {8, false, 0, 1, 8},        // affinity unknown: OpenMP's default
+      {0, false, 2, 1, 1},        // a nonsensical omp_max still gives >= 1
   };
   for (const Case& c : cases)
-    EXPECT_EQ(detail::auto_threads(c.omp_max, c.env_set, c.cpus, c.ranks), c.want)
-        << "omp_max " << c.omp_max << " env_set " << c.env_set << " cpus " << c.cpus << " ranks "
-        << c.ranks;
+    EXPECT_EQ(detail::auto_threads(c.omp_max, c.caller_chose, c.cpus, c.share), c.want)
+        << "omp_max " << c.omp_max << " caller_chose " << c.caller_chose << " cpus " << c.cpus
+        << " share " << c.share;
+}
+
+TEST(Threads, NodeShareDividesTheCpusOfTheRanksAmongThem) {
+  struct Case {
+    int ranks, cpus, share;
+    bool crowded;
+  };
+  const Case cases[] = {
+      {1, 2, 2, false},       {2, 2, 1, false},  {4, 2, 1, true},
+      {4, 32, 8, false},      {3, 16, 5, false},  // rounded down: the ranks never oversubscribe
+      {0, 8, 8, false},                           // ranks < 1 read as 1
+      {4, 0, INT_MAX, false},                     // CPUs unknown: no limit, no crowding known
+  };
+  for (const Case& c : cases) {
+    const detail::NodeShare s = detail::node_share(c.ranks, c.cpus);
+    EXPECT_EQ(s.share, c.share) << c.ranks << " ranks on " << c.cpus << " CPUs";
+    EXPECT_EQ(s.crowded, c.crowded) << c.ranks << " ranks on " << c.cpus << " CPUs";
+  }
 }
 
 TEST(Threads, SetNumThreadsFixesTheCountUntilReset) {
@@ -65,18 +83,6 @@ TEST(Threads, SetNumThreadsRejectsANegativeCount) {
     EXPECT_NE(msg.find("set_num_threads: n = -2 must be >= 0"), std::string::npos) << msg;
   }
   EXPECT_EQ(num_threads(), before);
-}
-
-// Exchange::wait polls before it yields only while every rank of the machine has a CPU. (This
-// raises the process's count of ranks on the machine for good: with $OMP_NUM_THREADS unset, the
-// automatic thread count of later tests in this process is then 1, which changes no result.)
-TEST(Threads, PollingOnlyWhileEveryRankHasACpu) {
-  const long online = sysconf(_SC_NPROCESSORS_ONLN);
-  ASSERT_GT(online, 0);
-  detail::note_ranks_on_node(static_cast<int>(online));
-  EXPECT_TRUE(detail::cpus_for_every_rank());
-  detail::note_ranks_on_node(static_cast<int>(online) + 1);
-  EXPECT_FALSE(detail::cpus_for_every_rank());
 }
 
 }  // namespace

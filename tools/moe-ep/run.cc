@@ -723,12 +723,10 @@ MPI_Comm split_world(int color, int key) {
 }  // namespace
 
 void print_threads_line() {
-  const char* env = std::getenv("OMP_NUM_THREADS");
-  std::printf("  threads: %d per rank in moe-ep's parallel loops (%s)\n", moe_ep::num_threads(),
-              env != nullptr && *env != '\0'
-                  ? "$OMP_NUM_THREADS"
-                  : "automatic: the rank's CPUs / the ranks on its machine; set OMP_NUM_THREADS "
-                    "to choose");
+  std::printf(
+      "  threads: %d per rank in moe-ep's parallel loops (by default each rank's share of its "
+      "machine's CPUs; OMP_NUM_THREADS chooses)\n",
+      moe_ep::num_threads());
 }
 
 int run_command(const RunOptions& o) {

@@ -240,7 +240,7 @@ void stable_argsort(const std::vector<int32_t>& keys, int64_t max_key, std::vect
   const int64_t chunks =
       m < kParallelSortMinEntries ? 1 : std::min<int64_t>(detail::op_threads(), m / 4096);
   hist.assign(static_cast<std::size_t>(chunks * num_keys), 0);
-  const int team = detail::threads_if(chunks > 1);
+  const int team = static_cast<int>(chunks);  // one thread per chunk
 #pragma omp parallel for schedule(static) num_threads(team)
   for (int64_t c = 0; c < chunks; ++c) {
     int64_t* h = hist.data() + c * num_keys;

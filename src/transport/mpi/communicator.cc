@@ -1,3 +1,5 @@
+#include <sched.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -31,17 +33,25 @@ double resolve_timeout(const CommOptions& options, const char* op) {
   return t;
 }
 
-// The processes sharing this machine, for the automatic thread count (moe_ep/threads.h): the
-// ranks of `comm` on it (collective over comm), or the launcher's count of all of the job's
-// ranks on it when that is larger (OpenMPI's $OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's
-// $MPI_LOCALNRANKS): they all compete for its CPUs, also when `comm` is a subgroup.
-int ranks_on_node(MPI_Comm comm) {
+// Tells the automatic thread count (moe_ep/threads.h) how many ranks share this machine and on
+// how many CPUs: the ranks of `comm` on it and the union of their affinity masks (collective over
+// comm), or, when larger, the launcher's count of all of the job's ranks on it (OpenMPI's
+// $OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's $MPI_LOCALNRANKS): they all compete for those CPUs, also
+// when `comm` is a subgroup.
+void note_this_machine(MPI_Comm comm) {
   MPI_Comm node = MPI_COMM_NULL;
   detail::check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
                     "Communicator", "MPI_Comm_split_type");
   int ranks = 1;
   MPI_Comm_size(node, &ranks);
+  cpu_set_t mine, all;
+  CPU_ZERO(&mine);
+  CPU_ZERO(&all);
+  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) CPU_ZERO(&mine);  // unknown: adds nothing
+  const int rc =
+      MPI_Allreduce(&mine, &all, static_cast<int>(sizeof(cpu_set_t)), MPI_BYTE, MPI_BOR, node);
   MPI_Comm_free(&node);
+  detail::check_mpi(rc, "Communicator", "MPI_Allreduce");
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
     const char* v = std::getenv(name);
     if (v == nullptr || *v == '\0') continue;
@@ -50,7 +60,7 @@ int ranks_on_node(MPI_Comm comm) {
     const long n = std::strtol(v, &end, 10);
     if (errno == 0 && *end == '\0' && n > ranks && n < (1L << 20)) ranks = static_cast<int>(n);
   }
-  return ranks;
+  detail::note_node(ranks, CPU_COUNT(&all));
 }
 
 }  // namespace
@@ -81,7 +91,7 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
   MPI_Comm_size(dup, &size);
   std::shared_ptr<Communicator> made(
       new Communicator(dup, rank, size, timeout, options.shm_window_bytes));
-  detail::note_ranks_on_node(ranks_on_node(dup));
+  note_this_machine(dup);
   return made;
 }
 

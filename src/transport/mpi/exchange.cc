@@ -140,7 +140,8 @@ std::vector<MPI_Status> Exchange::wait() {
       idle_since = Clock::now();
       continue;
     }
-    if (Clock::now() >= deadline) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
       std::vector<int> late;
       int pending = 0;
       for (int i = 0; i < n; ++i)
@@ -167,7 +168,7 @@ std::vector<MPI_Status> Exchange::wait() {
     // 200 us.
     constexpr auto kPoll = std::chrono::microseconds(20);
     constexpr auto kSpin = std::chrono::milliseconds(2);
-    const auto idle_for = Clock::now() - idle_since;
+    const auto idle_for = now - idle_since;
     if (poll && idle_for < kPoll) continue;
     if (idle_for < kSpin) {
       sched_yield();
