@@ -12,16 +12,22 @@
 // combine_v2 can take ten times longer. The automatic rule gives each rank its share instead.
 #pragma once
 
+#include <cstdint>
+
 #include "moe_ep/export.h"
 
 namespace moe_ep {
 
-// n >= 1: every later parallel loop of moe-ep uses n threads (at most OpenMP's limit on the
-// number of threads, omp_get_thread_limit()). n == 0: back to the automatic rule (num_threads()).
-// Process-wide; thread-safe. Throws Error(kInvalidArgument) for n < 0.
-MOE_EP_API void set_num_threads(int n);
+// The most threads moe-ep runs one loop on (more than any machine's CPUs; a team of a million
+// threads makes OpenMP crash, not run slowly).
+inline constexpr int64_t kMaxThreads = 1024;
 
-// The thread count of moe-ep's parallel loops, >= 1:
+// 1 <= n <= kMaxThreads: every later parallel loop of moe-ep uses n threads (at most OpenMP's
+// limit, omp_get_thread_limit()). n == 0: back to the automatic rule (num_threads()).
+// Process-wide; thread-safe. Throws Error(kInvalidArgument) for n < 0 or n > kMaxThreads.
+MOE_EP_API void set_num_threads(int64_t n);
+
+// The thread count of moe-ep's parallel loops, in [1, min(kMaxThreads, omp_get_thread_limit())]:
 //   - n, when set_num_threads(n) set n >= 1;
 //   - else omp_get_max_threads() when the caller chose the OpenMP threads: $OMP_NUM_THREADS
 //     holds a positive count, or OpenMP binds its threads to places ($OMP_PROC_BIND,

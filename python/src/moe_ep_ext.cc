@@ -590,8 +590,9 @@ NB_MODULE(_C, m) {
       "seconds the communicator would use. Raises InvalidArgumentError for a malformed value "
       "(comm.h, check_environment)");
   m.def("set_num_threads", &moe_ep::set_num_threads, "n"_a,
-        "n >= 1: moe-ep's parallel loops use n threads from now on (process-wide); 0: back to "
-        "the automatic rule (num_threads). Raises InvalidArgumentError for n < 0 (threads.h)");
+        "1 <= n <= 1024: moe-ep's parallel loops use n threads from now on (process-wide); 0: "
+        "back to the automatic rule (num_threads). Raises InvalidArgumentError for n < 0 or "
+        "n > 1024 (threads.h, kMaxThreads)");
   m.def("num_threads", &moe_ep::num_threads,
         "The thread count of moe-ep's parallel loops: set_num_threads's n; else "
         "omp_get_max_threads() when $OMP_NUM_THREADS holds a positive count or OpenMP binds its "

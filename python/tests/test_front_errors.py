@@ -77,6 +77,10 @@ def test_set_num_threads_fixes_then_resets_the_count():
     with pytest.raises(moe_ep.InvalidArgumentError,
                        match=re.escape("set_num_threads: n = -1 must be >= 0")):
         moe_ep.set_num_threads(-1)
+    for n in (1025, 10**6, 2**40):  # a huge team makes OpenMP crash: refused up front
+        with pytest.raises(moe_ep.InvalidArgumentError,
+                           match=re.escape(f"set_num_threads: n = {n} exceeds 1024")):
+            moe_ep.set_num_threads(n)
     assert moe_ep.num_threads() == automatic
 
 

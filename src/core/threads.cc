@@ -51,9 +51,12 @@ bool caller_chose() {
 
 }  // namespace
 
-void set_num_threads(int n) {
+void set_num_threads(int64_t n) {
   if (n < 0) detail::invalid("set_num_threads: n = ", n, " must be >= 0 (0: the automatic rule)");
-  g_fixed.store(n, std::memory_order_relaxed);
+  if (n > kMaxThreads)
+    detail::invalid("set_num_threads: n = ", n, " exceeds ", kMaxThreads,
+                    " (kMaxThreads, the most threads moe-ep runs a loop on)");
+  g_fixed.store(static_cast<int>(n), std::memory_order_relaxed);
 }
 
 int num_threads() { return detail::op_threads(); }
@@ -67,10 +70,14 @@ int auto_threads(int omp_max, bool caller_chose, int cpus, int share) {
 }
 
 int op_threads() {
+  // OpenMP never runs more than its thread limit; neither does moe-ep more than kMaxThreads
+  // ($OMP_NUM_THREADS=1000000 makes OpenMP crash).
+  const int limit = static_cast<int>(std::clamp<int64_t>(omp_get_thread_limit(), 1, kMaxThreads));
   const int fixed = g_fixed.load(std::memory_order_relaxed);
-  if (fixed > 0) return std::min(fixed, std::max(omp_get_thread_limit(), 1));
-  return auto_threads(omp_get_max_threads(), caller_chose(), affinity_cpus(),
-                      g_share.load(std::memory_order_relaxed));
+  if (fixed > 0) return std::min(fixed, limit);
+  return std::min(auto_threads(omp_get_max_threads(), caller_chose(), affinity_cpus(),
+                               g_share.load(std::memory_order_relaxed)),
+                  limit);
 }
 
 NodeShare node_share(int ranks, int cpus) {

@@ -72,16 +72,33 @@ TEST(Threads, SetNumThreadsFixesTheCountUntilReset) {
   EXPECT_EQ(num_threads(), automatic);
 }
 
-TEST(Threads, SetNumThreadsRejectsANegativeCount) {
+TEST(Threads, SetNumThreadsRejectsCountsOutsideItsBounds) {
   const int before = num_threads();
-  try {
-    set_num_threads(-2);
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("set_num_threads: n = -2 must be >= 0"), std::string::npos) << msg;
+  struct Case {
+    int64_t n;
+    const char* message;
+  };
+  const Case cases[] = {
+      {-2, "set_num_threads: n = -2 must be >= 0 (0: the automatic rule)"},
+      {kMaxThreads + 1, "set_num_threads: n = 1025 exceeds 1024 (kMaxThreads"},
+      {int64_t{1} << 40, "set_num_threads: n = 1099511627776 exceeds 1024"},
+  };
+  for (const Case& c : cases) {
+    try {
+      set_num_threads(c.n);
+      ADD_FAILURE() << "no error for n = " << c.n;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find(c.message), std::string::npos) << msg;
+    }
+    EXPECT_EQ(num_threads(), before);
   }
+  set_num_threads(kMaxThreads);  // the bound itself is accepted
+  if (std::getenv("OMP_THREAD_LIMIT") == nullptr) {
+    EXPECT_EQ(num_threads(), kMaxThreads);
+  }
+  set_num_threads(0);
   EXPECT_EQ(num_threads(), before);
 }
 

@@ -26,6 +26,7 @@
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
 #include "moe_ep/permute.h"
+#include "moe_ep/threads.h"
 #include "numeric.h"
 #include "presets.h"
 #include "reference.h"
@@ -1238,7 +1239,8 @@ int bench_command(const BenchOptions& o) {
                      {"warmup", o.warmup},
                      {"compare", compare},
                      {"quant", o.quant},
-                     {"transport", transport_name(o.transport)}};
+                     {"transport", transport_name(o.transport)},
+                     {"threads_per_rank", moe_ep::num_threads()}};
       j["bytes_rule"] = bytes_rule;
       j["time_rule"] = time_rule;
       j["verified"] = true;
