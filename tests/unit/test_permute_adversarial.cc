@@ -6,7 +6,6 @@
 // Inputs that used to crash, hang or overflow run in a child process (gtest's "threadsafe" death
 // test style re-executes the binary, so neither OpenMP state nor a crash leaks into this process)
 // under a deadline: a regression fails that one test instead of killing the whole binary.
-#include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -27,6 +26,7 @@
 #include "moe_ep/error.h"
 #include "moe_ep/permute.h"
 #include "moe_ep/tensor.h"
+#include "moe_ep/threads.h"
 #include "ref/numeric.h"
 
 namespace moe_ep {
@@ -331,13 +331,6 @@ TEST(PermuteAdversarialHand, UnreferencedGradRowsAreZeroOnDirtyMemory) {
 // the permuted rows must equal an independent std::stable_sort for 1, 2, 3, 7 and 16 threads.
 
 TEST(PermuteAdversarial, ParallelSortMatchesStableSortForAnyThreadCount) {
-  using SetFn = void (*)(int);
-  using GetFn = int (*)();
-  auto set_threads = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
-  auto max_threads = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
-  ASSERT_NE(set_threads, nullptr);
-  ASSERT_NE(max_threads, nullptr);
-  const int before = max_threads();
   std::mt19937_64 rng(7);
   const int64_t n = 3 * 16384 + 17;
   std::vector<float> tokens(static_cast<std::size_t>(n));
@@ -359,7 +352,8 @@ TEST(PermuteAdversarial, ParallelSortMatchesStableSortForAnyThreadCount) {
     }
     for (int threads : {1, 2, 3, 7, 16}) {
       SCOPED_TRACE(threads);
-      set_threads(threads);
+      set_num_threads(threads);
+      ASSERT_EQ(num_threads(), threads);
       PermuteArgs a;
       a.tokens = TensorView::contiguous(tokens.data(), DType::kF32, {n, 1});
       a.indices = TensorView::contiguous(idx.data(), DType::kI32, {n});
@@ -370,7 +364,7 @@ TEST(PermuteAdversarial, ParallelSortMatchesStableSortForAnyThreadCount) {
                 std::vector<float>(want_rows.begin(), want_rows.end() - 3));
     }
   }
-  set_threads(before);
+  set_num_threads(0);
 }
 
 // ---------------------------------------------------------------------------------------------

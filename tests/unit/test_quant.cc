@@ -4,7 +4,6 @@
 // distributions and smoothing; the error bound stated in quant.h is checked in double on the same
 // rows; zero rows, NaN/Inf rows, exact ties, the clamp, tiny rows, the combine bound, the rows
 // version's indexing, its finiteness check and thread-count independence have their own tests.
-#include <dlfcn.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +18,7 @@
 #include "kernels/cpu/quant.h"
 #include "moe_ep/error.h"
 #include "moe_ep/tensor.h"
+#include "moe_ep/threads.h"
 #include "ref/numeric.h"
 #include "ref/quant_ref.h"
 
@@ -545,24 +545,16 @@ TEST(QuantRows, MatchReferenceWithIndexingAndStrides) {
 }
 
 TEST(QuantRows, SameBitsWithOneTwoAndFourThreads) {
-  // The test binary does not link OpenMP itself; the library's runtime is already loaded.
-  using SetFn = void (*)(int);
-  using GetFn = int (*)();
-  auto set_threads = reinterpret_cast<SetFn>(dlsym(RTLD_DEFAULT, "omp_set_num_threads"));
-  auto max_threads = reinterpret_cast<GetFn>(dlsym(RTLD_DEFAULT, "omp_get_max_threads"));
-  ASSERT_NE(set_threads, nullptr);
-  ASSERT_NE(max_threads, nullptr);
-  const int before = max_threads();
   Rng rng(17);
   for (DType dtype : kFloatDTypes) {
     const RowsCase c = make_rows_case(dtype, 97, 1031, rng);  // 97 * 1031 elements: parallel
     std::vector<RowsOut> outs;
     for (int t : {1, 2, 4}) {
-      set_threads(t);
-      ASSERT_EQ(max_threads(), t);
+      set_num_threads(t);
+      ASSERT_EQ(num_threads(), t);
       outs.push_back(run_rows(c, true));
     }
-    set_threads(before);
+    set_num_threads(0);
     for (std::size_t k = 1; k < outs.size(); ++k) {
       EXPECT_EQ(outs[k].q, outs[0].q) << dtype_name(dtype);
       EXPECT_TRUE(same_bits(outs[k].scales, outs[0].scales)) << dtype_name(dtype);
