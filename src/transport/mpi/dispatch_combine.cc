@@ -588,7 +588,7 @@ void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64
   auto counts_out = std::make_shared<std::vector<int32_t>>(out.ep_recv_counts.ptr<int32_t>(),
                                                            out.ep_recv_counts.ptr<int32_t>() + WL);
   auto counts_in = std::make_shared<std::vector<int32_t>>(WL, 0);
-  std::vector<MPI_Status> st;
+  MPI_Status scales_status{};
   {
     Exchange ex(tp, op, "tp rows");
     ex.keep_alive(counts_out);
@@ -596,7 +596,7 @@ void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64
     for (const Tensor* t :
          {&out.expand_x, &out.assist_info_for_combine, &out.expand_scales, &out.dynamic_scales})
       if (t->defined()) ex.keep_alive(std::make_shared<Tensor>(*t));
-    const MpiType row = detail::contiguous_bytes(row_bytes, op);
+    const MpiType row(row_bytes, op);
     char* x = out.expand_x.ptr<char>();
     int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
     float* scales = out.expand_scales.ptr<float>();
@@ -613,11 +613,12 @@ void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64
     ex.isend(scales, to_int(own), MPI_FLOAT, peer, kTagTpScales);
     if (dyn)
       ex.isend(out.dynamic_scales.ptr<float>(), to_int(own), MPI_FLOAT, peer, kTagTpDynScales);
-    st = ex.wait();
+    ex.wait();
+    scales_status = ex.recv_status(3);
   }
   const int64_t peer_rows = WL > 0 ? counts_in->back() : 0;
   int got = 0;
-  detail::check_mpi(MPI_Get_count(&st[3], MPI_FLOAT, &got), op, "MPI_Get_count");
+  detail::check_mpi(MPI_Get_count(&scales_status, MPI_FLOAT, &got), op, "MPI_Get_count");
   MOE_EP_CHECK(got == peer_rows && peer_rows <= cap);
 
   Tensor counts = Tensor::empty(DType::kI32, {2 * WL});
@@ -696,7 +697,7 @@ std::shared_ptr<Tensor> tp_reduce_scatter(const char* op, const EpConfig& cfg,
     Exchange ex(tp, op, "tp reduce-scatter");
     ex.keep_alive(send);
     ex.keep_alive(recv);
-    const MpiType row = detail::contiguous_bytes(row_bytes, op);
+    const MpiType row(row_bytes, op);
     ex.irecv(recv->data(), to_int(own), row.get(), peer, kTagTpRows);
     ex.isend(send->data(), to_int(peer_rows), row.get(), peer, kTagTpRows);
     ex.wait();
@@ -1051,8 +1052,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     Exchange ex(comm, op, "rows");
     auto expand_x = std::make_shared<Tensor>(out.expand_x);
     ex.keep_alive(expand_x);
-    const MpiType row = detail::contiguous_bytes(out_row_bytes, op);
-    const MpiType meta_type = detail::contiguous_bytes(sizeof(RowMeta), op);
+    const MpiType row(out_row_bytes, op);
+    const MpiType meta_type(sizeof(RowMeta), op);
     if (qsend) ex.keep_alive(qsend);
     std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in(W), meta_out(W);
     auto announced = std::make_shared<std::vector<int64_t>>(2 * W, 0);  // received, then sent
@@ -1657,8 +1658,8 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     if (rs_out) ex.keep_alive(rs_out);
     if (qback) ex.keep_alive(qback);
     if (packed) ex.keep_alive(packed);
-    const MpiType row = detail::contiguous_bytes(wire_row, op);
-    const MpiType meta_type = detail::contiguous_bytes(sizeof(BackMeta), op);
+    const MpiType row(wire_row, op);
+    const MpiType meta_type(sizeof(BackMeta), op);
     // The metadata of every peer's rows, in this rank's send order (this rank's own: meta_out).
     std::vector<std::shared_ptr<std::vector<BackMeta>>> meta_in(W);
     // Rows through MPI land in y in this rank's send order (peer d's at back.rank_offset[d]), or,

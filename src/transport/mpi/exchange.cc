@@ -26,7 +26,7 @@ std::string mpi_error_string(int rc) {
 }
 
 // Buffers of abandoned requests: never freed (MPI may still write into them).
-void bury(std::vector<std::shared_ptr<const void>>&& buffers) {
+void bury(std::pmr::vector<std::shared_ptr<const void>>& buffers) {
   static std::mutex mu;
   static auto* graveyard = new std::vector<std::shared_ptr<const void>>();  // leaked on purpose
   std::lock_guard<std::mutex> lock(mu);
@@ -44,61 +44,69 @@ void check_mpi(int rc, const char* op, const char* what) {
   fail(ErrorKind::kSystem, op, ": ", what, " failed: ", mpi_error_string(rc));
 }
 
+MpiType::MpiType(int64_t bytes, const char* op) : bytes_(static_cast<int>(bytes)), op_(op) {
+  MOE_EP_CHECK(bytes >= 0 && bytes <= INT_MAX);
+}
+
 MpiType::~MpiType() {
   int finalized = 1;
   MPI_Finalized(&finalized);
   if (t_ != MPI_DATATYPE_NULL && !finalized) MPI_Type_free(&t_);
 }
 
-MpiType& MpiType::operator=(MpiType&& o) noexcept {
-  if (this != &o) {
-    MpiType tmp(std::move(*this));
-    t_ = o.t_;
-    o.t_ = MPI_DATATYPE_NULL;
-  }
-  return *this;
-}
-
-MpiType contiguous_bytes(int64_t bytes, const char* op) {
-  MOE_EP_CHECK(bytes >= 0 && bytes <= INT_MAX);
+MPI_Datatype MpiType::get() const {
+  if (t_ != MPI_DATATYPE_NULL) return t_;
   MPI_Datatype t;
-  check_mpi(MPI_Type_contiguous(static_cast<int>(bytes), MPI_BYTE, &t), op, "MPI_Type_contiguous");
-  MpiType owned(t);
-  check_mpi(MPI_Type_commit(&t), op, "MPI_Type_commit");
-  return owned;
+  check_mpi(MPI_Type_contiguous(bytes_, MPI_BYTE, &t), op_, "MPI_Type_contiguous");
+  const int rc = MPI_Type_commit(&t);
+  if (rc != MPI_SUCCESS) MPI_Type_free(&t);
+  check_mpi(rc, op_, "MPI_Type_commit");
+  return t_ = t;
 }
 
 Exchange::Exchange(const Communicator& comm, const char* op, const char* phase)
-    : comm_(comm), op_(op), phase_(phase) {}
+    : comm_(comm), op_(op), phase_(phase) {
+  // A send and a receive per peer is the common phase; reserved at once, since the arena never
+  // reuses what a growing vector gives back.
+  const std::size_t expect = 2 * static_cast<std::size_t>(comm.size());
+  reqs_.reserve(expect);
+  posted_.reserve(expect);
+  keep_.reserve(4);
+}
 
 Exchange::~Exchange() {
   bool abandoned = false;
   for (std::size_t i = 0; i < reqs_.size(); ++i) {
     if (reqs_[i] == MPI_REQUEST_NULL) continue;
     abandoned = true;
-    if (is_recv_[i]) MPI_Cancel(&reqs_[i]);
+    if (posted_[i].recv) MPI_Cancel(&reqs_[i]);
     MPI_Request_free(&reqs_[i]);
   }
-  if (abandoned) bury(std::move(keep_));
+  if (abandoned) bury(keep_);
 }
 
 void Exchange::isend(const void* buf, int count, MPI_Datatype type, int peer, int tag) {
   MPI_Request r = MPI_REQUEST_NULL;
   check_mpi(MPI_Isend(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Isend");
   reqs_.push_back(r);
-  peer_.push_back(peer);
-  is_recv_.push_back(0);
+  posted_.push_back({peer, false, 0, {}});
 }
 
 void Exchange::irecv(void* buf, int count, MPI_Datatype type, int peer, int tag) {
   MPI_Request r = MPI_REQUEST_NULL;
   check_mpi(MPI_Irecv(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Irecv");
   reqs_.push_back(r);
-  peer_.push_back(peer);
-  is_recv_.push_back(1);
+  posted_.push_back({peer, true, 0, {}});
 }
 
-std::vector<MPI_Status> Exchange::wait() {
+const MPI_Status& Exchange::recv_status(int i) const {
+  for (const Posted& p : posted_)
+    if (p.recv && i-- == 0) return p.status;
+  MOE_EP_CHECK(false);
+  return posted_.front().status;
+}
+
+void Exchange::wait() {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   // Capped at 10^9 s (~31 years): larger values mean "no deadline" to the caller, and would
@@ -107,9 +115,8 @@ std::vector<MPI_Status> Exchange::wait() {
   const auto deadline =
       start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   const int n = static_cast<int>(reqs_.size());
-  done_us_.assign(n, 0);
-  std::vector<MPI_Status> all(n), got(n);
-  std::vector<int> idx(n);
+  std::pmr::vector<MPI_Status> got(static_cast<std::size_t>(n), &pool_);
+  std::pmr::vector<int> idx(static_cast<std::size_t>(n), &pool_);
   std::string mpi_failure;
   bool truncated = false;
   int idle = 0;
@@ -125,14 +132,15 @@ std::vector<MPI_Status> Exchange::wait() {
             ? std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count()
             : 0;
     for (int j = 0; j < outcount; ++j) {
-      all[idx[j]] = got[j];
-      done_us_[idx[j]] = now_us;
+      Posted& done = posted_[idx[j]];
+      done.status = got[j];
+      done.done_us = now_us;
       if (rc == MPI_ERR_IN_STATUS && got[j].MPI_ERROR != MPI_SUCCESS && mpi_failure.empty()) {
         int cls = 0;
         MPI_Error_class(got[j].MPI_ERROR, &cls);
         truncated = cls == MPI_ERR_TRUNCATE;
-        mpi_failure = cat((is_recv_[idx[j]] ? "receive from rank " : "send to rank "),
-                          peer_[idx[j]], ": ", mpi_error_string(got[j].MPI_ERROR));
+        mpi_failure = cat((done.recv ? "receive from rank " : "send to rank "), done.peer, ": ",
+                          mpi_error_string(got[j].MPI_ERROR));
       }
     }
     if (outcount > 0) {
@@ -147,7 +155,7 @@ std::vector<MPI_Status> Exchange::wait() {
       for (int i = 0; i < n; ++i)
         if (reqs_[i] != MPI_REQUEST_NULL) {
           ++pending;
-          late.push_back(peer_[i]);
+          late.push_back(posted_[i].peer);
         }
       std::sort(late.begin(), late.end());
       late.erase(std::unique(late.begin(), late.end()), late.end());
@@ -185,22 +193,18 @@ std::vector<MPI_Status> Exchange::wait() {
   if (!mpi_failure.empty())
     fail(ErrorKind::kSystem, op_, ": MPI failed in phase '", phase_, "' on rank ", comm_.rank(),
          ": ", mpi_failure);
-  std::vector<MPI_Status> recv_status;
-  for (int i = 0; i < n; ++i)
-    if (is_recv_[i]) recv_status.push_back(all[i]);
-  return recv_status;
 }
 
 void Exchange::add_recv_wait_us(int64_t* per_peer) const {
   std::vector<std::pair<int, int64_t>> last;  // (peer, latest completion)
-  for (std::size_t i = 0; i < reqs_.size() && i < done_us_.size(); ++i) {
-    if (!is_recv_[i]) continue;
-    auto it = std::find_if(last.begin(), last.end(),
-                           [&](const auto& pr) { return pr.first == peer_[i]; });
+  for (const Posted& p : posted_) {
+    if (!p.recv) continue;
+    auto it =
+        std::find_if(last.begin(), last.end(), [&](const auto& pr) { return pr.first == p.peer; });
     if (it == last.end())
-      last.emplace_back(peer_[i], done_us_[i]);
+      last.emplace_back(p.peer, p.done_us);
     else
-      it->second = std::max(it->second, done_us_[i]);
+      it->second = std::max(it->second, p.done_us);
   }
   for (const auto& [peer, us] : last) per_peer[peer] += us;
 }

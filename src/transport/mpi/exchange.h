@@ -10,8 +10,10 @@
 
 #include <mpi.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <memory_resource>
 #include <string>
 #include <vector>
 
@@ -40,29 +42,32 @@ enum TransportCode : int64_t { kTransportMpi = 1, kTransportShm = 2 };
 // Throws Error(kSystem) "<op>: <what> failed: <MPI_Error_string>" unless rc == MPI_SUCCESS.
 void check_mpi(int rc, const char* op, const char* what);
 
-// An owned, committed MPI datatype (freed on destruction; MPI lets pending requests finish).
+// `bytes` contiguous bytes as one MPI element (a row; bytes <= INT_MAX, checked by the caller),
+// created and committed on the first get(), so that a call whose rows all move through shared
+// memory creates none (creating and committing one allocates inside MPI on every call); freed on
+// destruction (MPI lets pending requests finish).
 class MpiType {
  public:
-  MpiType() = default;
-  explicit MpiType(MPI_Datatype t) : t_(t) {}
+  MpiType(int64_t bytes, const char* op);
   ~MpiType();
-  MpiType(MpiType&& o) noexcept : t_(o.t_) { o.t_ = MPI_DATATYPE_NULL; }
-  MpiType& operator=(MpiType&& o) noexcept;
   MpiType(const MpiType&) = delete;
   MpiType& operator=(const MpiType&) = delete;
-  MPI_Datatype get() const { return t_; }
+  // Throws Error(kSystem) "<op>: MPI_Type_contiguous failed: ..." (or MPI_Type_commit).
+  MPI_Datatype get() const;
 
  private:
-  MPI_Datatype t_ = MPI_DATATYPE_NULL;
+  int bytes_;
+  const char* op_;
+  mutable MPI_Datatype t_ = MPI_DATATYPE_NULL;
 };
-
-// `bytes` contiguous bytes as one element (bytes <= INT_MAX, checked by the caller).
-MpiType contiguous_bytes(int64_t bytes, const char* op);
 
 // One phase of point-to-point traffic: post sends and receives, then wait() for all of them.
 // If the phase is abandoned (an exception, a timeout), the destructor cancels the pending receives,
 // frees the pending requests and keeps the buffers registered with keep_alive() alive for the rest
 // of the process, so MPI never writes into freed memory. The communicator is unusable afterwards.
+// Its bookkeeping lives in an arena inside the object (heap only past a few dozen requests): a
+// call of dispatch_v2 or combine_v2 runs three to five phases, and their vectors' allocations
+// were a fifth of a small call's time (docs/performance.md, "Small batches").
 class Exchange {
  public:
   Exchange(const Communicator& comm, const char* op, const char* phase);
@@ -74,12 +79,14 @@ class Exchange {
   void irecv(void* buf, int count, MPI_Datatype type, int peer, int tag);
   void keep_alive(std::shared_ptr<const void> buffer) { keep_.push_back(std::move(buffer)); }
 
-  // Waits for every request until the deadline (now + comm.timeout_s()). Returns the statuses of
-  // the receives in the order they were posted. Throws Error(kTimeout) on expiry, Error(kSystem)
-  // on an MPI error, Error(kInternal) when a receive got more data than posted for: the ops size
-  // every receive from what its sender announced, so that is a bug (and OpenMPI's single-copy
-  // path may already have written past the buffer).
-  std::vector<MPI_Status> wait();
+  // Waits for every request until the deadline (now + comm.timeout_s()). Throws Error(kTimeout) on
+  // expiry, Error(kSystem) on an MPI error, Error(kInternal) when a receive got more data than
+  // posted for: the ops size every receive from what its sender announced, so that is a bug (and
+  // OpenMPI's single-copy path may already have written past the buffer).
+  void wait();
+
+  // After wait(): the status of the i-th receive posted (0-based, in posting order).
+  const MPI_Status& recv_status(int i) const;
 
   // After wait(): for every peer with a receive in this phase, adds to per_peer[peer] the
   // microseconds from the start of wait() until that peer's last receive completed (SPEC §1.8
@@ -87,14 +94,20 @@ class Exchange {
   void add_recv_wait_us(int64_t* per_peer) const;
 
  private:
+  struct Posted {
+    int peer;
+    bool recv;
+    int64_t done_us;    // after wait(): microseconds from its start to this request's completion
+    MPI_Status status;  // after wait()
+  };
   const Communicator& comm_;
   const char* op_;
   const char* phase_;
-  std::vector<MPI_Request> reqs_;
-  std::vector<int> peer_;
-  std::vector<char> is_recv_;
-  std::vector<int64_t> done_us_;  // per request: microseconds from the start of wait()
-  std::vector<std::shared_ptr<const void>> keep_;
+  alignas(std::max_align_t) std::byte arena_[4096];
+  std::pmr::monotonic_buffer_resource pool_{arena_, sizeof(arena_)};
+  std::pmr::vector<MPI_Request> reqs_{&pool_};  // contiguous, for MPI_Testsome
+  std::pmr::vector<Posted> posted_{&pool_};     // one per request
+  std::pmr::vector<std::shared_ptr<const void>> keep_{&pool_};
 };
 
 // The fixed-size header every rank sends every other rank before an op moves data.
