@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <deque>
 #include <mutex>
@@ -43,7 +44,14 @@ void* allocate_block(std::size_t bytes) {
         return p;
       }
   }
-  if (size < kMinBlockBytes) return std::aligned_alloc(64, size);
+  if (size < kMinBlockBytes) {
+    // The byte before the block holds its distance from malloc's pointer (16 to 64).
+    auto* raw = static_cast<unsigned char*>(std::malloc(size + 64));
+    if (raw == nullptr) return nullptr;
+    const std::size_t shift = 64 - reinterpret_cast<std::uintptr_t>(raw) % 64;
+    raw[shift - 1] = static_cast<unsigned char>(shift);
+    return raw + shift;
+  }
   // Large blocks start on a 2 MiB boundary and ask for transparent huge pages (honoured where
   // /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise"; a no-op elsewhere):
   // the ops walk their rows in routing order, and with 4 KiB pages nearly every row start is a
@@ -57,7 +65,13 @@ void* allocate_block(std::size_t bytes) {
 
 void release_block(void* p, std::size_t bytes) noexcept {
   const std::size_t size = rounded_size(bytes == 0 ? 1 : bytes);
-  if (p == nullptr || size < kMinBlockBytes || size > kCacheBytes) {
+  if (p == nullptr) return;
+  if (size < kMinBlockBytes) {
+    auto* block = static_cast<unsigned char*>(p);
+    std::free(block - block[-1]);
+    return;
+  }
+  if (size > kCacheBytes) {
     std::free(p);
     return;
   }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "kernels/cpu/convert.h"
 #include "moe_ep/error.h"
@@ -45,6 +46,17 @@ TEST(Tensor, EmptyZerosAligned) {
   Tensor e = Tensor::empty(DType::kI64, {0, 7});
   EXPECT_EQ(e.numel(), 0);
   EXPECT_EQ(e.size(1), 7);
+  // Small blocks come from malloc, aligned by hand (src/core/block_cache.cc): every size is
+  // 64-byte aligned and writable to its end, and is freed whole (AddressSanitizer checks the
+  // free and the bounds).
+  for (int64_t bytes : {1, 15, 16, 17, 63, 64, 65, 127, 1000, 4096, 100000, (4 << 20) - 1}) {
+    std::vector<Tensor> held;
+    for (int k = 0; k < 4; ++k) {
+      held.push_back(Tensor::empty(DType::kI8, {bytes}));
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(held.back().data()) % 64, 0u) << bytes;
+      std::memset(held.back().data(), 0x5a, static_cast<std::size_t>(bytes));
+    }
+  }
 }
 
 // Blocks of 4 MiB and more are kept when freed and handed to the next allocation of the same

@@ -9,6 +9,7 @@
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
+#include "core/parallel.h"
 #include "core/threads.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/rows-inl.h"
@@ -422,15 +423,13 @@ void quantize_rows_int8_to(const void* const* src, DType dtype, int64_t rows, in
   for (int64_t t = 0; t < rows; ++t) MOE_EP_CHECK(first[t + 1] > first[t]);
   // Each thread takes a contiguous run of rows (the kernel reads a row's max during the stores
   // of the row before it); rows are independent, so any split gives the same bits.
-  const int team =
-      detail::threads_if(rows > 1 && (first[rows] - first[0]) * n >= (int64_t{1} << 15));
-#pragma omp parallel num_threads(team)
-  {
-    const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t lo = rows * me / nt, hi = rows * (me + 1) / nt;
-    if (hi > lo) HWY_DYNAMIC_DISPATCH(QuantizeRowsTo)
-    (src + lo, dtype, hi - lo, n, dst, first + lo, scales + lo, stream);
-  }
+  detail::parallel(
+      detail::threads_if(rows > 1 && (first[rows] - first[0]) * n >= (int64_t{1} << 15)), [&] {
+        const int64_t nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = rows * me / nt, hi = rows * (me + 1) / nt;
+        if (hi > lo) HWY_DYNAMIC_DISPATCH(QuantizeRowsTo)
+        (src + lo, dtype, hi - lo, n, dst, first + lo, scales + lo, stream);
+      });
 }
 
 void axpy_row_int8(float* acc, float w, const int8_t* q, float scale, int64_t n) {
@@ -459,22 +458,23 @@ void quantize_rows_int8(const QuantizeRowsInt8Args& a) {
   // of kGroup rows go to one QuantizeRows call (its max pass walks them side by side).
   constexpr int64_t kGroup = 16;
   const int64_t groups = (a.rows + kGroup - 1) / kGroup;
-  const int team = detail::threads_if(a.rows > 1 && a.rows * a.n >= (int64_t{1} << 15));
-#pragma omp parallel for schedule(static) num_threads(team)
-  for (int64_t g = 0; g < groups; ++g) {
-    const void* x[kGroup];
-    const float* sm[kGroup];
-    int8_t* q[kGroup];
-    const int64_t first = g * kGroup, count = std::min(kGroup, a.rows - first);
-    for (int64_t j = 0; j < count; ++j) {
-      const int64_t r = first + j;
-      x[j] = a.n > 0 ? src + src_row(r) * a.src_stride * esize : nullptr;
-      sm[j] = a.smooth != nullptr ? a.smooth + smooth_row(r) * a.smooth_stride : nullptr;
-      q[j] = a.n > 0 ? a.q + r * a.q_stride : nullptr;
+  detail::parallel(detail::threads_if(a.rows > 1 && a.rows * a.n >= (int64_t{1} << 15)), [&] {
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const void* x[kGroup];
+      const float* sm[kGroup];
+      int8_t* q[kGroup];
+      const int64_t first = g * kGroup, count = std::min(kGroup, a.rows - first);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t r = first + j;
+        x[j] = a.n > 0 ? src + src_row(r) * a.src_stride * esize : nullptr;
+        sm[j] = a.smooth != nullptr ? a.smooth + smooth_row(r) * a.smooth_stride : nullptr;
+        q[j] = a.n > 0 ? a.q + r * a.q_stride : nullptr;
+      }
+      HWY_DYNAMIC_DISPATCH(QuantizeRows)
+      (x, a.dtype, a.smooth != nullptr ? sm : nullptr, count, a.n, q, a.scales + first);
     }
-    HWY_DYNAMIC_DISPATCH(QuantizeRows)
-    (x, a.dtype, a.smooth != nullptr ? sm : nullptr, count, a.n, q, a.scales + first);
-  }
+  });
   if (!a.check_finite) return;
   for (int64_t r = 0; r < a.rows; ++r) {
     if (a.scales[r] == a.scales[r]) continue;  // only a non-finite row has a NaN scale

@@ -41,6 +41,7 @@
 
 #include "core/check.h"
 #include "core/ep_layout.h"
+#include "core/parallel.h"
 #include "core/threads.h"
 #include "core/validate.h"
 #include "kernels/cpu/convert.h"
@@ -418,11 +419,12 @@ void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes, bool stream = 
   for (const RowCopy& r : rows) dst.push_back(r.dst);
   const int64_t n = static_cast<int64_t>(rows.size());
   const int64_t groups = static_cast<int64_t>(first.size()) - 1;
-  const int team = detail::threads_if(n * row_bytes > (int64_t{1} << 16));
-#pragma omp parallel for schedule(static) num_threads(team)
-  for (int64_t t = 0; t < groups; ++t)
-    detail::copy_row_to(dst.data() + first[t], first[t + 1] - first[t], rows[first[t]].src,
-                        static_cast<std::size_t>(row_bytes), stream);
+  detail::parallel(detail::threads_if(n * row_bytes > (int64_t{1} << 16)), [&] {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < groups; ++t)
+      detail::copy_row_to(dst.data() + first[t], first[t + 1] - first[t], rows[first[t]].src,
+                          static_cast<std::size_t>(row_bytes), stream);
+  });
 }
 
 // quant_mode 2 without smoothing scales: every copy of a token quantises to the same bytes. Like
@@ -1788,9 +1790,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   // ones, fl(1 * y) == y), so a token's sum is one sum_rows from +0, all its rows read side by
   // side with the accumulators in registers, bitwise the loop below.
   const bool by_rows = !cq && Q == 0;
-  const int team = detail::threads_if(BS * H > (1 << 16));
-#pragma omp parallel num_threads(team)
-  {
+  detail::parallel(detail::threads_if(BS * H > (1 << 16)), [&] {
     std::vector<float> acc(static_cast<std::size_t>(H)), c(static_cast<std::size_t>(H));
     std::vector<const void*> rows(static_cast<std::size_t>(KS + 1)), next(rows.size());
     std::vector<float> ws(static_cast<std::size_t>(KS + 1)), next_ws(ws.size());
@@ -1861,7 +1861,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       }
       detail::store_row_f32(obase + i * row_bytes, dtype, acc.data(), H);
     }
-  }
+  });
   finish_reading();
   return out;
 }
