@@ -546,8 +546,8 @@ INSTANTIATE_TEST_SUITE_P(Transport, CombineStaging, ::testing::Values(0, 2),
 // Only rank 0 holds its outputs: its window fills, it asks for growth, and every rank of the
 // machine adds a segment in the same call (MPI_Win_allocate_shared is collective); from the fifth
 // call rank 0 receives through MPI while the others still use shared memory. Every call's
-// dispatch and combine outputs must equal the first call's, and every rank ends with the two
-// generations.
+// dispatch and combine outputs must equal the first call's, and every rank of rank 0's machine
+// ends with the two generations.
 TEST(Transport, UnevenHoldingKeepsRanksInStep) {
   GrowthInputs in;
   const bool holder = test::world_rank() == 0;
@@ -592,8 +592,9 @@ TEST(Transport, UnevenHoldingKeepsRanksInStep) {
     if (holder) held.push_back(std::move(d));
   }
   // The holder's window grew once (calls 0-1 in generation 0, 2-3 in generation 1, then MPI),
-  // and so did every other rank's.
-  EXPECT_EQ(in.shm().generations(), 2);
+  // and so did every other rank's on its machine; a rank on another one (MOE_EP_SHM_NODE_RANKS)
+  // never grew.
+  EXPECT_EQ(in.shm().generations(), in.shm().node_of(0) >= 0 ? 2 : 1);
 }
 
 TEST(Transport, MalformedStreamThreshold) {
@@ -612,6 +613,27 @@ TEST(Transport, MalformedStreamThreshold) {
                                   {std::string("dispatch_v2: MOE_EP_STREAM_MIN_BYTES = \"") + v +
                                    "\" is not a byte count (an integer in [0, 2^63 - 1])"});
     unsetenv("MOE_EP_STREAM_MIN_BYTES");
+  }
+  small_call([](EpConfig&) {});  // the communicator is still usable
+}
+
+// $MOE_EP_SHM_NODE_RANKS (testing multi-machine paths on one machine): a malformed value on one
+// rank fails the call on every rank before any collective, naming the variable and its range.
+TEST(Transport, MalformedNodeRanks) {
+  const char* given = std::getenv("MOE_EP_SHM_NODE_RANKS");  // set by mpi_tests_two_nodes
+  const std::string saved = given != nullptr ? given : "";
+  const int bad = test::world_size() - 1;
+  for (const char* v : {"0", "-2", "two", "2x", "99999999999"}) {
+    SCOPED_TRACE(v);
+    if (test::world_rank() == bad) setenv("MOE_EP_SHM_NODE_RANKS", v, 1);
+    test::expect_collective_error(
+        [] { small_call([](EpConfig&) {}); }, test::world_rank(), bad, ErrorKind::kInvalidArgument,
+        {std::string("dispatch_v2: MOE_EP_SHM_NODE_RANKS = \"") + v +
+         "\" is not a rank count (an integer in [1, 2^31 - 1]; unset: the whole machine)"});
+    if (given != nullptr)
+      setenv("MOE_EP_SHM_NODE_RANKS", saved.c_str(), 1);
+    else
+      unsetenv("MOE_EP_SHM_NODE_RANKS");
   }
   small_call([](EpConfig&) {});  // the communicator is still usable
 }

@@ -328,6 +328,24 @@ int64_t stream_min_bytes(const char* op) {
   return static_cast<int64_t>(v);
 }
 
+// $MOE_EP_SHM_NODE_RANKS: for testing paths that cross machines on one machine, the shared-memory
+// transport treats each run of this many ranks of a machine (in their order there) as a machine of
+// its own; unset or empty: the whole machine. Validated on every call before the header
+// agreement; ShmContext::create reads it again (and takes the smallest value over the machine).
+// An invalid value: kInvalidArgument.
+int shm_node_ranks(const char* op) {
+  const char* env = std::getenv("MOE_EP_SHM_NODE_RANKS");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long v = std::strtol(env, &end, 10);
+  if (*end != '\0' || errno != 0 || end == env || v < 1 || v > INT_MAX)
+    detail::invalid(
+        op, ": MOE_EP_SHM_NODE_RANKS = \"", env,
+        "\" is not a rank count (an integer in [1, 2^31 - 1]; unset: the whole machine)");
+  return static_cast<int>(v);
+}
+
 // Whether a call uses the shared-memory transport: decided from agreed values only (transport,
 // tp_world_size, the elastic_info hash), so every rank decides the same.
 bool shm_applies(int64_t transport, const EpConfig& cfg, const World& w) {
@@ -725,6 +743,7 @@ void detail::check_transport_environment(const char* op, const std::string& tran
   cfg.transport = transport;
   resolve_transport(op, cfg);
   stream_min_bytes(op);
+  shm_node_ranks(op);
 }
 
 DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
@@ -758,6 +777,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
     stream_min = stream_min_bytes(op);
+    shm_node_ranks(op);
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
@@ -1364,6 +1384,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   capture(hdr, local, [&] {
     if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
+    shm_node_ranks(op);
     // Checked first: never valid (SPEC §2.1), whatever else this build supports.
     if (in.comm_quant_mode != 0 && in.comm_quant_mode != 2)
       detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");
