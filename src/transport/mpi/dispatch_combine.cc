@@ -894,33 +894,75 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
       distinct_count[d] = static_cast<int32_t>(u.size());
     }
   }
-  // Phase "counts": rank d learns how many rows each source sends for each of its local experts,
-  // then how many distinct tokens among them travel by MPI (the last entry of each message).
-  auto counts_out = std::make_shared<std::vector<int32_t>>();
-  auto counts_in = std::make_shared<std::vector<int32_t>>(sh.W * (sh.L + 1), 0);
-  for (int p = 0; p < W; ++p) {
-    const auto* c = send.counts.data() + sh.pl.block_base(p);
-    counts_out->insert(counts_out->end(), c, c + sh.pl.local_experts(p));
-    counts_out->push_back(distinct_count[p]);
-  }
-  {
+  // On one machine (every rank of the op on this rank's node, shared memory to each), the counts
+  // phase is an all-gather of each rank's whole count vector and of where its window slot lies:
+  // each sender then computes where its rows go in every receiver's window, and the "shm
+  // offsets" phase below is skipped (one round fewer: docs/performance.md, "Small batches").
+  // shared[p]: rank p's message, T = blocks() counts, then its slot's generation (-1: none),
+  // the offsets of its rows and of their metadata in its segment.
+  const bool one_node = shm != nullptr && std::all_of(peers.begin(), peers.end(),
+                                                      [&](int r) { return shm->node_of(r) >= 0; });
+  const int64_t T = sh.pl.blocks(), shared_len = T + 3;
+  const int64_t meta_at = dispatch_meta_offset(expand_bytes);
+  std::shared_ptr<std::vector<int64_t>> shared;
+  std::vector<int32_t> from_source(static_cast<std::size_t>(sh.W * sh.L)), distinct_from(W);
+  if (one_node) {
+    shared = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(W * shared_len));
+    int64_t* mine = shared->data() + me * shared_len;
+    std::copy(send.counts.begin(), send.counts.end(), mine);
+    mine[T] = slot ? slot->gen : -1;
+    mine[T + 1] = slot ? slot->offset : 0;
+    mine[T + 2] = slot ? slot->offset + meta_at : 0;
     Exchange ex(comm, op, "counts");
-    ex.keep_alive(counts_out);
-    ex.keep_alive(counts_in);
-    for (int p = 0; p < W; ++p)
-      ex.irecv(counts_in->data() + p * (L + 1), L + 1, MPI_INT32_T, peers[p], detail::kTagCounts);
-    for (int p = 0, at = 0; p < W; ++p) {
-      const int n = to_int(sh.pl.local_experts(p)) + 1;
-      ex.isend(counts_out->data() + at, n, MPI_INT32_T, peers[p], detail::kTagCounts);
-      at += n;
+    ex.keep_alive(shared);
+    for (int p = 0; p < W; ++p) {
+      if (p == me) continue;
+      ex.irecv(shared->data() + p * shared_len, to_int(shared_len), MPI_INT64_T, peers[p],
+               detail::kTagCounts);
+      ex.isend(mine, to_int(shared_len), MPI_INT64_T, peers[p], detail::kTagCounts);
     }
     ex.wait();
     if (perf) ex.add_recv_wait_us(perf);
-  }
-  std::vector<int32_t> from_source(static_cast<std::size_t>(sh.W * sh.L)), distinct_from(W);
-  for (int p = 0; p < W; ++p) {
-    std::copy_n(counts_in->data() + p * (L + 1), L, from_source.data() + p * L);
-    distinct_from[p] = (*counts_in)[p * (L + 1) + L];
+    const int64_t base = sh.pl.block_base(me);
+    for (int p = 0; p < W; ++p) {
+      int32_t rows = 0;
+      for (int l = 0; l < L; ++l) {
+        const int64_t c = (*shared)[p * shared_len + base + l];
+        MOE_EP_CHECK(c >= 0 && c <= INT32_MAX - rows);
+        from_source[p * L + l] = static_cast<int32_t>(c);
+        rows += static_cast<int32_t>(c);
+      }
+      distinct_from[p] = rows;  // shared memory: no merged tokens
+    }
+  } else {
+    // Phase "counts": rank d learns how many rows each source sends for each of its local
+    // experts, then how many distinct tokens among them travel by MPI (the last entry of each
+    // message).
+    auto counts_out = std::make_shared<std::vector<int32_t>>();
+    auto counts_in = std::make_shared<std::vector<int32_t>>(sh.W * (sh.L + 1), 0);
+    for (int p = 0; p < W; ++p) {
+      const auto* c = send.counts.data() + sh.pl.block_base(p);
+      counts_out->insert(counts_out->end(), c, c + sh.pl.local_experts(p));
+      counts_out->push_back(distinct_count[p]);
+    }
+    {
+      Exchange ex(comm, op, "counts");
+      ex.keep_alive(counts_out);
+      ex.keep_alive(counts_in);
+      for (int p = 0; p < W; ++p)
+        ex.irecv(counts_in->data() + p * (L + 1), L + 1, MPI_INT32_T, peers[p], detail::kTagCounts);
+      for (int p = 0, at = 0; p < W; ++p) {
+        const int n = to_int(sh.pl.local_experts(p)) + 1;
+        ex.isend(counts_out->data() + at, n, MPI_INT32_T, peers[p], detail::kTagCounts);
+        at += n;
+      }
+      ex.wait();
+      if (perf) ex.add_recv_wait_us(perf);
+    }
+    for (int p = 0; p < W; ++p) {
+      std::copy_n(counts_in->data() + p * (L + 1), L, from_source.data() + p * L);
+      distinct_from[p] = (*counts_in)[p * (L + 1) + L];
+    }
   }
   const detail::RecvPlan recv = detail::plan_recvs_from_counts(from_source, sh.W, sh.L);
   MOE_EP_CHECK(recv.valid <= sh.A);
@@ -935,15 +977,41 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   const int64_t row_bytes = sh.H * esize;
   const int64_t out_row_bytes = quant ? sh.H : row_bytes;  // of expand_x (int8 with quant_mode 2)
 
-  // Phase "shm offsets": each receiver on this machine tells each sender on it where, in its
-  // window, that sender's block of each local expert starts, and where the block's RowMeta
-  // entries go (gen -1: "use MPI this time", when the receiver has no slot). to[d]: what
-  // receiver d said (gen, then L row offsets, then L metadata offsets, in bytes); shm_to /
-  // shm_from: pairs that use shared memory in each direction.
+  // Phase "shm offsets" (not on one machine: see "counts"): each receiver on this machine tells
+  // each sender on it where, in its window, that sender's block of each local expert starts, and
+  // where the block's RowMeta entries go (gen -1: "use MPI this time", when the receiver has no
+  // slot). to[d]: what receiver d said (gen, then L row offsets, then L metadata offsets, in
+  // bytes); shm_to / shm_from: pairs that use shared memory in each direction.
   std::vector<char> shm_to(W, 0), shm_from(W, 0);
   std::vector<std::vector<int64_t>> to(W);
-  const int64_t meta_at = dispatch_meta_offset(expand_bytes);
-  if (shm) {
+  if (one_node) {
+    // On one machine, what receiver d would say, from the counts every rank sent: block (l, me)
+    // of d starts after d's blocks of its local experts before l (from every source), then the
+    // blocks of l from the sources before this rank (SPEC §1.4's expert-major order).
+    auto where_at = [&](int d) {
+      const int64_t* g = shared->data() + d * shared_len;
+      const int64_t ld = sh.pl.local_experts(d), base = sh.pl.block_base(d);
+      std::vector<int64_t> o(static_cast<std::size_t>(1 + 2 * ld), 0);
+      o[0] = g[T];
+      int64_t before = 0;  // rows of d's blocks of local experts < l
+      for (int64_t l = 0; l < ld && o[0] >= 0; ++l) {
+        int64_t at = before;
+        for (int s = 0; s < W; ++s) {
+          const int64_t c = (*shared)[s * shared_len + base + l];
+          if (s < me) at += c;
+          before += c;
+        }
+        o[1 + l] = g[T + 1] + at * out_row_bytes;
+        o[1 + ld + l] = g[T + 2] + at * static_cast<int64_t>(sizeof(RowMeta));
+      }
+      return o;
+    };
+    for (int p = 0; p < W; ++p) {
+      shm_from[p] = slot.has_value();
+      to[p] = where_at(p);
+      shm_to[p] = to[p][0] >= 0;
+    }
+  } else if (shm) {
     auto where_for = [&](int p) {  // what this rank tells sender p
       std::vector<int64_t> o(1 + 2 * L, 0);
       o[0] = slot ? slot->gen : -1;
