@@ -635,6 +635,18 @@ TEST(Transport, MalformedNodeRanks) {
     else
       unsetenv("MOE_EP_SHM_NODE_RANKS");
   }
+  // Valid but different values would split the machine differently on different ranks: the
+  // header agreement rejects them on every rank, before any collective.
+  if (test::world_size() >= 2) {
+    if (test::world_rank() == 1) setenv("MOE_EP_SHM_NODE_RANKS", saved == "3" ? "4" : "3", 1);
+    test::expect_collective_error([] { small_call([](EpConfig&) {}); }, test::world_rank(), -1,
+                                  ErrorKind::kInvalidArgument,
+                                  {"dispatch_v2: MOE_EP_SHM_NODE_RANKS differs across ranks"});
+    if (given != nullptr)
+      setenv("MOE_EP_SHM_NODE_RANKS", saved.c_str(), 1);
+    else
+      unsetenv("MOE_EP_SHM_NODE_RANKS");
+  }
   small_call([](EpConfig&) {});  // the communicator is still usable
 }
 

@@ -331,7 +331,7 @@ int64_t stream_min_bytes(const char* op) {
 // $MOE_EP_SHM_NODE_RANKS: for testing paths that cross machines on one machine, the shared-memory
 // transport treats each run of this many ranks of a machine (in their order there) as a machine of
 // its own; unset or empty: the whole machine. Validated on every call before the header
-// agreement; ShmContext::create reads it again (and takes the smallest value over the machine).
+// agreement and carried in the header, which must agree on it (ShmContext::create splits by it).
 // An invalid value: kInvalidArgument.
 int shm_node_ranks(const char* op) {
   const char* env = std::getenv("MOE_EP_SHM_NODE_RANKS");
@@ -381,7 +381,7 @@ detail::ShmContext& ensure_shm(const Communicator& comm, const char* op,
   bool grow = false;
   if (!ctx) {
     confirm(peers);  // MPI_Comm_split_type is collective over group_ep
-    ctx = detail::ShmContext::create(comm, op);
+    ctx = detail::ShmContext::create(comm, op, h[0].shm_node_ranks);
     grow = true;
   } else {
     std::vector<int> node;
@@ -777,7 +777,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
     stream_min = stream_min_bytes(op);
-    shm_node_ranks(op);
+    hdr.shm_node_ranks = shm_node_ranks(op);
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
@@ -898,41 +898,47 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   // phase is an all-gather of each rank's whole count vector and of where its window slot lies:
   // each sender then computes where its rows go in every receiver's window, and the "shm
   // offsets" phase below is skipped (one round fewer: docs/performance.md, "Small batches").
-  // shared[p]: rank p's message, T = blocks() counts, then its slot's generation (-1: none),
-  // the offsets of its rows and of their metadata in its segment.
+  // shared[p]: rank p's message, T = blocks() int32 counts, then (as int64, 8 int32 entries) its
+  // slot's generation (-1: none), the offsets of its rows and of their metadata in its segment,
+  // and the rows the slot holds.
   const bool one_node = shm != nullptr && std::all_of(peers.begin(), peers.end(),
                                                       [&](int r) { return shm->node_of(r) >= 0; });
-  const int64_t T = sh.pl.blocks(), shared_len = T + 3;
+  const int64_t T = sh.pl.blocks(), shared_len = T + 8;
   const int64_t meta_at = dispatch_meta_offset(expand_bytes);
-  std::shared_ptr<std::vector<int64_t>> shared;
+  std::shared_ptr<std::vector<int32_t>> shared;
+  auto slot_field = [&](int p, int f) {  // field f of rank p's slot, as int64
+    int64_t v = 0;
+    std::memcpy(&v, shared->data() + p * shared_len + T + 2 * f, sizeof v);
+    return v;
+  };
   std::vector<int32_t> from_source(static_cast<std::size_t>(sh.W * sh.L)), distinct_from(W);
   if (one_node) {
-    shared = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(W * shared_len));
-    int64_t* mine = shared->data() + me * shared_len;
+    shared = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(W * shared_len));
+    int32_t* mine = shared->data() + me * shared_len;
     std::copy(send.counts.begin(), send.counts.end(), mine);
-    mine[T] = slot ? slot->gen : -1;
-    mine[T + 1] = slot ? slot->offset : 0;
-    mine[T + 2] = slot ? slot->offset + meta_at : 0;
+    const int64_t fields[4] = {slot ? slot->gen : -1, slot ? slot->offset : 0,
+                               slot ? slot->offset + meta_at : 0, slot ? sh.A : 0};
+    std::memcpy(mine + T, fields, sizeof fields);
     Exchange ex(comm, op, "counts");
     ex.keep_alive(shared);
     for (int p = 0; p < W; ++p) {
       if (p == me) continue;
-      ex.irecv(shared->data() + p * shared_len, to_int(shared_len), MPI_INT64_T, peers[p],
+      ex.irecv(shared->data() + p * shared_len, to_int(shared_len), MPI_INT32_T, peers[p],
                detail::kTagCounts);
-      ex.isend(mine, to_int(shared_len), MPI_INT64_T, peers[p], detail::kTagCounts);
+      ex.isend(mine, to_int(shared_len), MPI_INT32_T, peers[p], detail::kTagCounts);
     }
     ex.wait();
     if (perf) ex.add_recv_wait_us(perf);
     const int64_t base = sh.pl.block_base(me);
     for (int p = 0; p < W; ++p) {
-      int32_t rows = 0;
+      int64_t rows = 0;
       for (int l = 0; l < L; ++l) {
-        const int64_t c = (*shared)[p * shared_len + base + l];
-        MOE_EP_CHECK(c >= 0 && c <= INT32_MAX - rows);
-        from_source[p * L + l] = static_cast<int32_t>(c);
-        rows += static_cast<int32_t>(c);
+        const int32_t c = (*shared)[p * shared_len + base + l];
+        from_source[p * L + l] = c;
+        rows += c;
       }
-      distinct_from[p] = rows;  // shared memory: no merged tokens
+      MOE_EP_CHECK(rows <= INT32_MAX);
+      distinct_from[p] = static_cast<int32_t>(rows);  // shared memory: no merged tokens
     }
   } else {
     // Phase "counts": rank d learns how many rows each source sends for each of its local
@@ -989,21 +995,26 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
     // of d starts after d's blocks of its local experts before l (from every source), then the
     // blocks of l from the sources before this rank (SPEC §1.4's expert-major order).
     auto where_at = [&](int d) {
-      const int64_t* g = shared->data() + d * shared_len;
       const int64_t ld = sh.pl.local_experts(d), base = sh.pl.block_base(d);
       std::vector<int64_t> o(static_cast<std::size_t>(1 + 2 * ld), 0);
-      o[0] = g[T];
+      o[0] = slot_field(d, 0);
+      if (o[0] < 0) return o;
       int64_t before = 0;  // rows of d's blocks of local experts < l
-      for (int64_t l = 0; l < ld && o[0] >= 0; ++l) {
+      for (int64_t l = 0; l < ld; ++l) {
         int64_t at = before;
         for (int s = 0; s < W; ++s) {
           const int64_t c = (*shared)[s * shared_len + base + l];
           if (s < me) at += c;
           before += c;
         }
-        o[1 + l] = g[T + 1] + at * out_row_bytes;
-        o[1 + ld + l] = g[T + 2] + at * static_cast<int64_t>(sizeof(RowMeta));
+        o[1 + l] = slot_field(d, 1) + at * out_row_bytes;
+        o[1 + ld + l] = slot_field(d, 2) + at * static_cast<int64_t>(sizeof(RowMeta));
       }
+      // The receiver checks the same total against its capacity only after this rank has
+      // written: checked here too, before any row lands past its slot.
+      if (before > slot_field(d, 3))
+        detail::fail(ErrorKind::kInternal, op, ": rank ", peers[d], " would receive ", before,
+                     " rows in a slot of ", slot_field(d, 3), " (please report this bug)");
       return o;
     };
     for (int p = 0; p < W; ++p) {
@@ -1452,7 +1463,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   capture(hdr, local, [&] {
     if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
-    shm_node_ranks(op);
+    hdr.shm_node_ranks = shm_node_ranks(op);
     // Checked first: never valid (SPEC §2.1), whatever else this build supports.
     if (in.comm_quant_mode != 0 && in.comm_quant_mode != 2)
       detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");

@@ -44,8 +44,9 @@ void check_mpi(int rc, const char* op, const char* what) {
   fail(ErrorKind::kSystem, op, ": ", what, " failed: ", mpi_error_string(rc));
 }
 
-MpiType::MpiType(int64_t bytes, const char* op) : bytes_(static_cast<int>(bytes)), op_(op) {
+MpiType::MpiType(int64_t bytes, const char* op) : op_(op) {
   MOE_EP_CHECK(bytes >= 0 && bytes <= INT_MAX);
+  bytes_ = static_cast<int>(bytes);
 }
 
 MpiType::~MpiType() {
@@ -85,7 +86,15 @@ Exchange::~Exchange() {
   if (abandoned) bury(keep_);
 }
 
+void Exchange::make_room() {
+  if (reqs_.size() < reqs_.capacity() && posted_.size() < posted_.capacity()) return;
+  const std::size_t n = 2 * reqs_.size() + 8;
+  reqs_.reserve(n);
+  posted_.reserve(n);
+}
+
 void Exchange::isend(const void* buf, int count, MPI_Datatype type, int peer, int tag) {
+  make_room();  // a posted request is always recorded (nothing can throw after MPI_Isend)
   MPI_Request r = MPI_REQUEST_NULL;
   check_mpi(MPI_Isend(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Isend");
   reqs_.push_back(r);
@@ -93,6 +102,7 @@ void Exchange::isend(const void* buf, int count, MPI_Datatype type, int peer, in
 }
 
 void Exchange::irecv(void* buf, int count, MPI_Datatype type, int peer, int tag) {
+  make_room();
   MPI_Request r = MPI_REQUEST_NULL;
   check_mpi(MPI_Irecv(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Irecv");
   reqs_.push_back(r);
@@ -102,8 +112,7 @@ void Exchange::irecv(void* buf, int count, MPI_Datatype type, int peer, int tag)
 const MPI_Status& Exchange::recv_status(int i) const {
   for (const Posted& p : posted_)
     if (p.recv && i-- == 0) return p.status;
-  MOE_EP_CHECK(false);
-  return posted_.front().status;
+  fail(ErrorKind::kInternal, op_, ": no receive ", i, " in phase '", phase_, "'");
 }
 
 void Exchange::wait() {
@@ -285,6 +294,11 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
               transport_name(h[p].transport),
               " (EpConfig::transport, or $MOE_EP_TRANSPORT when it is empty, must resolve to the "
               "same value on every rank)");
+  for (int p = 1; p < W; ++p)
+    if (h[p].shm_node_ranks != h[0].shm_node_ranks)
+      invalid(op, ": MOE_EP_SHM_NODE_RANKS differs across ranks: rank ", peers[0], " has ",
+              h[0].shm_node_ranks, ", rank ", peers[p], " has ", h[p].shm_node_ranks,
+              " (0: unset; every rank must see the same value)");
   const char* xname = dispatch ? "x" : "expand_x";
   for (int p = 1; p < W; ++p) {
     if (h[p].H != h[0].H)

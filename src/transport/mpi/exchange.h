@@ -56,7 +56,7 @@ class MpiType {
   MPI_Datatype get() const;
 
  private:
-  int bytes_;
+  int bytes_ = 0;
   const char* op_;
   mutable MPI_Datatype t_ = MPI_DATATYPE_NULL;
 };
@@ -86,7 +86,7 @@ class Exchange {
   void wait();
 
   // After wait(): the status of the i-th receive posted (0-based, in posting order).
-  const MPI_Status& recv_status(int i) const;
+  const MPI_Status& recv_status(int i) const;  // Error(kInternal) when there is no such receive
 
   // After wait(): for every peer with a receive in this phase, adds to per_peer[peer] the
   // microseconds from the start of wait() until that peer's last receive completed (SPEC §1.8
@@ -94,6 +94,7 @@ class Exchange {
   void add_recv_wait_us(int64_t* per_peer) const;
 
  private:
+  void make_room();  // capacity for one more request, reserved before it is posted
   struct Posted {
     int peer;
     bool recv;
@@ -126,7 +127,8 @@ struct OpHeader {
   int64_t transport = 0;   // TransportCode, must be equal on all ranks
   int32_t shm_grow = 0;    // shm: this rank's window segment is too small (or there is none yet)
   int32_t shm_rows = 0;    // combine_v2, shm: this rank's rows can be read from its window
-  char message[400] = {};  // the local error, truncated
+  int32_t shm_node_ranks = 0;  // $MOE_EP_SHM_NODE_RANKS (0: unset), must be equal on all ranks
+  char message[400] = {};      // the local error, truncated
 };
 
 // Exchanges `mine` with the ranks `peers` of `comm` (the op's world, in its rank order: all of
@@ -135,8 +137,8 @@ struct OpHeader {
 //   - `local` is set (this rank failed validation): rethrows it;
 //   - another rank failed: throws Error(kRemote) "<op>: rank <r> failed: <its message>" (lowest r);
 //   - the ranks disagree on an argument that must be equal (op, ep_world_size, moe_expert_num,
-//     global_bs, H, K, dtype, transport, ...): throws Error(kInvalidArgument) on every rank naming
-//     the argument, two ranks and their values.
+//     global_bs, H, K, dtype, transport, $MOE_EP_SHM_NODE_RANKS, ...): throws
+//     Error(kInvalidArgument) on every rank naming the argument, two ranks and their values.
 // `perf` (optional, indexed by communicator rank): the wait for each peer's header is added to it.
 std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
                                        const char* op, const OpHeader& mine, const Error* local,

@@ -33,7 +33,8 @@ struct SlotRelease {
 
 }  // namespace
 
-std::shared_ptr<ShmContext> ShmContext::create(const Communicator& comm, const char* op) {
+std::shared_ptr<ShmContext> ShmContext::create(const Communicator& comm, const char* op,
+                                               int ranks_per_node) {
   std::shared_ptr<ShmContext> ctx(new ShmContext());
   ctx->timeout_s_ = comm.timeout_s();
   MPI_Comm machine = MPI_COMM_NULL;
@@ -41,16 +42,12 @@ std::shared_ptr<ShmContext> ShmContext::create(const Communicator& comm, const c
                                 &machine),
             op, "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)");
   MPI_Comm_set_errhandler(machine, MPI_ERRORS_RETURN);
-  // $MOE_EP_SHM_NODE_RANKS (testing; validated by the op before its header agreement): runs of
-  // that many of the machine's ranks, each a node of its own. The smallest value over the machine,
-  // so that every rank splits alike.
-  int split = INT_MAX, machine_rank = 0;
-  if (const char* env = std::getenv("MOE_EP_SHM_NODE_RANKS"); env != nullptr && *env != '\0')
-    split = static_cast<int>(std::strtol(env, nullptr, 10));
+  // $MOE_EP_SHM_NODE_RANKS (testing): runs of that many of the machine's ranks, each a node of
+  // its own.
+  int machine_rank = 0;
   MPI_Comm_rank(machine, &machine_rank);
-  int rc = MPI_Allreduce(MPI_IN_PLACE, &split, 1, MPI_INT, MPI_MIN, machine);
-  if (rc == MPI_SUCCESS)
-    rc = MPI_Comm_split(machine, machine_rank / std::max(split, 1), machine_rank, &ctx->node_);
+  int rc = MPI_Comm_split(machine, ranks_per_node > 0 ? machine_rank / ranks_per_node : 0,
+                          machine_rank, &ctx->node_);
   MPI_Comm_free(&machine);
   check_mpi(rc, op, "splitting the machine's ranks by MOE_EP_SHM_NODE_RANKS");
   MPI_Comm_set_errhandler(ctx->node_, MPI_ERRORS_RETURN);

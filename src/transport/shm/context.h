@@ -60,8 +60,11 @@ struct ShmSlot {
 class ShmContext {
  public:
   // Collective over `comm` (MPI_Comm_split_type, then the node's group ranks): call it on every
-  // rank in the same op, after the header agreement. Throws Error(kSystem) if MPI fails.
-  static std::shared_ptr<ShmContext> create(const Communicator& comm, const char* op);
+  // rank in the same op, after the header agreement. ranks_per_node > 0 ($MOE_EP_SHM_NODE_RANKS,
+  // agreed in the header): each run of that many of a machine's ranks is a node of its own.
+  // Throws Error(kSystem) if MPI fails.
+  static std::shared_ptr<ShmContext> create(const Communicator& comm, const char* op,
+                                            int ranks_per_node);
   // Releases the windows and the node communicator when no rank of the node still uses a slot
   // (an MPI_Iallreduce over the node bounded by the communicator's deadline); otherwise they stay
   // mapped until the process exits. Never throws.
