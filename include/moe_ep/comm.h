@@ -85,8 +85,8 @@ class MOE_EP_API Communicator {
 // is not looked at), $MOE_EP_TRANSPORT (when `transport` is ""), $MOE_EP_STREAM_MIN_BYTES
 // (dispatch_v2) and $MOE_EP_SHM_NODE_RANKS (testing: each run of that many ranks of a machine is
 // a machine of its own for the shm transport, so one machine runs the paths of a job spanning
-// several; read when the shm transport is first set up, the smallest value over the machine
-// counts). Local: no MPI call (MPI need not be initialised), so a program can run it on
+// several; every op checks it, and its ranks must agree on it; the split is made when the shm
+// transport is first set up). Local: no MPI call (MPI need not be initialised), so a program can run it on
 // every rank before its first collective and fail there instead of in the middle of one. Unset
 // or empty variables are fine. Nothing is kept; not safe against a concurrent setenv.
 //   comm_options: [in] the options the program will pass to from_mpi.
