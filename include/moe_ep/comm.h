@@ -86,9 +86,9 @@ class MOE_EP_API Communicator {
 // (dispatch_v2) and $MOE_EP_SHM_NODE_RANKS (testing: each run of that many ranks of a machine is
 // a machine of its own for the shm transport, so one machine runs the paths of a job spanning
 // several; every op checks it, and its ranks must agree on it; the split is made when the shm
-// transport is first set up). Local: no MPI call (MPI need not be initialised), so a program can run it on
-// every rank before its first collective and fail there instead of in the middle of one. Unset
-// or empty variables are fine. Nothing is kept; not safe against a concurrent setenv.
+// transport is first set up). Local: no MPI call (MPI need not be initialised), so a program can
+// run it on every rank before its first collective and fail there instead of in the middle of one.
+// Unset or empty variables are fine. Nothing is kept; not safe against a concurrent setenv.
 //   comm_options: [in] the options the program will pass to from_mpi.
 //   transport:    [in] the EpConfig::transport its ops will use: "", "mpi" or "shm".
 // Returns the deadline in seconds from_mpi would use (comm_options.timeout_s, else
