@@ -310,6 +310,20 @@ int64_t resolve_transport(const char* op, const EpConfig& cfg) {
   detail::invalid(op, ": transport = \"", v, "\" is not one of \"\", \"mpi\", \"shm\"");
 }
 
+// $name as an integer in [lo, hi], or nullopt when it is unset or empty; otherwise
+// kInvalidArgument "<op>: <name> = \"<value>\" is not <what>".
+std::optional<int64_t> env_integer(const char* op, const char* name, int64_t lo, int64_t hi,
+                                   const char* what) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(env, &end, 10);
+  if (*end != '\0' || errno != 0 || end == env || v < lo || v > hi)
+    detail::invalid(op, ": ", name, " = \"", env, "\" is not ", what);
+  return static_cast<int64_t>(v);
+}
+
 // dispatch_v2's stores into the receivers' windows bypass the cache (non-temporal) when this rank
 // writes at least this many bytes there in one call, $MOE_EP_STREAM_MIN_BYTES (default 16 MiB;
 // 0: always). Such a store needs no read of the destination line first and evicts nothing, which
@@ -317,33 +331,21 @@ int64_t resolve_transport(const char* op, const EpConfig& cfg) {
 // cache for whoever reads them next (combine_v2 read them about 1.2x faster at 15 MB).
 // docs/performance.md. An invalid value: kInvalidArgument.
 int64_t stream_min_bytes(const char* op) {
-  const char* env = std::getenv("MOE_EP_STREAM_MIN_BYTES");
-  if (env == nullptr || *env == '\0') return int64_t{16} << 20;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(env, &end, 10);
-  if (*end != '\0' || errno != 0 || v < 0 || end == env)
-    detail::invalid(op, ": MOE_EP_STREAM_MIN_BYTES = \"", env,
-                    "\" is not a byte count (an integer in [0, 2^63 - 1])");
-  return static_cast<int64_t>(v);
+  return env_integer(op, "MOE_EP_STREAM_MIN_BYTES", 0, INT64_MAX,
+                     "a byte count (an integer in [0, 2^63 - 1])")
+      .value_or(int64_t{16} << 20);
 }
 
 // $MOE_EP_SHM_NODE_RANKS: for testing paths that cross machines on one machine, the shared-memory
 // transport treats each run of this many ranks of a machine (in their order there) as a machine of
-// its own; unset or empty: the whole machine. Validated on every call before the header
+// its own; unset or empty (0): the whole machine. Validated on every call before the header
 // agreement and carried in the header, which must agree on it (ShmContext::create splits by it).
 // An invalid value: kInvalidArgument.
 int shm_node_ranks(const char* op) {
-  const char* env = std::getenv("MOE_EP_SHM_NODE_RANKS");
-  if (env == nullptr || *env == '\0') return 0;
-  char* end = nullptr;
-  errno = 0;
-  const long v = std::strtol(env, &end, 10);
-  if (*end != '\0' || errno != 0 || end == env || v < 1 || v > INT_MAX)
-    detail::invalid(
-        op, ": MOE_EP_SHM_NODE_RANKS = \"", env,
-        "\" is not a rank count (an integer in [1, 2^31 - 1]; unset: the whole machine)");
-  return static_cast<int>(v);
+  return static_cast<int>(
+      env_integer(op, "MOE_EP_SHM_NODE_RANKS", 1, INT_MAX,
+                  "a rank count (an integer in [1, 2^31 - 1]; unset: the whole machine)")
+          .value_or(0));
 }
 
 // Whether a call uses the shared-memory transport: decided from agreed values only (transport,
