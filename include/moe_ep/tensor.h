@@ -27,6 +27,18 @@ MOE_EP_API std::size_t dtype_size(DType dtype);
 // "bf16", "fp16", "fp32", "int8", "int32", "int64", "bool".
 MOE_EP_API const char* dtype_name(DType dtype);
 
+// Element conversions between the float storage dtypes and fp32, the roundings every op uses:
+// to nearest even, ties to even; a NaN stays a NaN (quiet); overflow gives +-inf. For building
+// inputs and reading outputs (e.g. a bf16 x from fp32 values). `bits` is the element's storage.
+MOE_EP_API float bf16_to_float(uint16_t bits);
+MOE_EP_API uint16_t float_to_bf16(float value);
+MOE_EP_API float fp16_to_float(uint16_t bits);
+MOE_EP_API uint16_t float_to_fp16(float value);
+// Element i of contiguous bf16/fp16/fp32 storage `data`, as fp32 / stores `value` rounded there.
+// Error(kInvalidArgument) for any other dtype.
+MOE_EP_API float load_float(DType dtype, const void* data, int64_t i);
+MOE_EP_API void store_float(DType dtype, void* data, int64_t i, float value);
+
 inline constexpr int kMaxDims = 4;
 
 // A non-owning strided view of CPU memory.

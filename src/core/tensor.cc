@@ -8,6 +8,7 @@
 
 #include "core/block_cache.h"
 #include "core/check.h"
+#include "kernels/cpu/convert.h"
 
 namespace moe_ep {
 
@@ -62,6 +63,28 @@ const char* dtype_name(DType dtype) {
       return "bool";
   }
   return "?";
+}
+
+float bf16_to_float(uint16_t bits) { return detail::bf16_to_f32(bits); }
+uint16_t float_to_bf16(float value) { return detail::f32_to_bf16(value); }
+float fp16_to_float(uint16_t bits) { return detail::f16_to_f32(bits); }
+uint16_t float_to_fp16(float value) { return detail::f32_to_f16(value); }
+
+namespace {
+void expect_float_dtype(const char* op, DType dtype) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32)
+    detail::invalid(op, ": dtype ", dtype_name(dtype), " is not one of {bf16, fp16, fp32}");
+}
+}  // namespace
+
+float load_float(DType dtype, const void* data, int64_t i) {
+  expect_float_dtype("load_float", dtype);
+  return detail::load_f32(data, dtype, i);
+}
+
+void store_float(DType dtype, void* data, int64_t i, float value) {
+  expect_float_dtype("store_float", dtype);
+  detail::store_f32(data, dtype, i, value);
 }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape) {

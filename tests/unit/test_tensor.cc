@@ -247,3 +247,40 @@ TEST(Convert, MatchesReferenceRounding) {
 
 }  // namespace
 }  // namespace moe_ep
+
+namespace moe_ep {
+namespace {
+
+// The public element conversions (tensor.h) round like the reference, and the dtype-generic
+// load_float / store_float refuse non-float dtypes.
+TEST(Convert, PublicConversionsMatchReference) {
+  uint32_t state = 777;
+  for (int n = 0; n < 50000; ++n) {
+    state = state * 1664525u + 1013904223u;
+    float f;
+    std::memcpy(&f, &state, 4);
+    if (std::isnan(f)) continue;
+    EXPECT_EQ(bf16_to_float(float_to_bf16(f)), ref::round_to(DType::kBF16, f)) << f;
+    EXPECT_EQ(fp16_to_float(float_to_fp16(f)), ref::round_to(DType::kF16, f)) << f;
+    for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+      uint32_t cell[2] = {0, 0};
+      store_float(dt, cell, 1, f);
+      EXPECT_EQ(load_float(dt, cell, 1), ref::round_to(dt, f)) << f << " " << dtype_name(dt);
+      EXPECT_EQ(ref::load(dt, cell, 1), ref::round_to(dt, f)) << f << " " << dtype_name(dt);
+    }
+    if (::testing::Test::HasFailure()) break;
+  }
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(std::numeric_limits<float>::quiet_NaN()))));
+  int32_t i = 0;
+  try {
+    load_float(DType::kI32, &i, 0);
+    FAIL() << "load_float accepted int32";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_STREQ(e.what(), "load_float: dtype int32 is not one of {bf16, fp16, fp32}");
+  }
+  EXPECT_THROW(store_float(DType::kI8, &i, 0, 1.0f), Error);
+}
+
+}  // namespace
+}  // namespace moe_ep
