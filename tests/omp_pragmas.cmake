@@ -7,8 +7,12 @@ file(GLOB_RECURSE sources "${SOURCE_DIR}/src/*.cc" "${SOURCE_DIR}/src/*.h"
 set(bad "")
 set(count 0)
 foreach(f IN LISTS sources)
-  file(STRINGS "${f}" lines REGEX "^[ \t]*#[ \t]*pragma[ \t]+omp[ \t]+parallel")
+  # A pragma continued over several lines (clang-format breaks long ones) is read as one line.
+  file(READ "${f}" text)
+  string(REGEX REPLACE "\\\\\n" " " text "${text}")
+  string(REGEX MATCHALL "\n[ \t]*#[ \t]*pragma[ \t]+omp[ \t]+parallel[^\n]*" lines "${text}")
   foreach(line IN LISTS lines)
+    string(STRIP "${line}" line)
     math(EXPR count "${count} + 1")
     if(NOT line MATCHES "num_threads\\(")
       string(APPEND bad "\n  ${f}: ${line}")

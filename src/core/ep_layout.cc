@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <climits>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "core/validate.h"
 
 namespace moe_ep::detail {

@@ -6,9 +6,9 @@
 #include <new>
 #include <sstream>
 
+#include "base/check.h"
+#include "base/numeric.h"
 #include "core/block_cache.h"
-#include "core/check.h"
-#include "kernels/cpu/convert.h"
 
 namespace moe_ep {
 

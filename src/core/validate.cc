@@ -2,8 +2,7 @@
 
 #include <sstream>
 
-#include "core/check.h"
-#include "kernels/cpu/convert.h"
+#include "base/check.h"
 
 namespace moe_ep::detail {
 
@@ -57,11 +56,6 @@ void expect_rows(const char* op, const char* name, const TensorView& t) {
   if (t.shape[1] > 1 && t.strides[1] != 1)
     unsupported(op, ": ", name, ".stride(1) = ", t.strides[1],
                 " is not 1 (rows may be strided, each row must be contiguous)");
-}
-
-float float_at(const TensorView& t, int64_t i, int64_t j) {
-  const int64_t off = i * t.strides[0] + (t.ndim > 1 ? j * t.strides[1] : 0);
-  return load_f32(t.data, t.dtype, off);
 }
 
 }  // namespace moe_ep::detail

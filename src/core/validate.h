@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "base/numeric.h"
 #include "moe_ep/tensor.h"
 
 namespace moe_ep::detail {
@@ -27,22 +28,5 @@ void expect_rows(const char* op, const char* name, const TensorView& t);
 void expect_shape(const char* op, const char* name, const TensorView& t);
 // Sizes >= 0 (expect_shape), non-null data when numel > 0, non-negative strides.
 void expect_memory(const char* op, const char* name, const TensorView& t);
-
-// Element (i) of a 1-D or (i, j) of a 2-D int32/int64 view, any strides.
-inline int64_t index_at(const TensorView& t, int64_t i, int64_t j = 0) {
-  const int64_t off = i * t.strides[0] + (t.ndim > 1 ? j * t.strides[1] : 0);
-  return t.dtype == DType::kI64 ? static_cast<const int64_t*>(t.data)[off]
-                                : static_cast<const int32_t*>(t.data)[off];
-}
-// Element (i) / (i, j) of a float view (bf16/fp16/fp32), any strides, as fp32.
-float float_at(const TensorView& t, int64_t i, int64_t j = 0);
-// Start of row i of a 2-D view.
-inline const char* row_ptr(const TensorView& t, int64_t i) {
-  return static_cast<const char*>(t.data) +
-         i * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
-}
-inline char* row_ptr_mut(const TensorView& t, int64_t i) {
-  return static_cast<char*>(t.data) + i * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
-}
 
 }  // namespace moe_ep::detail

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "core/validate.h"
 #include "sharding/internal.h"
 

@@ -3,7 +3,7 @@
 #include <cstring>
 #include <sstream>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "sharding/internal.h"
 
 namespace moe_ep {

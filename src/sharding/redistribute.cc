@@ -5,7 +5,7 @@
 #include <memory>
 #include <vector>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "kernels/cpu/convert.h"
 #include "sharding/internal.h"
 #include "transport/mpi/exchange.h"

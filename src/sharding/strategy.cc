@@ -2,7 +2,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "sharding/internal.h"
 
 namespace moe_ep {

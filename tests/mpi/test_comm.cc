@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/threads.h"
+#include "base/threads.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"

@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "core/parallel.h"
+#include "base/parallel.h"
 
 namespace moe_ep {
 namespace {

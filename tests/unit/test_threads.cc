@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "core/threads.h"
+#include "base/threads.h"
 #include "moe_ep/error.h"
 #include "moe_ep/threads.h"
 

@@ -1,70 +1,17 @@
-// Internal: scalar and row conversions between bf16/fp16/fp32 storage and fp32 arithmetic.
-// Rounding to bf16/fp16 is to nearest even; NaN stays NaN.
+// Internal: the SIMD row kernels: conversions between bf16/fp16/fp32 rows and fp32 arithmetic,
+// weighted sums, copies. Rounding to bf16/fp16 is to nearest even; NaN stays NaN.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+#include "base/numeric.h"
 #include "moe_ep/tensor.h"
 
 namespace moe_ep::detail {
 
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float f16_to_f32(uint16_t h) {
-  _Float16 v;
-  std::memcpy(&v, &h, 2);
-  return static_cast<float>(v);
-}
-
-inline uint16_t f32_to_f16(float f) {
-  const _Float16 v = static_cast<_Float16>(f);
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
-}
-
-// Element i of a contiguous float row of dtype bf16/fp16/fp32, as fp32.
-inline float load_f32(const void* row, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kBF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(row)[i]);
-    case DType::kF16:
-      return f16_to_f32(static_cast<const uint16_t*>(row)[i]);
-    default:
-      return static_cast<const float*>(row)[i];
-  }
-}
-
-inline void store_f32(void* row, DType dtype, int64_t i, float v) {
-  switch (dtype) {
-    case DType::kBF16:
-      static_cast<uint16_t*>(row)[i] = f32_to_bf16(v);
-      break;
-    case DType::kF16:
-      static_cast<uint16_t*>(row)[i] = f32_to_f16(v);
-      break;
-    default:
-      static_cast<float*>(row)[i] = v;
-      break;
-  }
-}
-
 // The row kernels below are SIMD (Highway, dispatched at run time to the best target of the CPU;
-// see convert.cc) and give, on every target, the bits of the scalar functions above applied
+// see convert.cc) and give, on every target, the bits of base/numeric.h's scalar functions applied
 // element by element in the stated order. Rows are contiguous; n >= 0.
 
 // acc[0..n) += w * fp32(src[0..n)), one fp32 multiply and one fp32 add per element (no FMA

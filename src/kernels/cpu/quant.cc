@@ -9,8 +9,8 @@
 #include <hwy/cache_control.h>
 #include <hwy/highway.h>
 
-#include "core/parallel.h"
-#include "core/threads.h"
+#include "base/parallel.h"
+#include "base/threads.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/rows-inl.h"
 
@@ -23,7 +23,7 @@
 #include <cstring>
 #include <limits>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "kernels/cpu/convert.h"
 
 namespace moe_ep::detail::quant_constants {

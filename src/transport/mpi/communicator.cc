@@ -4,8 +4,9 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "core/check.h"
-#include "core/threads.h"
+#include "base/check.h"
+#include "base/env.h"
+#include "base/threads.h"
 #include "moe_ep/comm.h"
 #include "transport/mpi/exchange.h"
 #include "transport/shm/context.h"
@@ -23,14 +24,7 @@ double resolve_timeout(const CommOptions& options, const char* op) {
       detail::invalid(op, ": timeout_s = ", t, " must be a finite number > 0");
     return t;
   }
-  const char* env = std::getenv("MOE_EP_TIMEOUT_S");
-  if (env == nullptr || *env == '\0') return 300.0;
-  errno = 0;
-  char* end = nullptr;
-  const double t = std::strtod(env, &end);
-  if (errno != 0 || end == env || *end != '\0' || !(t > 0) || !std::isfinite(t))
-    detail::invalid(op, ": MOE_EP_TIMEOUT_S = \"", env, "\" is not a finite number of seconds > 0");
-  return t;
+  return detail::env_timeout_s(op).value_or(300.0);
 }
 
 // Tells the automatic thread count (moe_ep/threads.h) how many ranks share this machine and on

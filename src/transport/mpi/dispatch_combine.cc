@@ -39,10 +39,11 @@
 #include <utility>
 #include <vector>
 
-#include "core/check.h"
+#include "base/check.h"
+#include "base/env.h"
+#include "base/parallel.h"
+#include "base/threads.h"
 #include "core/ep_layout.h"
-#include "core/parallel.h"
-#include "core/threads.h"
 #include "core/validate.h"
 #include "kernels/cpu/convert.h"
 #include "kernels/cpu/quant.h"
@@ -297,55 +298,10 @@ int to_int(int64_t v) {
 // EpConfig::transport, or $MOE_EP_TRANSPORT when it is empty (default "shm").
 int64_t resolve_transport(const char* op, const EpConfig& cfg) {
   std::string v = cfg.transport;
-  if (v.empty()) {
-    const char* env = std::getenv("MOE_EP_TRANSPORT");
-    if (env == nullptr || *env == '\0') return detail::kTransportShm;
-    v = env;
-    if (v != "mpi" && v != "shm")
-      detail::invalid(op, ": MOE_EP_TRANSPORT = \"", v,
-                      "\" (used because transport is \"\") is not one of \"mpi\", \"shm\"");
-  }
+  if (v.empty()) v = detail::env_transport(op).value_or("shm");
   if (v == "mpi") return detail::kTransportMpi;
   if (v == "shm") return detail::kTransportShm;
   detail::invalid(op, ": transport = \"", v, "\" is not one of \"\", \"mpi\", \"shm\"");
-}
-
-// $name as an integer in [lo, hi], or nullopt when it is unset or empty; otherwise
-// kInvalidArgument "<op>: <name> = \"<value>\" is not <what>".
-std::optional<int64_t> env_integer(const char* op, const char* name, int64_t lo, int64_t hi,
-                                   const char* what) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(env, &end, 10);
-  if (*end != '\0' || errno != 0 || end == env || v < lo || v > hi)
-    detail::invalid(op, ": ", name, " = \"", env, "\" is not ", what);
-  return static_cast<int64_t>(v);
-}
-
-// dispatch_v2's stores into the receivers' windows bypass the cache (non-temporal) when this rank
-// writes at least this many bytes there in one call, $MOE_EP_STREAM_MIN_BYTES (default 16 MiB;
-// 0: always). Such a store needs no read of the destination line first and evicts nothing, which
-// made dispatch about 1.6x faster at the issue's size (58 MB per rank); below, the rows stay in
-// cache for whoever reads them next (combine_v2 read them about 1.2x faster at 15 MB).
-// docs/performance.md. An invalid value: kInvalidArgument.
-int64_t stream_min_bytes(const char* op) {
-  return env_integer(op, "MOE_EP_STREAM_MIN_BYTES", 0, INT64_MAX,
-                     "a byte count (an integer in [0, 2^63 - 1])")
-      .value_or(int64_t{16} << 20);
-}
-
-// $MOE_EP_SHM_NODE_RANKS: for testing paths that cross machines on one machine, the shared-memory
-// transport treats each run of this many ranks of a machine (in their order there) as a machine of
-// its own; unset or empty (0): the whole machine. Validated on every call before the header
-// agreement and carried in the header, which must agree on it (ShmContext::create splits by it).
-// An invalid value: kInvalidArgument.
-int shm_node_ranks(const char* op) {
-  return static_cast<int>(
-      env_integer(op, "MOE_EP_SHM_NODE_RANKS", 1, INT_MAX,
-                  "a rank count (an integer in [1, 2^31 - 1]; unset: the whole machine)")
-          .value_or(0));
 }
 
 // Whether a call uses the shared-memory transport: decided from agreed values only (transport,
@@ -744,8 +700,7 @@ void detail::check_transport_environment(const char* op, const std::string& tran
   EpConfig cfg;
   cfg.transport = transport;
   resolve_transport(op, cfg);
-  stream_min_bytes(op);
-  shm_node_ranks(op);
+  detail::check_env(op, true, !transport.empty());
 }
 
 DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
@@ -778,8 +733,8 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   capture(hdr, local, [&] {
     if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
-    stream_min = stream_min_bytes(op);
-    hdr.shm_node_ranks = shm_node_ranks(op);
+    stream_min = detail::env_stream_min_bytes(op);
+    hdr.shm_node_ranks = detail::env_shm_node_ranks(op);
     detail::check_ep_config(op, cfg, comm.rank(), comm.size());
     world = resolve_world(op, cfg, in.elastic_info);
     hdr.elastic = world.hash;
@@ -1465,7 +1420,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   capture(hdr, local, [&] {
     if (in.caller_error) throw *in.caller_error;
     hdr.transport = resolve_transport(op, cfg);
-    hdr.shm_node_ranks = shm_node_ranks(op);
+    hdr.shm_node_ranks = detail::env_shm_node_ranks(op);
     // Checked first: never valid (SPEC §2.1), whatever else this build supports.
     if (in.comm_quant_mode != 0 && in.comm_quant_mode != 2)
       detail::invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");

@@ -10,8 +10,8 @@
 #include <sstream>
 #include <thread>
 
-#include "core/check.h"
-#include "core/threads.h"
+#include "base/check.h"
+#include "base/threads.h"
 #include "moe_ep/tensor.h"
 
 namespace moe_ep::detail {

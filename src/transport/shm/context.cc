@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "transport/mpi/exchange.h"
 
 namespace moe_ep::detail {

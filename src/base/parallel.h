@@ -4,7 +4,7 @@
 
 #include <omp.h>
 
-#include "core/threads.h"
+#include "base/threads.h"
 
 namespace moe_ep::detail {
 

@@ -1,4 +1,4 @@
-#include "core/threads.h"
+#include "base/threads.h"
 
 #include <omp.h>
 #include <sched.h>
@@ -9,7 +9,7 @@
 #include <climits>
 #include <cstdlib>
 
-#include "core/check.h"
+#include "base/check.h"
 #include "moe_ep/threads.h"
 
 namespace moe_ep {

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Checks of the source tree's structure that the compiler does not make.
+
+  structure.py layering ROOT   every #include "..." goes downward (or sideways within a layer)
+  structure.py length ROOT     no function in src/ longer than MAX_LINES lines, SIMD kernel
+                               bodies (the Highway sources listed below) excepted
+
+Layers, top to bottom: include/moe_ep (the API) -> src/core and src/sharding (plans, the ops as
+named steps) -> src/kernels (leaves: they know no network) and src/transport (moves opaque
+bytes) -> src/base (checks, threads, environment). ref/ (the test oracles) shares no code with
+what it checks; tools/, python/src/ and examples/ use the public API only. Exits 1 naming every
+offence.
+"""
+import pathlib
+import re
+import sys
+
+# Directory -> the top-level include prefixes it may use ("local": a header beside the file).
+ALLOWED = {
+    "include/moe_ep": {"moe_ep"},
+    "src/base": {"base", "moe_ep"},
+    "src/kernels": {"base", "kernels", "moe_ep"},
+    "src/transport": {"base", "transport", "moe_ep"},
+    "src/core": {"base", "kernels", "transport", "core", "moe_ep"},
+    "src/sharding": {"base", "kernels", "transport", "core", "sharding", "moe_ep"},
+    "ref": {"ref", "moe_ep"},
+    "tools": {"moe_ep", "local"},
+    "python/src": {"moe_ep", "local"},
+    "examples": {"moe_ep", "local"},
+    "bench": {"moe_ep", "ref", "local"},
+}
+# Sources whose functions are SIMD kernel bodies (Highway's per-target code), allowed to be long.
+KERNEL_BODIES = {"src/kernels/cpu/convert.cc", "src/kernels/cpu/quant.cc",
+                 "src/kernels/cpu/rows-inl.h"}
+MAX_LINES = 150
+SOURCES = ("*.cc", "*.h")
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+
+
+def files_under(root, d):
+    base = root / d
+    for pattern in SOURCES:
+        yield from sorted(base.rglob(pattern))
+
+
+def layering(root):
+    bad = []
+    for d, allowed in ALLOWED.items():
+        for f in files_under(root, d):
+            for n, line in enumerate(f.read_text().splitlines(), 1):
+                m = INCLUDE.match(line)
+                if not m:
+                    continue
+                target = m.group(1)
+                top = target.split("/")[0] if "/" in target else "local"
+                if top not in allowed:
+                    bad.append(f"{f.relative_to(root)}:{n}: includes \"{target}\" "
+                               f"({d} may include only {', '.join(sorted(allowed))})")
+    return bad
+
+
+def strip(text):
+    """The text with comments, strings and character literals blanked (line breaks kept)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("\n" * text.count("\n", i, j))
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c:
+                j += 2 if text[j] == "\\" else 1
+            out.append(" ")
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def function_name(text, brace):
+    """The name before the parameter list that ends before text[brace]."""
+    j = text.rfind(")", 0, brace)
+    depth = 0
+    while j >= 0:
+        depth += {")": 1, "(": -1}.get(text[j], 0)
+        if depth == 0:
+            break
+        j -= 1
+    m = re.search(r"([\w:~<>]+)\s*$", text[max(0, j - 200):max(0, j)])
+    return m.group(1) if m else "a lambda"
+
+
+def long_functions(path, rel):
+    """Functions (and lambdas, if long) whose body spans more than MAX_LINES lines: a brace that
+    opens after a ')' (possibly followed by qualifiers) starts a function body; namespaces,
+    classes and initialisers do not count, but the functions inside classes do."""
+    text = strip(path.read_text())
+    found, stack, line = [], [], 1
+    for i, c in enumerate(text):
+        if c == "\n":
+            line += 1
+        elif c == "{":
+            head = text[max(0, i - 200):i]
+            is_fn = re.search(r"\)\s*(const|noexcept|override|final|mutable|->\s*[\w:<>&*\s]+)*\s*$",
+                              head) is not None
+            stack.append((line, is_fn, function_name(text, i) if is_fn else ""))
+        elif c == "}" and stack:
+            start, is_fn, name = stack.pop()
+            if is_fn and line - start + 1 > MAX_LINES and not any(s[1] for s in stack):
+                found.append(f"{rel}:{start}: {name} spans {line - start + 1} lines "
+                             f"(more than {MAX_LINES})")
+    return found
+
+
+def length(root):
+    bad = []
+    for f in files_under(root, "src"):
+        rel = f.relative_to(root).as_posix()
+        if rel not in KERNEL_BODIES:
+            bad += long_functions(f, rel)
+    return bad
+
+
+def main():
+    if len(sys.argv) != 3 or sys.argv[1] not in ("layering", "length"):
+        print(__doc__)
+        return 2
+    root = pathlib.Path(sys.argv[2]).resolve()
+    if not (root / "src").is_dir():
+        print(f"structure.py: {root} has no src/")
+        return 2
+    bad = layering(root) if sys.argv[1] == "layering" else length(root)
+    for b in bad:
+        print(b)
+    if bad:
+        return 1
+    print(f"structure.py {sys.argv[1]}: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
