@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "moe_ep/export.h"
 
@@ -22,6 +23,7 @@ namespace moe_ep {
 
 namespace detail {
 class ShmContext;
+class MessageLink;
 struct CommInternals;
 }  // namespace detail
 
@@ -77,6 +79,10 @@ class MOE_EP_API Communicator {
   // first op that uses it. Internal: reached through detail::CommInternals.
   friend struct detail::CommInternals;
   mutable std::shared_ptr<detail::ShmContext> shm_;
+  // The MPI transport's per-peer links, created by the first op.
+  mutable std::shared_ptr<std::vector<std::unique_ptr<detail::MessageLink>>> links_;
+  // dispatch_v2 calls so far: the id of each one's plan (DispatchHandle, dispatch.h).
+  mutable uint64_t plans_ = 0;
 };
 
 // Reads moe-ep's environment variables as from_mpi(comm, comm_options) and ops with

@@ -93,6 +93,11 @@
 
 namespace moe_ep {
 
+namespace detail {
+struct EpPlan;
+struct HandleInternals;
+}  // namespace detail
+
 // The arguments dispatch_v2 and combine_v2 share; they must be equal on all ranks (except
 // ep_rank_id and tp_rank_id) and equal between a dispatch and its combine.
 struct EpConfig {
@@ -132,6 +137,27 @@ struct EpConfig {
   int64_t const_expert_num = 0;  // Q
 };
 
+// SPEC §7: the plan one dispatch_v2 computed (who sends which rows where, and where they landed),
+// returned with its outputs. Given to the combine_v2 of those outputs, it lets combine exchange
+// the rows only: no "layout back" round, no per-row metadata, no assist_info_for_combine or
+// ep_send_counts to read. Given to a later dispatch_v2 with the same routing (a "cached
+// dispatch", e.g. the recomputation of a layer in the backward pass), it skips the counts phase.
+// A handle is bound to its communicator (group_ep, group_tp), to the arguments every rank agrees
+// on, and to its dispatch's expert_ids and x_active_mask (compared element by element on every
+// use: kInvalidArgument naming the first difference), and every rank must pass the handle of the
+// same dispatch_v2 call, or none (kInvalidArgument on every rank otherwise). Copies share the
+// plan; it lives as long as any copy. Small: its memory is that of the routing, O(BS * K + W * L).
+class MOE_EP_API DispatchHandle {
+ public:
+  DispatchHandle() = default;
+  // False for a default-constructed handle (and on a rank removed by a scale-in).
+  bool defined() const { return plan_ != nullptr; }
+
+ private:
+  friend struct detail::HandleInternals;
+  std::shared_ptr<const detail::EpPlan> plan_;
+};
+
 // SPEC §1.3.
 struct DispatchInputs {
   TensorView x;           // [in] (BS, H) bf16/fp16/fp32, BS >= 0; rows may be strided
@@ -169,6 +195,11 @@ struct DispatchInputs {
   // (this rank throws it, the others Error(kRemote) naming this rank), instead of this rank
   // leaving and its peers waiting until their deadline. The other fields may be unset.
   std::optional<Error> caller_error;
+  // [in] optional, SPEC §7: the handle of an earlier dispatch_v2 with the same expert_ids and
+  // x_active_mask (a cached dispatch: no counts phase). With quant_mode 2 the earlier call must
+  // have had the same quant_mode and smoothing scales given or not. Not owned; read during the
+  // call only. The outputs are those of an uncached call, bit for bit.
+  const DispatchHandle* handle = nullptr;
 };
 
 // SPEC §1.4. A = G * min(L, K) on a MoE rank, (G / W) * ceil(W / (S / Ns)) on a shared-expert
@@ -200,6 +231,8 @@ struct DispatchOutputs {
                                    // [tp_rank_id] own, [1 - tp_rank_id] the peer's)
   Tensor expand_scales;  // (max(1,T)*A,) fp32: expert_scales of each row (0 when not given,
                          // for shared-expert copies, and beyond the valid rows)
+  // Not a SPEC output: the plan of this call (SPEC §7), for its combine_v2 and cached dispatches.
+  DispatchHandle handle;
 };
 
 // Collective over cfg.group_ep. Errors: kInvalidArgument (this rank's arguments, or ranks that
@@ -252,6 +285,11 @@ struct CombineInputs {
   // (this rank throws it, the others Error(kRemote) naming this rank), instead of this rank
   // leaving and its peers waiting until their deadline. The other fields may be unset.
   std::optional<Error> caller_error;
+  // [in] optional, SPEC §7: the handle dispatch_v2 returned with these rows. Then only the rows
+  // travel (no "layout back" round, no per-row metadata), assist_info_for_combine and
+  // ep_send_counts are not read (they may be left empty), and expert_ids / x_active_mask must be
+  // that dispatch's (checked element by element). The result is the same bits. Not owned.
+  const DispatchHandle* handle = nullptr;
 };
 
 // Returns x (BS, H) in expand_x's dtype: SPEC §2.3 and §2.2, for each ACTIVE token i, in fp32

@@ -1,5 +1,5 @@
 // Redistribution between placements over point-to-point messages with deadlines
-// (transport/mpi/exchange.h), and the header agreement of the sharded collectives.
+// (transport/mpi/context.h), and the header agreement of the sharded collectives.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -8,16 +8,14 @@
 #include "base/check.h"
 #include "kernels/cpu/convert.h"
 #include "sharding/internal.h"
-#include "transport/mpi/exchange.h"
+#include "transport/mpi/context.h"
+#include "transport/tags.h"
 
 namespace moe_ep {
 namespace detail {
 
 namespace {
 
-// Tags of the sharded collectives (distinct from dispatch/combine's 0x4d01..0x4d06).
-constexpr int kTagShardHeader = 0x4d21;
-constexpr int kTagShardData = 0x4d22;
 
 // Messages are split into pieces of at most 1 GiB (MPI counts are int).
 constexpr int64_t kMaxMessage = int64_t{1} << 30;

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "base/check.h"
-#include "transport/mpi/exchange.h"
+#include "transport/mpi/context.h"
 
 namespace moe_ep::detail {
 
@@ -71,6 +71,8 @@ std::shared_ptr<ShmContext> ShmContext::create(const Communicator& comm, const c
     MOE_EP_CHECK(g >= 0 && g < comm.size());
     ctx->group_to_node_[g] = i;
   }
+  ctx->links_.resize(comm.size());
+  for (int g : ctx->node_to_group_) ctx->links_[g] = std::make_unique<WindowLink>(g, *ctx);
   return ctx;
 }
 

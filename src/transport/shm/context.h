@@ -22,15 +22,13 @@
 
 #include "moe_ep/comm.h"
 #include "moe_ep/tensor.h"
+#include "transport/shm/link.h"
 
 namespace moe_ep::detail {
 
 class ShmContext;
 
-// The private members of Communicator and Tensor that the transport needs.
-struct CommInternals {
-  static std::shared_ptr<ShmContext>& shm(const Communicator& comm) { return comm.shm_; }
-};
+// The private member of Tensor that the shared-memory transport needs.
 struct TensorInternals {
   // A contiguous tensor over `data`, kept valid by `owner` (released with the last copy).
   static Tensor wrap(std::shared_ptr<void> owner, void* data, DType dtype,
@@ -76,6 +74,8 @@ class ShmContext {
   int node_rank() const { return node_rank_; }
   // Node rank of group_ep rank `g`, or -1 when it is on another machine.
   int node_of(int group_rank) const { return group_to_node_[group_rank]; }
+  // The link to group_ep rank `g` on this machine (itself included), or null for one elsewhere.
+  const Link* link(int group_rank) const { return links_[group_rank].get(); }
   // Bytes of this rank's segment in the newest generation (0: no window yet).
   int64_t capacity() const;
   // Node-collective (every rank of the node, same op): allocates a new generation in which this
@@ -122,6 +122,7 @@ class ShmContext {
   std::vector<int> group_to_node_;
   std::vector<int> node_to_group_;
   std::vector<std::shared_ptr<ShmWindow>> windows_;  // by generation
+  std::vector<std::unique_ptr<WindowLink>> links_;   // by group_ep rank
 };
 
 }  // namespace moe_ep::detail

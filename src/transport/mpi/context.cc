@@ -1,18 +1,23 @@
-#include "transport/mpi/exchange.h"
+#include "transport/mpi/context.h"
 
 #include <sched.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
 #include <thread>
 
 #include "base/check.h"
+#include "base/env.h"
 #include "base/threads.h"
 #include "moe_ep/tensor.h"
+#include "transport/shm/context.h"
 
 namespace moe_ep::detail {
 
@@ -31,10 +36,6 @@ void bury(std::pmr::vector<std::shared_ptr<const void>>& buffers) {
   static auto* graveyard = new std::vector<std::shared_ptr<const void>>();  // leaked on purpose
   std::lock_guard<std::mutex> lock(mu);
   for (auto& b : buffers) graveyard->push_back(std::move(b));
-}
-
-const char* op_name(int32_t op) {
-  return op == 1 ? "dispatch_v2" : op == 2 ? "combine_v2" : "an unknown op";
 }
 
 }  // namespace
@@ -218,99 +219,93 @@ void Exchange::add_recv_wait_us(int64_t* per_peer) const {
   for (const auto& [peer, us] : last) per_peer[peer] += us;
 }
 
-std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
-                                       const char* op, const OpHeader& mine, const Error* local,
-                                       int64_t* perf) {
-  const int W = static_cast<int>(peers.size());
-  const int me =
-      static_cast<int>(std::find(peers.begin(), peers.end(), comm.rank()) - peers.begin());
-  MOE_EP_CHECK(me < W);
-  auto headers = std::make_shared<std::vector<OpHeader>>(W);
-  auto sent = std::make_shared<OpHeader>(mine);
-  (*headers)[me] = mine;
-  {
-    Exchange ex(comm, op, "header");
-    ex.keep_alive(headers);
-    ex.keep_alive(sent);
-    for (int p = 0; p < W; ++p) {
-      if (p == me) continue;
-      ex.irecv(&(*headers)[p], sizeof(OpHeader), MPI_BYTE, peers[p], kTagHeader);
-      ex.isend(sent.get(), sizeof(OpHeader), MPI_BYTE, peers[p], kTagHeader);
-    }
-    ex.wait();
-    if (perf != nullptr && local == nullptr) ex.add_recv_wait_us(perf);
+// Environment variables fill only the fields the caller left unset (STYLE.md "API"). `op` names
+// the caller in messages.
+double resolve_timeout(const CommOptions& options, const char* op) {
+  if (options.timeout_s) {
+    const double t = *options.timeout_s;
+    if (!(t > 0) || !std::isfinite(t))
+      invalid(op, ": timeout_s = ", t, " must be a finite number > 0");
+    return t;
   }
-  const std::vector<OpHeader>& h = *headers;
-  if (local != nullptr) throw *local;
-  for (int p = 0; p < W; ++p) {
-    if (h[p].magic != mine.magic)
-      invalid(op, ": rank ", peers[p],
-              " sent a malformed header (is it running another library on the ",
-              "same communicator?)");
-    if (h[p].op != mine.op)
-      invalid(op, ": the ranks called different ops: rank ", peers[me], " called ",
-              op_name(mine.op), ", rank ", peers[p], " called ", op_name(h[p].op),
-              " (collective ops must be called in the "
-              "same order on every rank)");
-  }
-  for (int p = 0; p < W; ++p)
-    if (!h[p].ok) {
-      std::string msg(h[p].message, strnlen(h[p].message, sizeof(h[p].message)));
-      fail(ErrorKind::kRemote, op, ": rank ", peers[p], " failed: ", msg);
-    }
-  struct Field {
-    const char* name;
-    int64_t OpHeader::*member;
-  };
-  static constexpr Field fields[] = {
-      {"ep_world_size", &OpHeader::ep_world_size},
-      {"moe_expert_num", &OpHeader::moe_expert_num},
-      {"tp_world_size", &OpHeader::tp_world_size},
-      {"shared_expert_num", &OpHeader::shared_expert_num},
-      {"shared_expert_rank_num", &OpHeader::shared_expert_rank_num},
-      {"expert_shard_type", &OpHeader::expert_shard_type},
-      {"global_bs", &OpHeader::global_bs},
-      {"zero_expert_num", &OpHeader::zero_expert_num},
-      {"copy_expert_num", &OpHeader::copy_expert_num},
-      {"const_expert_num", &OpHeader::const_expert_num},
-      {"comm_alg", &OpHeader::comm_alg},
-      {"K (expert_ids.shape[1])", &OpHeader::K},
-      {"elastic_info (hash of the table)", &OpHeader::elastic},
-  };
-  const bool dispatch = mine.op == 1;
-  for (const Field& f : fields)
-    for (int p = 1; p < W; ++p)
-      if (h[p].*f.member != h[0].*f.member)
-        invalid(op, ": ", f.name, " differs across ranks: rank ", peers[0], " has ", h[0].*f.member,
-                ", rank ", peers[p], " has ", h[p].*f.member,
-                " (every rank must pass the same value)");
-  auto transport_name = [](int64_t t) {
-    return t == kTransportMpi ? "\"mpi\"" : t == kTransportShm ? "\"shm\"" : "(unresolved)";
-  };
-  for (int p = 1; p < W; ++p)
-    if (h[p].transport != h[0].transport)
-      invalid(op, ": transport differs across ranks: rank ", peers[0], " uses ",
-              transport_name(h[0].transport), ", rank ", peers[p], " uses ",
-              transport_name(h[p].transport),
-              " (EpConfig::transport, or $MOE_EP_TRANSPORT when it is empty, must resolve to the "
-              "same value on every rank)");
-  for (int p = 1; p < W; ++p)
-    if (h[p].shm_node_ranks != h[0].shm_node_ranks)
-      invalid(op, ": MOE_EP_SHM_NODE_RANKS differs across ranks: rank ", peers[0], " has ",
-              h[0].shm_node_ranks, ", rank ", peers[p], " has ", h[p].shm_node_ranks,
-              " (0: unset; every rank must see the same value)");
-  const char* xname = dispatch ? "x" : "expand_x";
-  for (int p = 1; p < W; ++p) {
-    if (h[p].H != h[0].H)
-      invalid(op, ": H (", xname, ".shape[1]) differs across ranks: rank ", peers[0], " has ",
-              h[0].H, ", rank ", peers[p], " has ", h[p].H,
-              " (every rank must pass the same value)");
-    if (h[p].dtype != h[0].dtype)
-      invalid(op, ": ", xname, " dtype differs across ranks: rank ", peers[0], " has ",
-              dtype_name(static_cast<DType>(h[0].dtype)), ", rank ", peers[p], " has ",
-              dtype_name(static_cast<DType>(h[p].dtype)), " (every rank must pass the same dtype)");
-  }
-  return h;
+  return env_timeout_s(op).value_or(300.0);
 }
 
 }  // namespace moe_ep::detail
+
+namespace moe_ep {
+
+namespace {
+
+// Tells the automatic thread count (moe_ep/threads.h) how many ranks share this machine and on
+// how many CPUs: the ranks of `comm` on it and the union of their affinity masks (collective over
+// comm), or, when larger, the launcher's count of all of the job's ranks on it (OpenMPI's
+// $OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's $MPI_LOCALNRANKS): they all compete for those CPUs, also
+// when `comm` is a subgroup.
+void note_this_machine(MPI_Comm comm) {
+  MPI_Comm node = MPI_COMM_NULL;
+  detail::check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+                    "Communicator", "MPI_Comm_split_type");
+  int ranks = 1;
+  MPI_Comm_size(node, &ranks);
+  cpu_set_t mine, all;
+  CPU_ZERO(&mine);
+  CPU_ZERO(&all);
+  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) CPU_ZERO(&mine);  // unknown: adds nothing
+  const int rc =
+      MPI_Allreduce(&mine, &all, static_cast<int>(sizeof(cpu_set_t)), MPI_BYTE, MPI_BOR, node);
+  MPI_Comm_free(&node);
+  detail::check_mpi(rc, "Communicator", "MPI_Allreduce");
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(v, &end, 10);
+    if (errno == 0 && *end == '\0' && n > ranks && n < (1L << 20)) ranks = static_cast<int>(n);
+  }
+  detail::note_node(ranks, CPU_COUNT(&all));
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
+  const double timeout = detail::resolve_timeout(options, "Communicator");
+  if (options.shm_window_bytes < 0)
+    detail::invalid("Communicator: shm_window_bytes = ", options.shm_window_bytes,
+                    " must be >= 0 (0: sized by the first op)");
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized)
+    detail::invalid("Communicator: MPI is not initialised (call MPI_Init first)");
+  if (comm == MPI_COMM_NULL) detail::invalid("Communicator: comm is MPI_COMM_NULL");
+  MPI_Comm dup = MPI_COMM_NULL;
+  detail::check_mpi(MPI_Comm_dup(comm, &dup), "Communicator", "MPI_Comm_dup");
+  // Errors come back as codes that moe-ep turns into Error(kSystem), not as aborts.
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  int rank = 0, size = 0;
+  MPI_Comm_rank(dup, &rank);
+  MPI_Comm_size(dup, &size);
+  std::shared_ptr<Communicator> made(
+      new Communicator(dup, rank, size, timeout, options.shm_window_bytes));
+  note_this_machine(dup);
+  return made;
+}
+
+Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s,
+                           int64_t shm_window_bytes)
+    : comm_(dup),
+      rank_(rank),
+      size_(size),
+      timeout_s_(timeout_s),
+      shm_window_bytes_(shm_window_bytes) {}
+
+Communicator::~Communicator() {
+  shm_.reset();  // before the communicator it was split from
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+}  // namespace moe_ep

@@ -1,5 +1,5 @@
-// Internal: expert placement, argument validation and the count/offset layouts of dispatch_v2 and
-// combine_v2 (SPEC §1.2-§1.4). Pure computation: no MPI here.
+// Internal: expert placement and the count/offset layouts of dispatch_v2 and combine_v2 (SPEC
+// §1.2-§1.4): who sends which rows where. Pure computation: no MPI here.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +40,12 @@ Placement make_placement(int64_t W, int64_t S, int64_t shared_expert_num, int64_
 // expert_ids[i,k] != -1 and x_active_mask allows it (1-D: mask[i]; 2-D: mask[i,k]); a token is
 // active when at least one of its entries is. Only active tokens go to the shared experts and
 // get a non-zero combine output.
+// Element (i) of a 1-D or (i, j) of a 2-D bool view, any strides.
+inline bool bool_at(const TensorView& t, int64_t i, int64_t j) {
+  const int64_t off = i * t.strides[0] + (t.ndim > 1 ? j * t.strides[1] : 0);
+  return static_cast<const uint8_t*>(t.data)[off] != 0;
+}
+
 struct Activity {
   const TensorView* ids = nullptr;
   const TensorView* mask = nullptr;  // null: no mask
@@ -62,37 +68,6 @@ struct EpShape {
   DType dtype = DType::kBF16;
   Placement pl;
 };
-
-// Checks the EpConfig fields against the SPEC (see dispatch.h): kUnsupported for values the SPEC
-// allows but this build does not implement, kInvalidArgument otherwise. `comm_rank` /
-// `comm_size` are group_ep's. W, S and E are checked for the world the op runs on (after a
-// scale-in: the new values, see check_placement).
-void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int comm_size);
-// W >= 1, S in [0, W), Ns in [0, 4] with a valid (Ns, S) combination, E >= 1, E % (W - S) == 0.
-// `what` names where the values come from ("" or " (elastic_info)").
-void check_placement(const char* op, int64_t W, int64_t S, int64_t Ns, int64_t E, const char* what);
-
-// expert_ids: int32 (BS, K), 1 <= K <= E + special, each id in [0, E + special) or -1, the ids
-// >= 0 of a row distinct.
-//   "dispatch_v2: expert_ids[3,1] = 300 is outside [0, 64) (or -1 for an inactive entry)"
-//   "dispatch_v2: expert_ids[2,*] repeats expert 5 (slots 0 and 3)"
-void check_expert_ids(const char* op, const TensorView& expert_ids, int64_t BS, int64_t E,
-                      int64_t special);
-
-// x_active_mask: bool (BS,) with all Trues before all Falses, or bool (BS, K); any strides.
-void check_active_mask(const char* op, const TensorView& mask, int64_t BS, int64_t K);
-// True when every element of the mask is True.
-bool mask_all_true(const TensorView& mask);
-
-// expert_scales: fp32 (BS, K), any non-negative strides.
-void check_expert_scales(const char* op, const TensorView& expert_scales, int64_t BS, int64_t K);
-
-// Fills shape.G and shape.A from the other fields and global_bs (A = G * min(L, K) on a MoE rank,
-// (G / W) * ceil(W / (S / Ns)) on a shared-expert rank) (local checks only: global_bs a
-// multiple of W; global_bs >= W * max BS needs every rank's BS and is checked after the header
-// exchange); kUnsupported when A or BS*K do not fit int32 (ep_recv_counts is
-// int32) or one row exceeds INT_MAX bytes (an MPI count).
-void compute_capacity(const char* op, int64_t global_bs, EpShape& shape);
 
 // What rank `rank` sends in dispatch_v2 (and receives back in combine_v2): every active entry
 // (i, k) whose id is a MoE expert, and one copy (i, K + s) of every active token for each hosted

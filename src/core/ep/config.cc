@@ -1,43 +1,15 @@
-#include "core/ep_layout.h"
+#include "core/ep/config.h"
 
 #include <algorithm>
 #include <climits>
+#include <string>
 
 #include "base/check.h"
+#include "base/env.h"
 #include "core/validate.h"
+#include "transport/mpi/context.h"
 
 namespace moe_ep::detail {
-
-Placement make_placement(int64_t W, int64_t S, int64_t shared_expert_num, int64_t E,
-                         int64_t special) {
-  Placement p;
-  p.W = W;
-  p.S = S;
-  p.Ns = S > 0 ? shared_expert_num : 0;
-  p.E = E;
-  p.L = E / (W - S);
-  p.special = special;
-  return p;
-}
-
-namespace {
-bool bool_at(const TensorView& t, int64_t i, int64_t j) {
-  const int64_t off = i * t.strides[0] + (t.ndim > 1 ? j * t.strides[1] : 0);
-  return static_cast<const uint8_t*>(t.data)[off] != 0;
-}
-}  // namespace
-
-bool Activity::entry(int64_t i, int64_t k) const {
-  if (index_at(*ids, i, k) == -1) return false;
-  if (mask == nullptr) return true;
-  return mask->ndim == 1 ? bool_at(*mask, i, 0) : bool_at(*mask, i, k);
-}
-
-bool Activity::token(int64_t i) const {
-  for (int64_t k = 0; k < ids->shape[1]; ++k)
-    if (entry(i, k)) return true;
-  return false;
-}
 
 void check_placement(const char* op, int64_t W, int64_t S, int64_t Ns, int64_t E,
                      const char* what) {
@@ -215,100 +187,134 @@ void compute_capacity(const char* op, int64_t global_bs, EpShape& sh) {
                 row_bytes, " bytes, more than an MPI count (INT_MAX)");
 }
 
-SendPlan plan_sends(const Activity& act, const Placement& pl, int64_t rank) {
-  const TensorView& ids = *act.ids;
-  const int64_t BS = ids.shape[0], K = ids.shape[1], KS = K + pl.Ns, nb = pl.blocks();
-  SendPlan p;
-  p.KS = KS;
-  p.counts.assign(nb, 0);
-  // Counting sort by block (destination rank, local expert), stable in the flat index. `visit`
-  // calls f(flat, block) for every entry sent, in increasing flat order.
-  auto visit = [&](auto&& f) {
-    for (int64_t i = 0; i < BS; ++i) {
-      bool any = false;
-      for (int64_t k = 0; k < K; ++k) {
-        if (!act.entry(i, k)) continue;
-        any = true;
-        const int64_t e = index_at(ids, i, k);
-        if (e < pl.E) f(i * KS + k, pl.S + e);  // special experts (e >= E) stay here
-      }
-      if (!any) continue;
-      for (int64_t s = 0; s < pl.Ns; ++s) f(i * KS + K + s, pl.shared_dest(rank, s));
-    }
-  };
-  visit([&](int64_t, int64_t b) { ++p.counts[b]; });
-  std::vector<int64_t> start(nb + 1, 0);
-  for (int64_t b = 0; b < nb; ++b) start[b + 1] = start[b] + p.counts[b];
-  p.order.resize(start[nb]);
-  std::vector<int64_t> next(start.begin(), start.end() - 1);
-  visit([&](int64_t flat, int64_t b) { p.order[next[b]++] = flat; });
-  p.rank_offset.resize(pl.W + 1);
-  for (int64_t d = 0; d < pl.W; ++d) p.rank_offset[d] = start[pl.block_base(d)];
-  p.rank_offset[pl.W] = start[nb];
-  // Self-check: within a block the flat indices increase.
-  for (int64_t b = 0; b < nb; ++b) {
-    MOE_EP_DCHECK(next[b] == start[b + 1]);
-    for (int64_t j = start[b] + 1; j < start[b + 1]; ++j)
-      MOE_EP_DCHECK(p.order[j - 1] < p.order[j]);
-  }
-  return p;
+const Communicator& require_comm(const char* op, const EpConfig& cfg) {
+  if (cfg.group_ep == nullptr) invalid(op, ": group_ep is null");
+  return *cfg.group_ep;
 }
 
-namespace {
-RecvPlan finish_recv_plan(std::vector<int32_t> rows_ls, int64_t W, int64_t L) {
-  RecvPlan p;
-  p.block_rows = std::move(rows_ls);
-  p.inclusive.resize(W * L);
-  p.block_offset.resize(W * L);
-  p.source_rows.assign(W, 0);
-  int64_t run = 0;
-  for (int64_t b = 0; b < W * L; ++b) {
-    p.block_offset[b] = run;
-    run += p.block_rows[b];
-    p.inclusive[b] = static_cast<int32_t>(run);
-    p.source_rows[b % W] += p.block_rows[b];
-  }
-  p.valid = run;
-  MOE_EP_DCHECK(std::is_sorted(p.inclusive.begin(), p.inclusive.end()));
-  return p;
-}
-}  // namespace
-
-RecvPlan plan_recvs_from_counts(const std::vector<int32_t>& from_source, int64_t W, int64_t L) {
-  std::vector<int32_t> rows(W * L);
-  int64_t total = 0;
-  for (int64_t s = 0; s < W; ++s)
-    for (int64_t l = 0; l < L; ++l) {
-      const int32_t c = from_source[s * L + l];
-      MOE_EP_CHECK(c >= 0);
-      rows[l * W + s] = c;
-      total += c;
-    }
-  MOE_EP_CHECK(total <= INT32_MAX);
-  return finish_recv_plan(std::move(rows), W, L);
+void reject_given(const char* op, std::initializer_list<std::pair<const char*, bool>> given) {
+  for (const auto& [name, is_given] : given)
+    if (is_given) unsupported(op, ": ", name, " is not supported by this build");
 }
 
-RecvPlan plan_recvs_from_inclusive(const char* op, const TensorView& c, int64_t W, int64_t L,
-                                   int64_t capacity) {
-  expect_tensor(op, "ep_send_counts", c, {DType::kI32}, 1);
-  if (c.shape[0] != W * L)
-    invalid(op, ": ep_send_counts.shape[0] = ", c.shape[0], " must equal ep_world_size * L = ", W,
-            " * ", L, " = ", W * L, " (dispatch_v2's ep_recv_counts)");
-  std::vector<int32_t> rows(W * L);
-  int64_t prev = 0;
-  for (int64_t b = 0; b < W * L; ++b) {
-    const int64_t v = index_at(c, b);
-    if (v < prev)
-      invalid(op, ": ep_send_counts[", b, "] = ", v, " is less than ",
-              b == 0 ? "0" : cat("ep_send_counts[", b - 1, "] = ", prev),
-              " (an inclusive running sum is non-decreasing)");
-    rows[b] = static_cast<int32_t>(v - prev);
-    prev = v;
+World whole_world(const Communicator& comm) {
+  World w;
+  w.W = comm.size();
+  w.rank = comm.rank();
+  for (int p = 0; p < comm.size(); ++p) w.peers.push_back(p);
+  return w;
+}
+
+World resolve_world(const char* op, const EpConfig& cfg, const std::optional<TensorView>& elastic) {
+  World w;
+  w.W = cfg.ep_world_size;
+  w.S = cfg.shared_expert_rank_num;
+  w.E = cfg.moe_expert_num;
+  w.rank = cfg.ep_rank_id;
+  w.peers.resize(w.W);
+  for (int64_t p = 0; p < w.W; ++p) w.peers[p] = static_cast<int>(p);
+  if (!elastic) return w;
+  const TensorView& t = *elastic;
+  const int64_t W = cfg.ep_world_size;
+  expect_tensor(op, "elastic_info", t, {DType::kI32}, 1);
+  expect_size(op, "elastic_info", t, 0, 4 + 2 * W, "4 + 2 * ep_world_size");
+  auto at = [&](int64_t i) { return index_at(t, i); };
+  const int64_t flag = at(0);
+  if (flag != 0 && flag != 1)
+    invalid(op, ": elastic_info[0] = ", flag, " (is_scaled_down) is not one of {0, 1}");
+  if (flag == 0) return w;
+  const int64_t nW = at(1), nS = at(2), nE = at(3);
+  if (nW < 1 || nW > W)
+    invalid(op, ": elastic_info[1] = ", nW, " (new ep_world_size) is outside [1, ", W, "]");
+  check_placement(op, nW, nS, cfg.shared_expert_num, nE, " (elastic_info)");
+  std::vector<int> seen(nW, -1);
+  int64_t kept = 0;
+  for (int64_t o = 0; o < W; ++o) {
+    const int64_t n = at(4 + o);
+    if (n == -1) continue;
+    if (n < 0 || n >= nW)
+      invalid(op, ": elastic_info[", 4 + o, "] = ", n, " (new rank of old rank ", o,
+              ") is outside [0, ", nW, ") (new ep_world_size; -1 = removed)");
+    if (seen[n] >= 0)
+      invalid(op, ": elastic_info[", 4 + o, "] = ", n, " repeats the new rank of old rank ",
+              seen[n], " (elastic_info[", 4 + seen[n], "])");
+    seen[n] = static_cast<int>(o);
+    ++kept;
   }
-  if (prev > capacity)
-    invalid(op, ": expand_x.shape[0] = ", capacity, " is less than the valid rows ",
-            "ep_send_counts[", W * L - 1, "] = ", prev);
-  return finish_recv_plan(std::move(rows), W, L);
+  if (kept != nW)
+    invalid(op, ": elastic_info[4..", 4 + W, ") keeps ", kept,
+            " ranks but elastic_info[1] (new ep_world_size) = ", nW);
+  for (int64_t n = 0; n < W; ++n) {
+    const int64_t o = at(4 + W + n), want = n < nW ? seen[n] : -1;
+    if (o != want)
+      invalid(op, ": elastic_info[", 4 + W + n, "] = ", o, " (old rank of new rank ", n,
+              ") must be ", want, " (the inverse of elastic_info[4..", 4 + W,
+              "); -1 pads beyond the new ep_world_size)");
+  }
+  uint64_t hash = 1469598103934665603ull;
+  for (int64_t i = 0; i < 4 + 2 * W; ++i)
+    hash = (hash ^ static_cast<uint64_t>(at(i) + 2)) * 1099511628211ull;
+  w.hash = static_cast<int64_t>(hash >> 1) | 1;
+  w.W = nW;
+  w.S = nS;
+  w.E = nE;
+  w.peers.assign(seen.begin(), seen.end());
+  w.rank = at(4 + cfg.ep_rank_id);
+  w.removed = w.rank < 0;
+  return w;
+}
+
+// performance_info: int64 (W,), W = ep_world_size (group_ep's ranks), any stride.
+int64_t* perf_ptr(const char* op, const std::optional<TensorView>& perf, const EpConfig& cfg) {
+  if (!perf) return nullptr;
+  expect_tensor(op, "performance_info", *perf, {DType::kI64}, 1);
+  expect_size(op, "performance_info", *perf, 0, cfg.ep_world_size, "ep_world_size");
+  if (perf->shape[0] > 1 && perf->strides[0] != 1)
+    unsupported(op, ": performance_info.stride(0) = ", perf->strides[0], " is not 1");
+  return perf->ptr<int64_t>();
+}
+
+// The sizes every op derives from the world and its token tensor.
+EpShape local_shape(const EpConfig& cfg, const World& w, int64_t BS, int64_t H, DType dtype) {
+  EpShape sh;
+  sh.pl = make_placement(w.W, w.S, cfg.shared_expert_num, w.E,
+                         cfg.zero_expert_num + cfg.copy_expert_num + cfg.const_expert_num);
+  sh.W = w.W;
+  sh.rank = w.rank;
+  sh.E = w.E;
+  sh.L = sh.pl.local_experts(sh.rank);
+  sh.BS = BS;
+  sh.H = H;
+  sh.dtype = dtype;
+  return sh;
+}
+
+int to_int(int64_t v) {
+  MOE_EP_CHECK(v >= 0 && v <= INT_MAX);
+  return static_cast<int>(v);
+}
+
+// EpConfig::transport, or $MOE_EP_TRANSPORT when it is empty (default "shm").
+int64_t resolve_transport(const char* op, const EpConfig& cfg) {
+  std::string v = cfg.transport;
+  if (v.empty()) v = env_transport(op).value_or("shm");
+  if (v == "mpi") return kTransportMpi;
+  if (v == "shm") return kTransportShm;
+  invalid(op, ": transport = \"", v, "\" is not one of \"\", \"mpi\", \"shm\"");
 }
 
 }  // namespace moe_ep::detail
+
+namespace moe_ep {
+
+double check_environment(const CommOptions& comm_options, const std::string& transport) {
+  const char* op = "check_environment";
+  const double timeout = detail::resolve_timeout(comm_options, op);
+  EpConfig cfg;
+  cfg.transport = transport;
+  detail::resolve_transport(op, cfg);
+  detail::check_env(op, true, !transport.empty());
+  return timeout;
+}
+
+}  // namespace moe_ep

@@ -1,5 +1,6 @@
-// Internal: point-to-point exchanges with a deadline, and the header agreement that makes the
-// collective ops safe (a bad argument on one rank never hangs the others).
+// Internal: the MPI transport's context: point-to-point exchanges with a deadline (every phase of
+// every op is one Exchange), row datatypes, MPI error codes as Errors, and the deadline of the
+// Communicator.
 //
 // Every wait polls non-blocking requests (MPI_Testsome) with a backoff (sched_yield, then short
 // sleeps: oversubscribed ranks must not starve their peers) against Communicator::timeout_s();
@@ -22,22 +23,18 @@
 
 namespace moe_ep::detail {
 
-// Message tags of the ops (one per phase; MPI's non-overtaking order keeps consecutive ops apart).
-enum Tag : int {
-  kTagHeader = 0x4d01,
-  kTagCounts = 0x4d02,
-  kTagMeta = 0x4d03,
-  kTagRows = 0x4d04,
-  kTagCombineRows = 0x4d05,
-  kTagCombineMeta = 0x4d06,
-  kTagShmOffsets = 0x4d07,     // shared-memory transport: where a sender's rows go (dispatch_v2)
-  kTagCombineLayout = 0x4d08,  // combine_v2: an owner's rows per block, and where in its window
-  kTagShmDone = 0x4d09,        // a reader is done with an owner's rows (combine_v2)
-  kTagShmReady = 0x4d0a,       // every rank passed the header before a collective shm call
-};
+class ShmContext;
+class MessageLink;
 
-// EpConfig::transport as carried in the header (0: not resolved, the op failed before).
-enum TransportCode : int64_t { kTransportMpi = 1, kTransportShm = 2 };
+// The private members of Communicator that the transports keep there.
+struct CommInternals {
+  static std::shared_ptr<ShmContext>& shm(const Communicator& comm) { return comm.shm_; }
+  static std::shared_ptr<std::vector<std::unique_ptr<MessageLink>>>& links(
+      const Communicator& comm) {
+    return comm.links_;
+  }
+  static uint64_t& plans(const Communicator& comm) { return comm.plans_; }
+};
 
 // Throws Error(kSystem) "<op>: <what> failed: <MPI_Error_string>" unless rc == MPI_SUCCESS.
 void check_mpi(int rc, const char* op, const char* what);
@@ -111,41 +108,8 @@ class Exchange {
   std::pmr::vector<std::shared_ptr<const void>> keep_{&pool_};
 };
 
-// The fixed-size header every rank sends every other rank before an op moves data.
-struct OpHeader {
-  int32_t magic = 0x4d4f4550;  // "MOEP"
-  int32_t op = 0;              // 1 = dispatch_v2, 2 = combine_v2
-  int32_t ok = 1;              // 0: local validation failed, see kind and message
-  int32_t kind = 0;            // ErrorKind of the local failure
-  int64_t ep_world_size = 0, moe_expert_num = 0, tp_world_size = 0, shared_expert_num = 0,
-          shared_expert_rank_num = 0, expert_shard_type = 0, global_bs = 0, zero_expert_num = 0,
-          copy_expert_num = 0, const_expert_num = 0, comm_alg = 0;
-  int64_t BS = 0, H = 0, K = 0, dtype = 0;
-  int64_t elastic = 0;     // hash of elastic_info (0: none or not scaled down)
-  int32_t all_active = 1;  // 0: x_active_mask given and not all True
-  int32_t quant_mode = 0;  // dispatch_v2: quant_mode; combine_v2: comm_quant_mode (the op checks)
-  int64_t transport = 0;   // TransportCode, must be equal on all ranks
-  int32_t shm_grow = 0;    // shm: this rank's window segment is too small (or there is none yet)
-  int32_t shm_rows = 0;    // combine_v2, shm: this rank's rows can be read from its window
-  int32_t shm_node_ranks = 0;  // $MOE_EP_SHM_NODE_RANKS (0: unset), must be equal on all ranks
-  char message[400] = {};      // the local error, truncated
-};
-
-// Exchanges `mine` with the ranks `peers` of `comm` (the op's world, in its rank order: all of
-// comm's ranks, or the survivors of a scale-in; `comm.rank()` must be one of them) in phase
-// "header" and returns their headers in that order. Then, in this order:
-//   - `local` is set (this rank failed validation): rethrows it;
-//   - another rank failed: throws Error(kRemote) "<op>: rank <r> failed: <its message>" (lowest r);
-//   - the ranks disagree on an argument that must be equal (op, ep_world_size, moe_expert_num,
-//     global_bs, H, K, dtype, transport, $MOE_EP_SHM_NODE_RANKS, ...): throws
-//     Error(kInvalidArgument) on every rank naming the argument, two ranks and their values.
-// `perf` (optional, indexed by communicator rank): the wait for each peer's header is added to it.
-std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
-                                       const char* op, const OpHeader& mine, const Error* local,
-                                       int64_t* perf = nullptr);
-
-// check_environment (comm.h): $MOE_EP_TIMEOUT_S (communicator.cc) and $MOE_EP_TRANSPORT,
-// $MOE_EP_STREAM_MIN_BYTES (dispatch_combine.cc), each read as its user reads it.
-void check_transport_environment(const char* op, const std::string& transport);
+// The deadline from_mpi uses: options.timeout_s (finite, > 0), else $MOE_EP_TIMEOUT_S, else
+// 300 s. Error(kInvalidArgument) "<op>: ..." for a bad value.
+double resolve_timeout(const CommOptions& options, const char* op);
 
 }  // namespace moe_ep::detail

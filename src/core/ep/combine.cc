@@ -1,0 +1,696 @@
+// combine_v2 (SPEC §2), the way back of dispatch_v2, as named steps, on every rank:
+//   1. validate:  this rank's arguments; its blocks (what it holds for each source) and its send
+//                 plan (what comes back to it), from the DispatchHandle, or else from
+//                 ep_send_counts and expert_ids; outputs allocated;
+//   2. provide:   as the owner of expert outputs: with comm_quant_mode 2 the rows quantised, and
+//                 with shared memory the rows published where the peers of this machine read
+//                 them (expand_x itself when it lies in this rank's window, else a staging copy);
+//                 the TP reduce-scatter first (tp.h);
+//   3. agree:     the header agreement, which also tells the peers of this machine where each
+//                 rank's rows lie;
+//   4. layout:    without a handle only (phase "layout back"): each owner tells each source how
+//                 many rows it holds for it per block and where they start, so no receive is ever
+//                 shorter than its message and a disagreement with expert_ids is an error;
+//   5. rows:      the owners send each source one message per block (and, without a handle,
+//                 each row's (token, slot, expert) to check it); sources on the owner's machine
+//                 read the rows where they lie instead;
+//   6. sum:       SPEC §2.3's weighted sum (combine_sum.h), then phase "shm done".
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "base/check.h"
+#include "base/env.h"
+#include "base/numeric.h"
+#include "core/ep/combine_sum.h"
+#include "core/ep/config.h"
+#include "core/ep/handle.h"
+#include "core/ep/header.h"
+#include "core/ep/plan.h"
+#include "core/ep/slot.h"
+#include "core/ep/tp.h"
+#include "core/ep/windows.h"
+#include "core/validate.h"
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/scatter.h"
+#include "moe_ep/dispatch.h"
+#include "transport/mpi/link.h"
+#include "transport/shm/context.h"
+#include "transport/tags.h"
+
+namespace moe_ep::detail {
+
+namespace {
+
+// What combine_v2 sends back with each row when there is no handle, so the source can check that
+// the row is the one its expert_ids expect at that position (a caller who reorders or edits
+// expert_ids between dispatch and combine gets an error, not a wrong sum).
+struct BackMeta {
+  int32_t token;
+  int32_t slot;
+  int32_t expert;
+};
+
+// One combine_v2 call: its arguments and what each step leaves for the next.
+struct Combine {
+  static constexpr const char* op = "combine_v2";
+  const CombineInputs& in;
+  const EpConfig& cfg;
+  const Communicator& comm;
+  const EpPlan* plan = nullptr;  // in.handle's
+  // 1. validate
+  OpHeader hdr;
+  std::optional<Error> local;
+  EpShape sh;
+  World world;
+  int64_t* perf = nullptr;
+  bool cq = false;  // comm_quant_mode 2
+  const TensorView* mask = nullptr;
+  SendPlan own_back;                 // without a handle: what this rank sent in dispatch
+  RecvPlan own_blocks;               // without a handle: what it holds now, from ep_send_counts
+  const SendPlan* back = nullptr;    // what comes back to this rank, in its send order
+  const RecvPlan* blocks = nullptr;  // what this rank holds for each source (own part with TP)
+  int64_t tp_peer_rows = 0;          // T == 2: rows of the TP peer in expand_x, after its own
+  Tensor out;
+  // 2. provide: the rows this rank sends back, in expand_x's row order, and where peers on this
+  // machine read them: expand_x in place (in_gen, in_off), or a staging slot.
+  std::shared_ptr<Tensor> rs_out;  // T == 2: the reduce-scattered rows (SPEC §2)
+  bool shm_want = false, in_place = false, stage_defer = false;
+  int in_gen = -1;
+  int64_t in_off = 0, stage_bytes = 0;
+  std::optional<ShmSlot> stage;
+  std::shared_ptr<Tensor> qback;  // comm_quant_mode 2 without a stage: the int8 rows
+  std::shared_ptr<std::vector<float>> qback_scale;
+  int8_t* qrows = nullptr;              // comm_quant_mode 2: the int8 rows (stage or qback)
+  float* qscales = nullptr;             // and their scales
+  int64_t row_bytes = 0, wire_row = 0;  // a row in expand_x's dtype; on the way back
+  // 3. agree
+  std::vector<OpHeader> headers;
+  ShmContext* shm = nullptr;
+  int W = 0, L = 0, me = 0;
+  std::vector<Where> where;        // per world rank: where its rows lie (this machine only)
+  std::vector<char> provide;       // per source: it reads this rank's rows in place
+  std::vector<char> read;          // per owner: this rank reads its rows in place
+  bool finished = false;           // phase "shm done" ran
+  std::shared_ptr<Tensor> y_keep;  // the rows received through MPI, read by the sum
+  // 4. layout: per owner, the first row (in its expand_x) and rows of each block it holds for
+  // this rank; agrees: they are what expert_ids route to it.
+  std::vector<std::vector<int64_t>> first_row, rows_of;
+  std::vector<int64_t> announced;
+  std::vector<char> agrees;
+  std::optional<Error> mismatch;
+  // 5. rows: yrow[i*KS + k]: the row holding y_ik; yscale its int8 scale.
+  std::vector<const char*> yrow;
+  std::vector<float> yscale;
+
+  Combine(const CombineInputs& i, const EpConfig& c, const Communicator& m)
+      : in(i), cfg(c), comm(m), world(whole_world(m)) {}
+  const std::vector<int>& peers() const { return world.peers; }
+  // The rows this rank serves: the TP sums, or expand_x.
+  const TensorView& rows_src() const { return rs_out ? rs_out->view() : in.expand_x; }
+  int64_t src_stride() const { return rows_src().strides[0] * int64_t(dtype_size(sh.dtype)); }
+};
+
+// A (rows, H) tensor of expand_x's dtype: ori_x, const_expert_alpha_1/2, const_expert_v.
+void check_rows_like(const char* op, const char* name, const TensorView& t, int64_t rows,
+                     const char* rows_what, const EpShape& sh) {
+  expect_rows(op, name, t);
+  expect_dtype(op, name, t, {sh.dtype});
+  expect_size(op, name, t, 0, rows, rows_what);
+  expect_size(op, name, t, 1, sh.H, "H, expand_x.shape[1]");
+}
+
+void check_shared_expert_x(const char* op, const TensorView& t, const EpShape& sh) {
+  expect_dtype(op, "shared_expert_x", t, {sh.dtype});
+  if (t.ndim != 2 && t.ndim != 3)
+    invalid(op, ": shared_expert_x.ndim = ", t.ndim, " must be 2 (BS, H) or 3 (a, b, H)");
+  expect_memory(op, "shared_expert_x", t);
+  const int last = t.ndim - 1;
+  expect_size(op, "shared_expert_x", t, last, sh.H, "H, expand_x.shape[1]");
+  const int64_t rows = t.ndim == 2 ? t.shape[0] : t.shape[0] * t.shape[1];
+  if (rows != sh.BS)
+    invalid(op, ": shared_expert_x has ", rows, " rows (",
+            t.ndim == 2 ? "shape[0]" : "shape[0] * shape[1]", ") but BS = ", sh.BS,
+            " (expert_ids.shape[0])");
+  if (sh.H > 1 && t.strides[last] != 1)
+    unsupported(op, ": shared_expert_x.stride(", last, ") = ", t.strides[last],
+                " is not 1 (rows may be strided, each row must be contiguous)");
+}
+
+// Step 1a: the tensors of the weighted sum (SPEC §2.1, §2.2).
+void check_sum_inputs(Combine& c) {
+  const CombineInputs& in = c.in;
+  const char* op = c.op;
+  const int64_t C = c.cfg.copy_expert_num, Q = c.cfg.const_expert_num;
+  check_expert_scales(op, in.expert_scales, c.sh.BS, c.sh.K);
+  if (in.shared_expert_x) check_shared_expert_x(op, *in.shared_expert_x, c.sh);
+  if ((C > 0 || Q > 0) && !in.ori_x)
+    invalid(op, ": ori_x is required when ",
+            C > 0 ? "copy_expert_num = " : "const_expert_num = ", C > 0 ? C : Q, " > 0");
+  if (in.ori_x) check_rows_like(op, "ori_x", *in.ori_x, c.sh.BS, "BS, expert_ids.shape[0]", c.sh);
+  const std::pair<const char*, const std::optional<TensorView>*> consts[] = {
+      {"const_expert_alpha_1", &in.const_expert_alpha_1},
+      {"const_expert_alpha_2", &in.const_expert_alpha_2},
+      {"const_expert_v", &in.const_expert_v}};
+  for (const auto& [name, t] : consts) {
+    if (Q > 0 && !t->has_value())
+      invalid(op, ": ", name, " is required when const_expert_num = ", Q, " > 0");
+    if (t->has_value()) check_rows_like(op, name, **t, Q, "const_expert_num", c.sh);
+  }
+}
+
+// Step 1b without a handle: this rank's blocks from ep_send_counts (and tp_send_counts), checked
+// against assist_info_for_combine; what comes back to it from expert_ids.
+void plan_from_tensors(Combine& c) {
+  const char* op = c.op;
+  const EpShape& sh = c.sh;
+  c.own_blocks = combine_blocks(op, c.cfg, c.in, sh, c.tp_peer_rows);
+  c.blocks = &c.own_blocks;
+  if (c.blocks->valid > sh.A)
+    invalid(op, ": ep_send_counts[", sh.W * sh.L - 1, "] = ", c.blocks->valid,
+            " exceeds the receive capacity A = ", sh.A, " of this rank");
+  const TensorView& ai = c.in.assist_info_for_combine;
+  expect_tensor(op, "assist_info_for_combine", ai, {DType::kI32}, 1);
+  const int64_t ai_size = std::max(sh.BS * sh.K, sh.A * 128);
+  if (ai.shape[0] != ai_size)
+    invalid(op, ": assist_info_for_combine.shape[0] = ", ai.shape[0], " must equal ",
+            "max(BS * K, A * 128) = ", ai_size, " (dispatch_v2's output)");
+  // The layout says which source each row goes back to; assist_info must agree.
+  for (int64_t b = 0; b < sh.W * sh.L; ++b)
+    for (int64_t j = c.blocks->block_offset[b];
+         j < c.blocks->block_offset[b] + c.blocks->block_rows[b]; ++j)
+      if (index_at(ai, 3 * j) != b % sh.W)
+        invalid(op, ": assist_info_for_combine[", 3 * j, "] = ", index_at(ai, 3 * j),
+                " (the source rank of row ", j, ") does not match ep_send_counts, which puts row ",
+                j, " in a block of source rank ", b % sh.W);
+  c.own_back = plan_sends(Activity{&c.in.expert_ids, c.mask}, sh.pl, sh.rank);
+  c.back = &c.own_back;
+}
+
+// Step 1b with a handle: the plan dispatch_v2 made.
+void plan_from_handle(Combine& c) {
+  if (!c.in.handle->defined()) invalid(c.op, ": handle is given but not defined (default-made)");
+  c.plan = HandleInternals::plan(*c.in.handle).get();
+  check_plan(c.op, *c.plan, c.cfg, c.in.expert_ids, c.mask, c.hdr.transport, c.world.hash);
+  c.blocks = &c.plan->recv;
+  c.back = &c.plan->send;
+  c.tp_peer_rows = c.plan->tp_peer_rows;
+  const int64_t rows = c.blocks->valid + c.tp_peer_rows;
+  if (c.in.expand_x.shape[0] < rows)
+    invalid(c.op, ": expand_x.shape[0] = ", c.in.expand_x.shape[0],
+            " is less than the valid rows of the handle's dispatch_v2, ", rows);
+  c.hdr.plan = c.plan->id;
+}
+
+// Step 1: the arguments alone, then the plan.
+void check_arguments(Combine& c) {
+  const CombineInputs& in = c.in;
+  const char* op = c.op;
+  if (in.caller_error) throw *in.caller_error;
+  c.cq = in.comm_quant_mode == 2;
+  c.mask = in.x_active_mask ? &*in.x_active_mask : nullptr;
+  c.hdr.transport = resolve_transport(op, c.cfg);
+  c.hdr.shm_node_ranks = env_shm_node_ranks(op);
+  // Checked first: never valid (SPEC §2.1), whatever else this build supports.
+  if (in.comm_quant_mode != 0 && in.comm_quant_mode != 2)
+    invalid(op, ": comm_quant_mode = ", in.comm_quant_mode, " is not one of {0, 2}");
+  if (in.comm_quant_mode == 2 && c.cfg.tp_world_size == 2)
+    invalid(op, ": comm_quant_mode = 2 (int8) is not allowed with tp_world_size = 2");
+  check_ep_config(op, c.cfg, c.comm.rank(), c.comm.size());
+  c.world = resolve_world(op, c.cfg, in.elastic_info);
+  c.hdr.elastic = c.world.hash;
+  reject_tp_scale_in(op, c.comm, c.cfg, c.world);
+  reject_given(op, {{"tp_send_counts", in.tp_send_counts.has_value() && c.cfg.tp_world_size != 2}});
+  c.perf = perf_ptr(op, in.performance_info, c.cfg);
+  expect_rows(op, "expand_x", in.expand_x);
+  expect_ndim(op, "expert_ids", in.expert_ids, 2);
+  EpShape& sh = c.sh;
+  sh = local_shape(c.cfg, c.world, in.expert_ids.shape[0], in.expand_x.shape[1], in.expand_x.dtype);
+  check_expert_ids(op, in.expert_ids, sh.BS, sh.E, sh.pl.special);
+  sh.K = in.expert_ids.shape[1];
+  sh.KS = sh.K + sh.pl.Ns;
+  if (c.mask) {
+    check_active_mask(op, *c.mask, sh.BS, sh.K);
+    c.hdr.all_active = mask_all_true(*c.mask) ? 1 : 0;
+  }
+  check_sum_inputs(c);
+  if (c.world.removed) return;
+  compute_capacity(op, c.cfg.global_bs, sh);
+  if (in.handle)
+    plan_from_handle(c);
+  else
+    plan_from_tensors(c);
+  if (in.expand_scales) expect_tensor(op, "expand_scales", *in.expand_scales, {DType::kF32}, 1);
+}
+
+// Step 1c: what the call holds, allocated before the header exchange (see dispatch.cc). With
+// shared memory: whether peers can read expand_x where it lies, else a staging slot.
+void allocate(Combine& c) {
+  const EpShape& sh = c.sh;
+  const int64_t valid = c.blocks->valid;
+  c.row_bytes = sh.H * static_cast<int64_t>(dtype_size(sh.dtype));
+  c.wire_row = c.cq ? sh.H : c.row_bytes;
+  c.shm_want = shm_applies(c.hdr.transport, c.cfg, c.world);
+  if (c.shm_want) {
+    const auto& ctx = CommInternals::shm(c.comm);
+    const int64_t esz = static_cast<int64_t>(dtype_size(sh.dtype));
+    const int64_t extent =
+        valid == 0 ? 0 : (valid - 1) * c.in.expand_x.strides[0] * esz + sh.H * esz;
+    c.in_place =
+        !c.cq && valid > 0 && ctx && ctx->locate(c.in.expand_x.data, extent, c.in_gen, c.in_off);
+    if (!c.in_place && valid > 0) {
+      c.stage_bytes = stage_need(valid, c.wire_row, c.cq);
+      if (ctx) c.stage = ctx->try_alloc(c.stage_bytes);
+      if (!c.stage && (!ctx || ctx->should_grow(c.stage_bytes)))
+        c.hdr.shm_grow = 1, c.stage_defer = true;  // as dispatch_v2's slot
+    }
+  }
+  if (c.cq && !c.stage && !c.stage_defer) {
+    c.qback = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {valid * sh.H}));
+    c.qback_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(valid));
+  }
+  c.out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
+}
+
+// Step 2: the rows this rank sends back, ready where its readers find them: with comm_quant_mode
+// 2 quantised (SPEC §1.5 rounding, no smoothing) in row order, into the staging slot or qback;
+// without, copied once into the staging slot when expand_x is not in the window. Then where they
+// lie (this rank's Where); the stores are fenced before the header that announces them.
+Where provide_rows(Combine& c) {
+  const int64_t valid = c.blocks->valid;
+  if (c.stage) {
+    char* s = static_cast<char*>(c.stage->ptr);
+    if (c.cq) {
+      c.qrows = reinterpret_cast<int8_t*>(s);
+      c.qscales = reinterpret_cast<float*>(s + stage_scales_offset(valid, c.wire_row));
+    }
+  } else if (c.cq && c.qback) {
+    c.qrows = c.qback->ptr<int8_t>();
+    c.qscales = c.qback_scale->data();
+  }
+  if (c.cq && c.qrows) {
+    QuantizeRowsInt8Args qa;
+    qa.op = c.op;
+    qa.name = "expand_x";
+    qa.rows = valid;
+    qa.n = c.sh.H;
+    qa.dtype = c.sh.dtype;
+    qa.src = c.in.expand_x.data;
+    qa.src_stride = c.in.expand_x.strides[0];
+    qa.q = c.qrows;
+    qa.q_stride = c.sh.H;
+    qa.scales = c.qscales;
+    quantize_rows_int8(qa);
+  } else if (c.stage) {
+    std::vector<RowCopy> copies(static_cast<std::size_t>(valid));
+    for (int64_t j = 0; j < valid; ++j)
+      copies[j] = {row_ptr(c.rows_src(), j), static_cast<char*>(c.stage->ptr) + j * c.row_bytes, j};
+    parallel_copy(copies, c.row_bytes);
+  }
+  Where w;
+  if (c.in_place) {
+    w.gen = c.in_gen, w.rows = c.in_off, w.stride = c.src_stride();
+  } else if (c.stage) {
+    w.gen = c.stage->gen, w.rows = c.stage->offset, w.stride = c.wire_row;
+    w.extra = c.stage->offset + stage_scales_offset(valid, c.wire_row);
+  }
+  if (const auto& ctx = CommInternals::shm(c.comm); ctx && w.gen >= 0) ctx->sync();
+  return w;
+}
+
+// Step 3: the TP reduce-scatter and handshake, the agreement, the windows. Returns false on a
+// rank removed by a scale-in.
+bool agree(Combine& c) {
+  if (c.local && c.world.removed) throw *c.local;
+  if (c.world.removed) return false;
+  if (tp_pair(c.cfg)) {
+    // SPEC §2: rs_out = ReduceScatterV_TP(expand_x), before the EP header agreement so that a
+    // failure within the pair reaches both EP groups.
+    const int64_t own = c.blocks ? c.blocks->valid : 0;  // 0 when validation failed before
+    tp_handshake(c.op, c.cfg, c.hdr, c.local, tp_header(c.cfg, c.sh, own, c.tp_peer_rows));
+    if (!c.local)
+      capture(c.hdr, c.local, [&] {
+        c.rs_out = tp_reduce_scatter(c.op, c.cfg, c.in, c.sh, c.blocks->valid, c.tp_peer_rows);
+      });
+  }
+  Where mine;
+  if (!c.local) capture(c.hdr, c.local, [&] { mine = provide_rows(c); });
+  c.hdr.where = mine;
+  c.headers =
+      agree_on_headers(c.comm, c.world.peers, c.op, c.hdr, c.local ? &*c.local : nullptr, c.perf);
+  check_batch_sizes(c.op, c.headers, c.world.peers, c.cfg.global_bs, "expert_ids.shape[0]");
+  check_quant_modes(c.op, c.headers, c.world.peers, "comm_quant_mode");
+  c.W = to_int(c.sh.W), c.L = to_int(c.sh.L), c.me = to_int(c.sh.rank);
+  c.where.assign(c.W, Where{});
+  c.provide.assign(c.W, 0);
+  c.read.assign(c.W, 0);
+  if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
+  MOE_EP_CHECK(c.shm_want);
+  c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.stage_bytes);
+  if (c.stage_defer) {
+    c.stage = c.shm->try_alloc(c.stage_bytes);
+    MOE_EP_CHECK(c.stage.has_value());
+    mine = provide_rows(c);
+  }
+  c.where = rows_where(c.comm, c.op, *c.shm, c.headers, c.world.peers, c.me, mine);
+  for (int q = 0; q < c.W; ++q) {
+    if (q == c.me || c.shm->node_of(c.peers()[q]) < 0) continue;
+    c.provide[q] = c.where[c.me].gen >= 0;
+    c.read[q] = c.where[q].gen >= 0;
+    if (c.read[q]) c.shm->link(c.peers()[q])->acquire();  // its rows, announced by its header
+  }
+  return true;
+}
+
+// Step 4 without a handle (phase "layout back"): every owner tells every other source how many
+// rows it holds for it per block (local expert l), and where they start in its expand_x. The
+// rows phase sizes its receives by these counts, never by what expert_ids lead this rank to
+// expect: MPI rejects a message longer than its receive, and OpenMPI's single-copy path writes
+// all of it past the end of the buffer first. A source whose counts disagree with expert_ids
+// still takes every row announced (no message is left behind), then raises the error.
+void layout_back(Combine& c) {
+  const int W = c.W, L = c.L, me = c.me;
+  const auto& messages = message_links(c.comm);
+  std::vector<std::shared_ptr<std::vector<int64_t>>> got(W);
+  Exchange ex(c.comm, c.op, "layout back");
+  for (int d = 0; d < W; ++d) {
+    if (d == me) continue;
+    auto mine = std::make_shared<std::vector<int64_t>>(2 * L);
+    for (int l = 0; l < L; ++l) {
+      (*mine)[l] = c.blocks->block_offset[int64_t{l} * W + d];
+      (*mine)[L + l] = c.blocks->block_rows[int64_t{l} * W + d];
+    }
+    const int64_t ld = c.sh.pl.local_experts(d);
+    got[d] = std::make_shared<std::vector<int64_t>>(2 * ld);
+    ex.keep_alive(mine);
+    ex.keep_alive(got[d]);
+    const Link& link = *messages[c.peers()[d]];
+    link.expect(ex, got[d]->data(), to_int(2 * ld), MPI_INT64_T, kTagCombineLayout);
+    link.post(ex, mine->data(), 2 * L, MPI_INT64_T, kTagCombineLayout);
+  }
+  ex.wait();
+  if (c.perf) ex.add_recv_wait_us(c.perf);
+  for (int d = 0; d < W; ++d) {
+    if (d == me) continue;
+    const int64_t ld = c.sh.pl.local_experts(d);
+    c.first_row[d].assign(got[d]->begin(), got[d]->begin() + ld);
+    c.rows_of[d].assign(got[d]->begin() + ld, got[d]->end());
+  }
+}
+
+// Step 4: per owner, the first row and the rows of each block it holds for this rank (from the
+// handle, or phase "layout back"), and whether they are what expert_ids route to it.
+void plan_layout(Combine& c) {
+  const int W = c.W, me = c.me;
+  c.first_row.assign(W, {});
+  c.rows_of.assign(W, {});
+  if (c.plan) {
+    c.first_row = c.plan->block_row;
+    c.first_row.resize(W);
+  } else {
+    layout_back(c);
+  }
+  c.announced.assign(W, 0);
+  c.agrees.assign(W, 1);
+  for (int d = 0; d < W; ++d) {
+    const int64_t ld = c.sh.pl.local_experts(d), base = c.sh.pl.block_base(d);
+    if (c.plan || d == me) {
+      c.rows_of[d].assign(c.back->counts.begin() + base, c.back->counts.begin() + base + ld);
+      if (d == me)
+        for (int64_t l = 0; l < ld; ++l) c.rows_of[d][l] = c.blocks->block_rows[l * W + me];
+    }
+    for (int64_t l = 0; l < ld; ++l) {
+      const int64_t rows = c.rows_of[d][l], want = c.back->counts[base + l];
+      c.announced[d] += rows;
+      if (rows == want) continue;
+      c.agrees[d] = 0;
+      if (!c.mismatch)
+        c.mismatch = Error(
+            ErrorKind::kInvalidArgument,
+            cat(c.op, ": rank ", c.peers()[d], " sent back ", rows, " rows of expert ",
+                c.sh.pl.expert_on(d, l), " but expert_ids on rank ", c.comm.rank(), " route ", want,
+                " entries to it: expert_ids and ep_send_counts must be those of the "
+                "matching dispatch_v2"));
+    }
+  }
+}
+
+// The rows phase's buffers.
+struct RowsBack {
+  explicit RowsBack(const Combine& c)
+      : row(c.wire_row, c.op), meta_type(sizeof(BackMeta), c.op), meta_in(c.W), discard(c.W) {}
+  const MpiType row, meta_type;
+  std::shared_ptr<Tensor> y;  // rows through MPI, in this rank's send order (owner d's at
+                              // back->rank_offset[d]), expand_x's dtype or int8
+  std::shared_ptr<std::vector<float>> y_scale;  // their int8 scales, in the same order
+  std::vector<std::shared_ptr<std::vector<BackMeta>>> meta_in;
+  // Rows of an owner whose counts disagree with expert_ids: taken, then discarded.
+  std::vector<std::shared_ptr<Tensor>> discard;
+};
+
+// (token, slot, expert) of the rows this rank holds for source s, in s's send order.
+std::shared_ptr<std::vector<BackMeta>> back_meta(const Combine& c, int s) {
+  const TensorView& ai = c.in.assist_info_for_combine;
+  auto m = std::make_shared<std::vector<BackMeta>>();
+  m->reserve(static_cast<std::size_t>(c.blocks->source_rows[s]));
+  for (int l = 0; l < c.L; ++l) {
+    const int64_t b = int64_t{l} * c.W + s;
+    for (int64_t j = c.blocks->block_offset[b];
+         j < c.blocks->block_offset[b] + c.blocks->block_rows[b]; ++j)
+      m->push_back(BackMeta{static_cast<int32_t>(index_at(ai, 3 * j + 1)),
+                            static_cast<int32_t>(index_at(ai, 3 * j + 2)),
+                            static_cast<int32_t>(c.sh.pl.expert_on(c.sh.rank, l))});
+  }
+  return m;
+}
+
+// Step 5a, as a source: the receives from every owner that does not share its rows in place:
+// one per block (sized by the owner's own counts), their int8 scales, and without a handle
+// their metadata.
+void post_receives(Combine& c, Exchange& ex, RowsBack& rx) {
+  const auto& messages = message_links(c.comm);
+  bool need_y = false;
+  for (int d = 0; d < c.W; ++d)
+    need_y |= d != c.me && !c.read[d] && c.agrees[d] && c.announced[d] > 0;
+  const int64_t entries = c.sh.BS * c.sh.KS;
+  if (need_y) {
+    rx.y =
+        std::make_shared<Tensor>(Tensor::empty(c.cq ? DType::kI8 : c.sh.dtype, {entries, c.sh.H}));
+    ex.keep_alive(rx.y);
+    if (c.cq) rx.y_scale = std::make_shared<std::vector<float>>(entries);
+    if (c.cq) ex.keep_alive(rx.y_scale);
+  }
+  for (int d = 0; d < c.W; ++d) {
+    if (d == c.me) continue;
+    const Link& from = *messages[c.peers()[d]];
+    const int64_t first = c.back->rank_offset[d];
+    if (!c.read[d] && c.announced[d] > 0) {
+      char* to = nullptr;
+      float* scales = nullptr;
+      if (c.agrees[d]) {
+        to = rx.y->ptr<char>() + first * c.wire_row;
+        if (c.cq) scales = rx.y_scale->data() + first;
+      } else {
+        rx.discard[d] = std::make_shared<Tensor>(
+            Tensor::empty(DType::kI8, {c.announced[d] * (c.wire_row + 4)}));
+        ex.keep_alive(rx.discard[d]);
+        to = rx.discard[d]->ptr<char>();
+        scales = reinterpret_cast<float*>(to + c.announced[d] * c.wire_row);
+      }
+      for (std::size_t l = 0, at = 0; l < c.rows_of[d].size(); ++l) {
+        const int64_t rows = c.rows_of[d][l];
+        if (rows > 0) from.get_block(ex, to + at * c.wire_row, rows, rx.row, kTagCombineRows);
+        at += rows;
+      }
+      if (c.cq) from.expect(ex, scales, to_int(c.announced[d]), MPI_FLOAT, kTagCombineScales);
+    }
+    if (c.plan || c.announced[d] == 0) continue;
+    rx.meta_in[d] = std::make_shared<std::vector<BackMeta>>(c.announced[d]);
+    ex.keep_alive(rx.meta_in[d]);
+    from.get_block(ex, rx.meta_in[d]->data(), c.announced[d], rx.meta_type, kTagCombineMeta);
+  }
+}
+
+// Step 5b, as an owner: to every source that does not read in place, one contiguous message per
+// block (l, s), which OpenMPI moves with its single-copy path: straight from expand_x (or the TP
+// sums) when its rows are contiguous, else from the rows in row order (the staging slot, the
+// int8 rows, or a packed copy). This rank's own rows are not sent: its sum reads them in place.
+void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
+  const auto& messages = message_links(c.comm);
+  const bool direct = !c.cq && c.src_stride() == c.row_bytes;
+  const char* base = c.cq      ? reinterpret_cast<const char*>(c.qrows)
+                     : c.stage ? static_cast<const char*>(c.stage->ptr)
+                               : nullptr;
+  bool any = false;
+  for (int s = 0; s < c.W; ++s) any |= s != c.me && !c.provide[s] && c.blocks->source_rows[s] > 0;
+  if (direct) base = static_cast<const char*>(c.rows_src().data);
+  if (!base && any) {
+    auto packed = std::make_shared<Tensor>(Tensor::empty(c.sh.dtype, {c.blocks->valid, c.sh.H}));
+    std::vector<RowCopy> copies(static_cast<std::size_t>(c.blocks->valid));
+    for (int64_t j = 0; j < c.blocks->valid; ++j)
+      copies[j] = {row_ptr(c.rows_src(), j), packed->ptr<char>() + j * c.row_bytes, j};
+    parallel_copy(copies, c.row_bytes);
+    ex.keep_alive(packed);
+    base = packed->ptr<char>();
+  }
+  const int64_t stride = direct ? c.src_stride() : c.wire_row;
+  if (c.rs_out) ex.keep_alive(c.rs_out);
+  if (c.qback) ex.keep_alive(c.qback);
+  for (int s = 0; s < c.W; ++s) {
+    if (s == c.me) continue;
+    const Link& to = *messages[c.peers()[s]];
+    if (!c.provide[s] && c.blocks->source_rows[s] > 0) {
+      auto scales = std::make_shared<std::vector<float>>();
+      for (int l = 0; l < c.L; ++l) {
+        const int64_t b = int64_t{l} * c.W + s, rows = c.blocks->block_rows[b];
+        if (rows == 0) continue;
+        to.put_block(ex, base + c.blocks->block_offset[b] * stride, rows, rx.row, kTagCombineRows);
+        if (c.cq)
+          scales->insert(scales->end(), c.qscales + c.blocks->block_offset[b],
+                         c.qscales + c.blocks->block_offset[b] + rows);
+      }
+      if (c.cq) {
+        ex.keep_alive(scales);
+        to.post(ex, scales->data(), to_int(c.blocks->source_rows[s]), MPI_FLOAT, kTagCombineScales);
+      }
+    }
+    if (c.plan || c.blocks->source_rows[s] == 0) continue;
+    auto meta = back_meta(c, s);
+    ex.keep_alive(meta);
+    to.put_block(ex, meta->data(), c.blocks->source_rows[s], rx.meta_type, kTagCombineMeta);
+  }
+}
+
+// Step 5c: where each y_ik lies (and its int8 scale): in this rank's own rows, an owner's window,
+// or y; without a handle, each row's metadata checked against expert_ids first: same (token,
+// slot), same expert (a shared expert s is -1 - s).
+void locate_rows(Combine& c, const RowsBack& rx) {
+  const EpShape& sh = c.sh;
+  c.yrow.assign(static_cast<std::size_t>(sh.BS * sh.KS), nullptr);
+  if (c.cq) c.yscale.assign(static_cast<std::size_t>(sh.BS * sh.KS), 0.0f);
+  for (int d = 0; d < c.W; ++d) {
+    const int64_t first = c.back->rank_offset[d];
+    const int64_t n = c.back->rank_offset[d + 1] - first;
+    std::shared_ptr<std::vector<BackMeta>> own;
+    const BackMeta* m = nullptr;
+    if (!c.plan) {
+      if (d == c.me) own = back_meta(c, c.me);
+      m = d == c.me ? own->data() : n > 0 ? rx.meta_in[d]->data() : nullptr;
+    }
+    const Where& w = c.where[d];
+    int64_t l = 0, in_block = 0;  // entry j's block l of owner d and its place in it
+    for (int64_t j = 0; j < n; ++j, ++in_block) {
+      while (in_block == c.rows_of[d][l]) ++l, in_block = 0;
+      const int64_t flat = c.back->order[first + j], i = flat / sh.KS, k = flat % sh.KS;
+      if (m) {
+        const int64_t e = k < sh.K ? index_at(c.in.expert_ids, i, k) : -1 - (k - sh.K);
+        if (m[j].token != i || m[j].slot != k || m[j].expert != e)
+          invalid(c.op, ": expert_ids[", i, ",", k, "] = ", e, ", but rank ", c.peers()[d],
+                  " returned the output of expert ", m[j].expert, " for (token ", m[j].token,
+                  ", slot ", m[j].slot,
+                  ") at that position: expert_ids (and x_active_mask) must be those of the "
+                  "matching dispatch_v2 (same tokens, same order)");
+      }
+      if (d == c.me) {
+        const int64_t row = c.blocks->block_offset[l * c.W + c.me] + in_block;
+        c.yrow[flat] = c.cq ? reinterpret_cast<const char*>(c.qrows) + row * c.wire_row
+                            : row_ptr(c.rows_src(), row);
+        if (c.cq) c.yscale[flat] = c.qscales[row];
+      } else if (c.read[d]) {
+        const int64_t row = c.first_row[d][l] + in_block;
+        const Link& link = *c.shm->link(c.peers()[d]);
+        c.yrow[flat] = link.place(static_cast<int>(w.gen), w.rows + row * w.stride, c.wire_row);
+        if (c.cq)
+          std::memcpy(&c.yscale[flat], link.place(static_cast<int>(w.gen), w.extra + row * 4, 4),
+                      4);
+      } else {
+        c.yrow[flat] = rx.y->ptr<char>() + (first + j) * c.wire_row;
+        if (c.cq) c.yscale[flat] = (*rx.y_scale)[first + j];
+      }
+    }
+  }
+}
+
+// Phase "shm done": tells every owner this rank read from that it is done, and waits until
+// every reader of this rank's rows is done with them (they may be the caller's expand_x, or
+// staging about to be reused). Runs on success and, best effort, on errors after the rows phase.
+void finish_reading(Combine& c) {
+  if (c.finished || !c.shm) return;
+  c.finished = true;
+  Exchange ex(c.comm, c.op, "shm done");
+  auto flag = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(c.W), 0);
+  ex.keep_alive(flag);
+  for (int q = 0; q < c.W; ++q) {
+    if (q == c.me) continue;
+    const Link& link = *c.shm->link(c.peers()[q]);
+    if (c.provide[q]) link.expect(ex, flag->data() + q, 1, MPI_INT32_T, kTagShmDone);
+    if (c.read[q]) link.post(ex, flag->data() + c.me, 1, MPI_INT32_T, kTagShmDone);
+  }
+  ex.wait();
+}
+
+// Step 5: the rows phase.
+void move_rows(Combine& c) {
+  Exchange ex(c.comm, c.op, "rows");
+  RowsBack rx(c);
+  post_receives(c, ex, rx);
+  post_sends(c, ex, rx);
+  try {
+    ex.wait();
+    if (c.perf) ex.add_recv_wait_us(c.perf);
+    if (c.mismatch) throw *c.mismatch;  // every row announced is taken; now the error
+    locate_rows(c, rx);
+  } catch (const Error& e) {
+    // The owners wait for this rank's "done" before they return; after a timeout the
+    // communicator is unusable anyway.
+    if (e.kind() != ErrorKind::kTimeout) try {
+        finish_reading(c);
+      } catch (...) {  // the first error is the one to report
+      }
+    throw;
+  }
+  // y and the owners' rows must outlive the sum: y is kept by the caller of this function.
+  c.y_keep = rx.y;
+}
+
+}  // namespace
+
+}  // namespace moe_ep::detail
+
+namespace moe_ep {
+
+Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
+  using namespace detail;
+  Combine c(in, cfg, require_comm(Combine::op, cfg));
+  c.hdr = base_header(kOpCombine, cfg);
+  c.hdr.BS = in.expert_ids.ndim >= 1 ? in.expert_ids.shape[0] : -1;
+  c.hdr.H = in.expand_x.ndim == 2 ? in.expand_x.shape[1] : -1;
+  c.hdr.K = in.expert_ids.ndim == 2 ? in.expert_ids.shape[1] : -1;
+  c.hdr.dtype = static_cast<int64_t>(in.expand_x.dtype);
+  c.hdr.quant_mode = static_cast<int32_t>(in.comm_quant_mode);
+  capture(c.hdr, c.local, [&] {
+    check_arguments(c);
+    if (!c.world.removed) allocate(c);
+  });
+  if (!agree(c)) return Tensor::zeros(c.sh.dtype, {c.sh.BS, c.sh.H});  // SPEC §1.7: no part
+  plan_layout(c);
+  move_rows(c);
+  CombineSum sum;
+  sum.in = &in;
+  sum.mask = c.mask;
+  sum.sh = &c.sh;
+  sum.zero = cfg.zero_expert_num;
+  sum.copy = cfg.copy_expert_num;
+  sum.consts = cfg.const_expert_num;
+  sum.yrow = c.yrow.data();
+  sum.yscale = c.cq ? c.yscale.data() : nullptr;
+  sum.out = c.out.ptr<char>();
+  combine_sum(sum);
+  finish_reading(c);
+  return c.out;
+}
+
+}  // namespace moe_ep

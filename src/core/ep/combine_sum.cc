@@ -1,0 +1,111 @@
+#include "core/ep/combine_sum.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "base/numeric.h"
+#include "base/parallel.h"
+#include "base/threads.h"
+#include "kernels/cpu/convert.h"
+#include "kernels/cpu/quant.h"
+
+namespace moe_ep::detail {
+
+const char* shared_row(const TensorView& t, int64_t i) {
+  const int64_t es = static_cast<int64_t>(dtype_size(t.dtype));
+  const int64_t off = t.ndim == 2
+                          ? i * t.strides[0]
+                          : (i / t.shape[1]) * t.strides[0] + (i % t.shape[1]) * t.strides[1];
+  return static_cast<const char*>(t.data) + off * es;
+}
+
+void combine_sum(const CombineSum& a) {
+  const float* ysc = a.yscale;
+  const char* const* yp = a.yrow;
+  char* obase = a.out;
+  const EpShape& sh = *a.sh;
+  const CombineInputs& in = *a.in;
+  const int64_t BS = sh.BS, K = sh.K, KS = sh.KS, H = sh.H, E = sh.E, Ns = sh.pl.Ns;
+  const int64_t Z = a.zero, C = a.copy, Q = a.consts;
+  const bool cq = a.yscale != nullptr;
+  const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(sh.dtype));
+  const DType dtype = sh.dtype;
+  const Activity act{&in.expert_ids, a.mask};
+  // No const expert and no int8 rows: every term is w * a row of dtype (1 for the unweighted
+  // ones, fl(1 * y) == y), so a token's sum is one sum_rows from +0, all its rows read side by
+  // side with the accumulators in registers, bitwise the loop below.
+  const bool by_rows = !cq && Q == 0;
+  parallel(threads_if(BS * H > (1 << 16)), [&] {
+    std::vector<float> acc(static_cast<std::size_t>(H)), c(static_cast<std::size_t>(H));
+    std::vector<const void*> rows(static_cast<std::size_t>(KS + 1)), next(rows.size());
+    std::vector<float> ws(static_cast<std::size_t>(KS + 1)), next_ws(ws.size());
+    // Token i's terms in the SPEC §2.3 order: rows r[0..n) and their weights w; returns n.
+    auto terms = [&](int64_t i, const void** r, float* w) {
+      int64_t n = 0;
+      if (i >= BS || !act.token(i)) return n;
+      for (int64_t k = 0; k < K; ++k) {
+        if (!act.entry(i, k)) continue;
+        const int64_t e = index_at(in.expert_ids, i, k);
+        if (e >= E && e < E + Z) continue;                      // zero expert
+        r[n] = e < E ? yp[i * KS + k] : row_ptr(*in.ori_x, i);  // else copy expert
+        w[n++] = float_at(in.expert_scales, i, k);
+      }
+      for (int64_t s = 0; s < Ns; ++s) r[n] = yp[i * KS + K + s], w[n++] = 1;
+      if (in.shared_expert_x) r[n] = shared_row(*in.shared_expert_x, i), w[n++] = 1;
+      return n;
+    };
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < BS; ++i) {
+      if (by_rows) {
+        // Token i + 1's rows are prefetched during token i's sum (sum_rows' ahead).
+        const int64_t n = terms(i, rows.data(), ws.data());
+        const int64_t ahead = terms(i + 1, next.data(), next_ws.data());
+        sum_rows(obase + i * row_bytes, dtype, rows.data(), ws.data(), n, dtype, H, false, true,
+                 next.data(), ahead);
+        continue;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      if (act.token(i)) {
+        for (int64_t k = 0; k < K; ++k) {
+          if (!act.entry(i, k)) continue;
+          const int64_t e = index_at(in.expert_ids, i, k);
+          const float w = float_at(in.expert_scales, i, k);
+          if (e < E) {
+            if (cq)  // SPEC §2.3 with comm_quant_mode 2: the dequantised row
+              axpy_row_int8(acc.data(), w, reinterpret_cast<const int8_t*>(yp[i * KS + k]),
+                            ysc[i * KS + k], H);
+            else
+              axpy_row_f32(acc.data(), w, yp[i * KS + k], dtype, H);
+          } else if (e < E + Z) {
+            // zero expert: contributes nothing
+          } else if (e < E + Z + C) {
+            axpy_row_f32(acc.data(), w, row_ptr(*in.ori_x, i), dtype, H);
+          } else {
+            const int64_t q = e - (E + Z + C);
+            const char* ox = row_ptr(*in.ori_x, i);
+            const char* a1 = row_ptr(*in.const_expert_alpha_1, q);
+            const char* a2 = row_ptr(*in.const_expert_alpha_2, q);
+            const char* v = row_ptr(*in.const_expert_v, q);
+            for (int64_t h = 0; h < H; ++h) {
+              const float t1 = load_f32(a1, dtype, h) * load_f32(ox, dtype, h);
+              const float t2 = load_f32(a2, dtype, h) * load_f32(v, dtype, h);
+              c[h] = t1 + t2;
+            }
+            axpy_row_f32(acc.data(), w, c.data(), DType::kF32, H);
+          }
+        }
+        for (int64_t s = 0; s < Ns; ++s)
+          if (cq)  // acc + fl(1 * y) == acc + y: the unweighted add
+            axpy_row_int8(acc.data(), 1.0f, reinterpret_cast<const int8_t*>(yp[i * KS + K + s]),
+                          ysc[i * KS + K + s], H);
+          else
+            add_row_f32(acc.data(), yp[i * KS + K + s], dtype, H);
+        if (in.shared_expert_x)
+          add_row_f32(acc.data(), shared_row(*in.shared_expert_x, i), dtype, H);
+      }
+      store_row_f32(obase + i * row_bytes, dtype, acc.data(), H);
+    }
+  });
+}
+
+}  // namespace moe_ep::detail

@@ -1,0 +1,867 @@
+// dispatch_v2 (SPEC §1) as named steps, on every rank:
+//   1. validate:  this rank's arguments, its send plan (who gets which rows) and its outputs,
+//                 failures recorded, not thrown (header.h);
+//   2. agree:     the TP pair's handshake, then the header agreement; the shared-memory windows
+//                 set up or grown, and where each rank of this machine receives its rows;
+//   3. counts:    each destination learns how many rows each source sends per local expert (its
+//                 receive plan), and each sender where its blocks land in the windows of the
+//                 ranks on its machine. Skipped by a cached dispatch (DispatchInputs::handle);
+//   4. rows:      every rank writes the rows for ranks on its machine (and itself) straight into
+//                 their expand_x and sends the others one message per block (or, when that saves
+//                 enough, each distinct token once), with one message of per-row metadata;
+//   5. outputs:   assist_info_for_combine, expand_scales, dynamic_scales from the metadata, the
+//                 counts from the plan; the TP all-gather (tp.h).
+// The links (transport/link.h) carry the rows: a WindowLink to a peer whose window slot this
+// rank writes into, a MessageLink otherwise. docs/design.md follows the data through them.
+#include "moe_ep/dispatch.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "base/check.h"
+#include "base/env.h"
+#include "base/numeric.h"
+#include "core/ep/config.h"
+#include "core/ep/handle.h"
+#include "core/ep/header.h"
+#include "core/ep/plan.h"
+#include "core/ep/slot.h"
+#include "core/ep/tp.h"
+#include "core/ep/windows.h"
+#include "core/validate.h"
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/scatter.h"
+#include "transport/mpi/link.h"
+#include "transport/shm/context.h"
+#include "transport/tags.h"
+
+namespace moe_ep::detail {
+
+namespace {
+
+// One dispatch_v2 call: its arguments and what each step leaves for the next.
+struct Dispatch {
+  static constexpr const char* op = "dispatch_v2";
+  const DispatchInputs& in;
+  const EpConfig& cfg;
+  const Communicator& comm;
+  const EpPlan* cached = nullptr;  // in.handle's plan
+  // 1. validate
+  OpHeader hdr;
+  std::optional<Error> local;
+  EpShape sh;
+  World world;
+  int64_t* perf = nullptr;
+  bool quant = false;
+  std::shared_ptr<EpPlan> plan;  // being made (null for a cached dispatch)
+  DispatchOutputs out;
+  // quant_mode 2: the int8 rows in send order (SPEC §1.5) and their dynamic scales. A Tensor,
+  // not a std::vector: its zero fill cost a pass over fresh pages every call (the allocator's
+  // block cache reuses mapped pages and fills nothing).
+  std::shared_ptr<Tensor> qsend;
+  std::shared_ptr<std::vector<float>> qsend_scale;
+  // Shared-memory transport: expand_x's slot in this rank's window, or, when the window must
+  // first grow, its allocation deferred until after the header agreement.
+  bool shm_want = false, shm_defer = false;
+  std::optional<ShmSlot> slot;
+  int64_t expand_bytes = 0, slot_need = 0, stream_min = 0;
+  // 2. agree
+  std::vector<OpHeader> headers;
+  ShmContext* shm = nullptr;
+  int W = 0, L = 0, me = 0;
+  std::vector<Where> where;  // per world rank: its slot (this machine only)
+  // 3. counts (or the cached plan)
+  const EpPlan* p = nullptr;  // plan or cached
+  int64_t out_row_bytes = 0;  // of expand_x (int8 with quant_mode 2)
+  // 4. rows: per destination, the link its rows take (null: this rank itself).
+  std::vector<const Link*> to;
+  std::vector<char> window_from;  // per source: its rows land in this rank's window
+  bool any_message_to = false;
+
+  Dispatch(const DispatchInputs& i, const EpConfig& c, const Communicator& m)
+      : in(i), cfg(c), comm(m), world(whole_world(m)) {}
+  const SendPlan& send() const { return p->send; }
+  const RecvPlan& recv() const { return p->recv; }
+  const std::vector<int>& peers() const { return world.peers; }
+  const char* x_row(int64_t token) const {
+    return in.x.ptr<char>() +
+           token * in.x.strides[0] * static_cast<int64_t>(dtype_size(in.x.dtype));
+  }
+};
+
+// scales (SPEC §1.3): fp32 (Ns + E, H) when shared-expert ranks host Ns experts, else (E, H),
+// contiguous; quant_mode 2 only. Row Ns + e smooths MoE expert e, row s shared expert s.
+void check_smooth_scales(const char* op, const TensorView& t, const EpShape& sh) {
+  expect_tensor(op, "scales", t, {DType::kF32}, 2);
+  expect_size(op, "scales", t, 0, sh.pl.Ns + sh.E,
+              sh.pl.Ns > 0 ? "shared_expert_num + moe_expert_num" : "moe_expert_num");
+  expect_size(op, "scales", t, 1, sh.H, "H, x.shape[1]");
+  if ((t.shape[1] > 1 && t.strides[1] != 1) || (t.shape[0] > 1 && t.strides[0] != t.shape[1]))
+    invalid(op, ": scales must be contiguous (strides (", t.strides[0], ", ", t.strides[1],
+            ") for shape (", t.shape[0], ", ", t.shape[1], "))");
+}
+
+// Step 1a: the arguments alone (no allocation).
+void check_arguments(Dispatch& c) {
+  const DispatchInputs& in = c.in;
+  const char* op = c.op;
+  if (in.caller_error) throw *in.caller_error;
+  c.quant = in.quant_mode == 2;
+  c.hdr.transport = resolve_transport(op, c.cfg);
+  c.stream_min = env_stream_min_bytes(op);
+  c.hdr.shm_node_ranks = env_shm_node_ranks(op);
+  check_ep_config(op, c.cfg, c.comm.rank(), c.comm.size());
+  c.world = resolve_world(op, c.cfg, in.elastic_info);
+  c.hdr.elastic = c.world.hash;
+  reject_tp_scale_in(op, c.comm, c.cfg, c.world);
+  if (in.quant_mode != 0 && in.quant_mode != 2)
+    invalid(op, ": quant_mode = ", in.quant_mode, " is not one of {0, 2}");
+  if (in.scales && in.quant_mode != 2)
+    invalid(op, ": scales (smoothing factors) are given but quant_mode = ", in.quant_mode,
+            "; they apply to quant_mode 2 (int8) only");
+  if (in.expert_token_nums_type != 0 && in.expert_token_nums_type != 1)
+    invalid(op, ": expert_token_nums_type = ", in.expert_token_nums_type, " is not one of {0, 1}");
+  c.perf = perf_ptr(op, in.performance_info, c.cfg);
+  expect_rows(op, "x", in.x);
+  EpShape& sh = c.sh;
+  sh = local_shape(c.cfg, c.world, in.x.shape[0], in.x.shape[1], in.x.dtype);
+  check_expert_ids(op, in.expert_ids, sh.BS, sh.E, sh.pl.special);
+  sh.K = in.expert_ids.shape[1];
+  sh.KS = sh.K + sh.pl.Ns;
+  if (in.x_active_mask) {
+    check_active_mask(op, *in.x_active_mask, sh.BS, sh.K);
+    c.hdr.all_active = mask_all_true(*in.x_active_mask) ? 1 : 0;
+  }
+  if (in.expert_scales) check_expert_scales(op, *in.expert_scales, sh.BS, sh.K);
+  if (in.scales) check_smooth_scales(op, *in.scales, sh);
+  if (c.world.removed) return;
+  compute_capacity(op, c.cfg.global_bs, sh);
+  if (in.handle != nullptr) {
+    if (!in.handle->defined()) invalid(op, ": handle is given but not defined (default-made)");
+    c.cached = HandleInternals::plan(*in.handle).get();
+    check_plan(op, *c.cached, c.cfg, in.expert_ids, in.x_active_mask ? &*in.x_active_mask : nullptr,
+               c.hdr.transport, c.world.hash);
+    const bool may_merge = sh.H > 0 && !(c.quant && in.scales);
+    if (may_merge != c.cached->may_merge)
+      invalid(op, ": handle: its dispatch_v2 had ",
+              c.cached->may_merge ? "no int8 smoothing scales" : "int8 smoothing scales",
+              ", this one has ", may_merge ? "none" : "them",
+              " (tokens travel differently; pass the same quant_mode and scales)");
+    c.hdr.plan = c.cached->id;
+  }
+}
+
+// Step 1b: the send plan and the outputs, allocated before the header exchange, so that an
+// allocation failure on one rank is reported to every rank instead of leaving them waiting.
+void allocate(Dispatch& c) {
+  const EpShape& sh = c.sh;
+  if (!c.cached) {
+    c.plan = std::make_shared<EpPlan>();
+    const Activity act{&c.in.expert_ids, c.in.x_active_mask ? &*c.in.x_active_mask : nullptr};
+    c.plan->send = plan_sends(act, sh.pl, sh.rank);
+  }
+  const SendPlan& send = c.cached ? c.cached->send : c.plan->send;
+  const DType out_dtype = c.quant ? DType::kI8 : sh.dtype;
+  const int64_t rows = tp_rows(c.cfg, sh.A);
+  c.expand_bytes = rows * sh.H * static_cast<int64_t>(dtype_size(out_dtype));
+  c.slot_need = dispatch_slot_need(c.expand_bytes, rows);
+  c.shm_want = shm_applies(c.hdr.transport, c.cfg, c.world);
+  if (c.shm_want) {
+    const auto& ctx = CommInternals::shm(c.comm);
+    if (ctx) c.slot = ctx->try_alloc(c.slot_need);
+    // No window yet, or ShmContext::should_grow (one too small, or full within a bound): all
+    // ranks of the machine grow it after the agreement. Otherwise: MPI for this call.
+    if (!c.slot && (!ctx || ctx->should_grow(c.slot_need))) c.hdr.shm_grow = 1, c.shm_defer = true;
+  }
+  if (c.slot)
+    c.out.expand_x = TensorInternals::wrap(c.slot->token, c.slot->ptr, out_dtype, {rows, sh.H});
+  else if (!c.shm_defer)
+    c.out.expand_x = Tensor::empty(out_dtype, {rows, sh.H});
+  if (c.quant) {
+    c.out.dynamic_scales = Tensor::zeros(DType::kF32, {rows});
+    const int64_t n = static_cast<int64_t>(send.order.size());
+    // With shm the int8 rows for peers on this machine are written straight into their
+    // expand_x; the send buffer is allocated later, only if some peer needs MPI.
+    if (!c.shm_want) c.qsend = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {n * sh.H}));
+    c.qsend_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(n));
+  }
+  // Only the first 3 * valid entries are written (SPEC §1.4: opaque, only those are read).
+  c.out.assist_info_for_combine = Tensor::empty(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
+  c.out.expand_scales = Tensor::zeros(DType::kF32, {rows});
+}
+
+// This rank's slot as its header tells the peers on its machine.
+Where slot_where(const Dispatch& c) {
+  Where w;
+  if (!c.slot) return w;
+  w.gen = c.slot->gen;
+  w.rows = c.slot->offset;
+  w.extra = c.slot->offset + dispatch_meta_offset(c.expand_bytes);
+  w.capacity = tp_rows(c.cfg, c.sh.A);
+  return w;
+}
+
+// Scaled in (SPEC §1.7): this rank takes no part; its outputs are empty.
+DispatchOutputs removed_outputs(const Dispatch& c) {
+  DispatchOutputs out;
+  out.expand_x = Tensor::zeros(c.quant ? DType::kI8 : c.sh.dtype, {0, c.sh.H});
+  if (c.quant) out.dynamic_scales = Tensor::zeros(DType::kF32, {0});
+  out.assist_info_for_combine = Tensor::zeros(DType::kI32, {0});
+  out.expand_scales = Tensor::zeros(DType::kF32, {0});
+  out.expert_token_nums = Tensor::zeros(DType::kI64, {0});
+  out.ep_recv_counts = Tensor::zeros(DType::kI32, {0});
+  out.tp_recv_counts = Tensor::zeros(DType::kI32, {1});
+  return out;
+}
+
+// Step 2: the agreement; then the windows. Returns false on a rank removed by a scale-in.
+bool agree(Dispatch& c) {
+  if (c.world.removed && !c.local) return false;
+  if (c.local && c.world.removed) throw *c.local;
+  if (tp_pair(c.cfg)) tp_handshake(c.op, c.cfg, c.hdr, c.local, tp_header(c.cfg, c.sh, -1, -1));
+  c.hdr.where = slot_where(c);
+  c.headers =
+      agree_on_headers(c.comm, c.world.peers, c.op, c.hdr, c.local ? &*c.local : nullptr, c.perf);
+  check_batch_sizes(c.op, c.headers, c.world.peers, c.cfg.global_bs, "x.shape[0]");
+  check_quant_modes(c.op, c.headers, c.world.peers, "quant_mode");
+  c.W = to_int(c.sh.W), c.L = to_int(c.sh.L), c.me = to_int(c.sh.rank);
+  c.where.assign(c.W, Where{});
+  if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
+  MOE_EP_CHECK(c.shm_want);
+  c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.slot_need);
+  if (c.shm_defer) {
+    c.slot = c.shm->try_alloc(c.slot_need);
+    MOE_EP_CHECK(c.slot.has_value());
+    c.out.expand_x =
+        TensorInternals::wrap(c.slot->token, c.slot->ptr, c.quant ? DType::kI8 : c.sh.dtype,
+                              {tp_rows(c.cfg, c.sh.A), c.sh.H});
+  }
+  c.where = rows_where(c.comm, c.op, *c.shm, c.headers, c.world.peers, c.me, slot_where(c));
+  return true;
+}
+
+// Step 3a: over plain MPI a token goes to a peer once, however many of its experts live there,
+// and the peer copies it to each (docs/design.md, dispatch_v2 step 4), when that sends at most
+// 3/4 of the rows; not to peers on this machine (reached through shared memory: one copy
+// already), nor when quant_mode 2 with smoothing scales gives each copy its own bytes.
+// distinct[d]: the send-order entry of each token's first copy to d, in send order (the order the
+// tokens travel in, which the receiver finds again in the metadata); empty where d gets every
+// copy.
+void plan_merges(Dispatch& c) {
+  EpPlan& p = *c.plan;
+  const EpShape& sh = c.sh;
+  p.may_merge = sh.H > 0 && !(c.quant && c.in.scales);
+  p.distinct.assign(c.W, {});
+  p.distinct_count.assign(c.W, 0);
+  std::vector<int32_t> seen(p.may_merge ? static_cast<std::size_t>(sh.BS) : 0, -1);
+  for (int d = 0; d < c.W; ++d) {
+    const int64_t first = p.send.rank_offset[d], n = p.send.rank_offset[d + 1] - first;
+    p.distinct_count[d] = static_cast<int32_t>(n);
+    if (!p.may_merge || d == c.me || (c.shm && c.shm->node_of(c.peers()[d]) >= 0)) continue;
+    std::vector<int64_t>& u = p.distinct[d];
+    for (int64_t j = first; j < first + n; ++j) {
+      const int64_t i = p.send.order[j] / sh.KS;
+      if (seen[i] != d) seen[i] = d, u.push_back(j);
+    }
+    if (4 * static_cast<int64_t>(u.size()) > 3 * n) {
+      u.clear();  // too little to merge for the receiver's extra copy of every row
+      continue;
+    }
+    p.distinct_count[d] = static_cast<int32_t>(u.size());
+  }
+}
+
+// The first row, in receiver d's expand_x, of each block this rank sends it, from the counts of
+// every source for d's local experts (`counts_of(s, l)`): block (l, me) follows d's blocks of its
+// local experts before l (from every source), then the blocks of l from the sources before this
+// rank (SPEC §1.4's expert-major order). Also checks that d's rows fit its slot (`capacity`),
+// before any row lands past it.
+template <class CountsOf>
+std::vector<int64_t> rows_at(const Dispatch& c, int d, CountsOf counts_of, int64_t capacity) {
+  const int64_t ld = c.sh.pl.local_experts(d);
+  std::vector<int64_t> o(static_cast<std::size_t>(ld), 0);
+  int64_t before = 0;  // rows of d's blocks of local experts < l
+  for (int64_t l = 0; l < ld; ++l) {
+    int64_t at = before;
+    for (int s = 0; s < c.W; ++s) {
+      const int64_t n = counts_of(s, l);
+      if (s < c.me) at += n;
+      before += n;
+    }
+    o[l] = at;
+  }
+  if (capacity >= 0 && before > capacity)
+    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[d], " would receive ", before,
+         " rows in a slot of ", capacity, " (please report this bug)");
+  return o;
+}
+
+// Step 3b, every rank of the op on this rank's machine: an all-gather of each rank's whole count
+// vector. Each sender then knows where its rows go in every receiver's window, and no round of
+// offsets follows (docs/performance.md, "Small calls").
+void gather_counts(Dispatch& c, std::vector<int32_t>& from_source) {
+  EpPlan& p = *c.plan;
+  const int W = c.W, L = c.L, me = c.me;
+  const int64_t T = c.sh.pl.blocks();
+  auto shared = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(W * T));
+  std::copy(p.send.counts.begin(), p.send.counts.end(), shared->data() + me * T);
+  {
+    Exchange ex(c.comm, c.op, "counts");
+    ex.keep_alive(shared);
+    for (int q = 0; q < W; ++q) {
+      if (q == me) continue;
+      ex.irecv(shared->data() + q * T, to_int(T), MPI_INT32_T, c.peers()[q], kTagCounts);
+      ex.isend(shared->data() + me * T, to_int(T), MPI_INT32_T, c.peers()[q], kTagCounts);
+    }
+    ex.wait();
+    if (c.perf) ex.add_recv_wait_us(c.perf);
+  }
+  const int64_t base = c.sh.pl.block_base(me);
+  p.distinct_from.assign(W, 0);
+  for (int q = 0; q < W; ++q) {
+    int64_t rows = 0;
+    for (int l = 0; l < L; ++l) rows += from_source[q * L + l] = (*shared)[q * T + base + l];
+    MOE_EP_CHECK(rows <= INT32_MAX);
+    p.distinct_from[q] = static_cast<int32_t>(rows);  // shared memory: no merged tokens
+  }
+  p.block_row.assign(W, {});
+  for (int d = 0; d < W; ++d) {
+    const int64_t db = c.sh.pl.block_base(d);
+    const int64_t cap = c.where[d].gen >= 0 ? c.where[d].capacity : -1;
+    p.block_row[d] = rows_at(
+        c, d, [&](int s, int64_t l) { return int64_t{(*shared)[s * T + db + l]}; }, cap);
+  }
+}
+
+// Step 3b across machines: rank d learns how many rows each source sends for each of its local
+// experts, then how many distinct tokens among them travel by MPI (the last entry of each
+// message).
+void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
+  EpPlan& p = *c.plan;
+  const int W = c.W, L = c.L;
+  auto counts_out = std::make_shared<std::vector<int32_t>>();
+  auto counts_in = std::make_shared<std::vector<int32_t>>(W * (L + 1), 0);
+  for (int d = 0; d < W; ++d) {
+    const auto* n = p.send.counts.data() + c.sh.pl.block_base(d);
+    counts_out->insert(counts_out->end(), n, n + c.sh.pl.local_experts(d));
+    counts_out->push_back(p.distinct_count[d]);
+  }
+  {
+    Exchange ex(c.comm, c.op, "counts");
+    ex.keep_alive(counts_out);
+    ex.keep_alive(counts_in);
+    for (int q = 0; q < W; ++q)
+      ex.irecv(counts_in->data() + q * (L + 1), L + 1, MPI_INT32_T, c.peers()[q], kTagCounts);
+    for (int d = 0, at = 0; d < W; ++d) {
+      const int n = to_int(c.sh.pl.local_experts(d)) + 1;
+      ex.isend(counts_out->data() + at, n, MPI_INT32_T, c.peers()[d], kTagCounts);
+      at += n;
+    }
+    ex.wait();
+    if (c.perf) ex.add_recv_wait_us(c.perf);
+  }
+  p.distinct_from.assign(W, 0);
+  for (int q = 0; q < W; ++q) {
+    std::copy_n(counts_in->data() + q * (L + 1), L, from_source.data() + q * L);
+    p.distinct_from[q] = (*counts_in)[q * (L + 1) + L];
+  }
+}
+
+// Step 3c across machines, shared memory: each receiver on this machine tells each sender on it
+// where, in its expand_x, that sender's block of each local expert starts (phase "shm offsets").
+void send_block_rows(Dispatch& c) {
+  EpPlan& p = *c.plan;
+  const int W = c.W, L = c.L;
+  p.block_row.assign(W, {});
+  Exchange ex(c.comm, c.op, "shm offsets");
+  std::vector<std::shared_ptr<std::vector<int64_t>>> in_rows(W), out_rows(W);
+  for (int q = 0; q < W; ++q) {
+    if (c.shm->node_of(c.peers()[q]) < 0 || q == c.me) continue;
+    out_rows[q] = std::make_shared<std::vector<int64_t>>(L);
+    for (int l = 0; l < L; ++l) (*out_rows[q])[l] = p.recv.block_offset[l * W + q];
+    in_rows[q] = std::make_shared<std::vector<int64_t>>(c.sh.pl.local_experts(q));
+    ex.keep_alive(out_rows[q]);
+    ex.keep_alive(in_rows[q]);
+    ex.irecv(in_rows[q]->data(), to_int(c.sh.pl.local_experts(q)), MPI_INT64_T, c.peers()[q],
+             kTagShmOffsets);
+    ex.isend(out_rows[q]->data(), L, MPI_INT64_T, c.peers()[q], kTagShmOffsets);
+  }
+  ex.wait();
+  if (c.perf) ex.add_recv_wait_us(c.perf);
+  for (int q = 0; q < W; ++q)
+    if (in_rows[q]) p.block_row[q] = std::move(*in_rows[q]);
+}
+
+// Step 3: the receive plan (and, for a new plan, the merges and where this rank's blocks land).
+void plan_receives(Dispatch& c) {
+  if (c.cached) {
+    c.p = c.cached;
+    return;
+  }
+  EpPlan& p = *c.plan;
+  c.p = &p;
+  plan_merges(c);
+  const bool one_node =
+      c.shm != nullptr && std::all_of(c.peers().begin(), c.peers().end(),
+                                      [&](int r) { return c.shm->node_of(r) >= 0; });
+  std::vector<int32_t> from_source(static_cast<std::size_t>(c.W * c.L));
+  if (one_node)
+    gather_counts(c, from_source);
+  else
+    send_counts(c, from_source);
+  p.recv = plan_recvs_from_counts(from_source, c.W, c.L);
+  MOE_EP_CHECK(p.recv.valid <= c.sh.A);
+  for (int q = 0; q < c.W; ++q)
+    if (p.distinct_from[q] < 0 || p.distinct_from[q] > p.recv.source_rows[q] ||
+        (p.distinct_from[q] == 0 && p.recv.source_rows[q] > 0))
+      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[q], " announced ", p.distinct_from[q],
+           " distinct tokens for its ", p.recv.source_rows[q], " rows (please report this bug)");
+  if (c.shm && !one_node) send_block_rows(c);
+}
+
+// The link each destination's rows take this call: into its window when it has a slot (a
+// receiver without one, its windows full of outputs still held, takes this call by MPI), else
+// messages; and from which sources rows land in this rank's window.
+void choose_links(Dispatch& c) {
+  const auto& messages = message_links(c.comm);
+  c.to.assign(c.W, nullptr);
+  c.window_from.assign(c.W, 0);
+  c.any_message_to = false;
+  for (int d = 0; d < c.W; ++d) {
+    const int g = c.peers()[d];
+    const bool window = c.shm && c.shm->node_of(g) >= 0;
+    if (window) c.window_from[d] = c.slot.has_value() && d != c.me;
+    if (d == c.me) continue;
+    c.to[d] = window && c.where[d].gen >= 0 ? c.shm->link(g) : messages[g].get();
+    c.any_message_to |= !c.to[d]->addressable();
+  }
+}
+
+// quant_mode 2 (SPEC §1.5): the int8 rows of send-order entries, each smoothed by its expert's
+// row of scales (Ns + e for MoE expert e, s for shared expert s). Without scales every copy of a
+// token quantises to the same bytes, so rows are queued and each token quantised once for all
+// its destinations, in the same pass as their stores (parallel_quantize); with scales each copy
+// is quantised on its own, at once.
+struct Quantiser {
+  Dispatch& c;
+  QuantizeRowsInt8Args args;
+  std::vector<int32_t> src_index, smooth_index;
+  std::vector<QuantCopy> queued;
+
+  explicit Quantiser(Dispatch& call) : c(call) {
+    if (!c.quant) return;
+    const EpShape& sh = c.sh;
+    const SendPlan& send = c.send();
+    args.op = c.op;
+    args.name = "x";
+    args.n = sh.H;
+    args.dtype = sh.dtype;
+    args.src = c.in.x.data;
+    args.src_stride = c.in.x.strides[0];
+    args.q_stride = sh.H;
+    if (!c.in.scales) return;
+    const int64_t n = static_cast<int64_t>(send.order.size());
+    src_index.resize(static_cast<std::size_t>(n));
+    smooth_index.resize(static_cast<std::size_t>(n));
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = send.order[j] / sh.KS, k = send.order[j] % sh.KS;
+      src_index[j] = static_cast<int32_t>(i);
+      smooth_index[j] =
+          static_cast<int32_t>(k < sh.K ? sh.pl.Ns + index_at(c.in.expert_ids, i, k) : k - sh.K);
+    }
+    args.smooth = c.in.scales->ptr<float>();
+    args.smooth_stride = sh.H;
+  }
+  // The int8 rows of send-order entries [first, first + n) to q, their scales to qsend_scale.
+  void rows(int64_t first, int64_t n, int8_t* q) {
+    if (n == 0) return;
+    if (!c.in.scales) {
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t i = c.send().order[first + r] / c.sh.KS;
+        queue(i, reinterpret_cast<char*>(q) + r * c.sh.H, first + r);
+      }
+      return;
+    }
+    QuantizeRowsInt8Args a = args;
+    a.rows = n;
+    a.src_index = src_index.data() + first;
+    a.smooth_index = smooth_index.data() + first;
+    a.q = q;
+    a.scales = c.qsend_scale->data() + first;
+    quantize_rows_int8(a);
+  }
+  // Token i's row, quantised into dst by flush(); its scale goes to entry j.
+  void queue(int64_t i, char* dst, int64_t j) {
+    queued.push_back({c.sh.H > 0 ? c.x_row(i) : nullptr, dst, i, j});
+  }
+  void flush(bool stream) {
+    parallel_quantize(queued, c.sh.H, c.sh.dtype, c.qsend_scale->data(), stream);
+    queued.clear();
+  }
+};
+
+// Step 4a, quant_mode 2: the int8 rows for MPI destinations, into the send buffer in send order.
+// A merged destination's distinct tokens are quantised to the front of its range, each token's
+// scale to its first copy's entry, then to its other copies'.
+void quantise_for_messages(Dispatch& c, Quantiser& qz) {
+  const SendPlan& send = c.send();
+  const int64_t H = c.sh.H;
+  if (c.any_message_to && !c.qsend)
+    c.qsend = std::make_shared<Tensor>(
+        Tensor::empty(DType::kI8, {static_cast<int64_t>(send.order.size()) * H}));
+  for (int d = 0; d < c.W; ++d) {
+    if (!c.to[d] || c.to[d]->addressable()) continue;
+    int8_t* q = c.qsend->ptr<int8_t>() + send.rank_offset[d] * H;
+    const std::vector<int64_t>& u = c.p->distinct[d];
+    if (u.empty()) {
+      qz.rows(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d], q);
+      continue;
+    }
+    for (std::size_t t = 0; t < u.size(); ++t)
+      qz.queue(send.order[u[t]] / c.sh.KS, reinterpret_cast<char*>(q + static_cast<int64_t>(t) * H),
+               u[t]);
+  }
+  qz.flush(false);                  // MPI's send buffer, read at once
+  std::vector<int64_t> first_copy;  // [token]: its first copy's entry (d being filled)
+  for (int d = 0; d < c.W; ++d) {
+    if (!c.to[d] || c.to[d]->addressable() || c.p->distinct[d].empty()) continue;
+    first_copy.resize(static_cast<std::size_t>(c.sh.BS));
+    for (const int64_t j : c.p->distinct[d]) first_copy[send.order[j] / c.sh.KS] = j;
+    for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
+      (*c.qsend_scale)[j] = (*c.qsend_scale)[first_copy[send.order[j] / c.sh.KS]];
+  }
+}
+
+// The rows phase's buffers.
+struct RowsPhase {
+  explicit RowsPhase(const Dispatch& c)
+      : row(c.out_row_bytes, c.op),
+        meta_type(sizeof(RowMeta), c.op),
+        meta_in(c.W),
+        meta_out(c.W),
+        merged_in(c.W),
+        announced(std::make_shared<std::vector<int64_t>>(2 * c.W, 0)) {}
+  const MpiType row, meta_type;
+  std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in, meta_out;
+  // Rows of a merged source: its distinct tokens in the order of their first rows.
+  std::vector<std::shared_ptr<Tensor>> merged_in;
+  std::shared_ptr<std::vector<int64_t>> announced;  // rows announced by each source, then sent
+};
+
+// Step 4b: the receives. From a source through messages: one per non-empty block (l, s), straight
+// into place (messages of one sender with one tag arrive in the order sent), or its distinct
+// tokens into a buffer of their own, then its metadata; from a source writing into this rank's
+// window: its announcement.
+void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
+  const auto& messages = message_links(c.comm);
+  const RecvPlan& recv = c.recv();
+  for (int s = 0; s < c.W; ++s) {
+    if (s == c.me) continue;  // own rows are copied into place, own metadata read in place
+    const Link& from = *messages[c.peers()[s]];
+    if (c.window_from[s]) {
+      c.shm->link(c.peers()[s])->expect_announce(ex, rx.announced->data() + s, kTagMeta);
+      continue;
+    }
+    if (c.p->distinct_from[s] < recv.source_rows[s]) {
+      rx.merged_in[s] = std::make_shared<Tensor>(
+          Tensor::empty(DType::kI8, {int64_t{c.p->distinct_from[s]} * c.out_row_bytes}));
+      ex.keep_alive(rx.merged_in[s]);
+      from.get_block(ex, rx.merged_in[s]->data(), c.p->distinct_from[s], rx.row, kTagRows);
+    } else {
+      for (int l = 0; l < c.L; ++l) {
+        const int64_t b = int64_t{l} * c.W + s;
+        if (recv.block_rows[b] > 0)
+          from.get_block(ex, c.out.expand_x.ptr<char>() + recv.block_offset[b] * c.out_row_bytes,
+                         recv.block_rows[b], rx.row, kTagRows);
+      }
+    }
+    rx.meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
+    ex.keep_alive(rx.meta_in[s]);
+    from.get_block(ex, rx.meta_in[s]->data(), recv.source_rows[s], rx.meta_type, kTagMeta);
+  }
+}
+
+// Step 4c: the rows for message destinations, in send order (qsend's int8 rows, or x's rows
+// packed by one parallel copy, so that every message is contiguous), posted as one message per
+// non-empty (destination, local expert) run of the send order, in expert order, or one message
+// of a merged destination's distinct tokens.
+void post_sends(Dispatch& c, Exchange& ex, const RowsPhase& rx) {
+  if (!c.any_message_to) return;
+  const SendPlan& send = c.send();
+  const int64_t rows = static_cast<int64_t>(send.order.size()), rb = c.out_row_bytes;
+  std::shared_ptr<Tensor> packed;
+  if (c.quant) {
+    packed = std::make_shared<Tensor>(
+        TensorInternals::wrap(c.qsend, c.qsend->data(), DType::kI8, {rows, c.sh.H}));
+  } else {
+    packed = std::make_shared<Tensor>(Tensor::empty(c.sh.dtype, {rows, c.sh.H}));
+    std::vector<RowCopy> pack;
+    for (int d = 0; d < c.W; ++d) {
+      if (!c.to[d] || c.to[d]->addressable()) continue;
+      char* to_d = packed->ptr<char>() + send.rank_offset[d] * rb;
+      const std::vector<int64_t>& u = c.p->distinct[d];
+      for (std::size_t t = 0; t < u.size(); ++t) {  // merged: each distinct token once
+        const int64_t i = send.order[u[t]] / c.sh.KS;
+        pack.push_back({c.x_row(i), to_d + static_cast<int64_t>(t) * rb, i});
+      }
+      if (!u.empty()) continue;
+      for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
+        pack.push_back({c.x_row(send.order[j] / c.sh.KS), packed->ptr<char>() + j * rb,
+                        send.order[j] / c.sh.KS});
+    }
+    parallel_copy(pack, rb);
+  }
+  ex.keep_alive(packed);
+  for (int d = 0; d < c.W; ++d) {
+    if (!c.to[d] || c.to[d]->addressable()) continue;
+    const int64_t first = send.rank_offset[d];
+    if (!c.p->distinct[d].empty()) {
+      c.to[d]->put_block(ex, packed->ptr<char>() + first * rb,
+                         static_cast<int64_t>(c.p->distinct[d].size()), rx.row, kTagRows);
+      continue;
+    }
+    for (int64_t l = 0, j = first; l < c.sh.pl.local_experts(d); ++l) {
+      const int64_t n = send.counts[c.sh.pl.block_base(d) + l];
+      if (n > 0) c.to[d]->put_block(ex, packed->ptr<char>() + j * rb, n, rx.row, kTagRows);
+      j += n;
+    }
+  }
+}
+
+// Step 4d: rows this rank writes itself, into the windows of peers on its machine and into its
+// own expand_x: each (destination, local expert) run of the send order is contiguous there; rows
+// are copied in parallel (the one copy), int8 rows quantised there (once per token without
+// smoothing scales). Stores bypass the cache when this rank writes at least stream_min bytes
+// ($MOE_EP_STREAM_MIN_BYTES): such a store needs no read of the destination line first and
+// evicts nothing, which made large dispatches about 1.6x faster, while below it the rows stay
+// in cache for whoever reads them next (docs/performance.md).
+void store_in_place(Dispatch& c, Quantiser& qz) {
+  const SendPlan& send = c.send();
+  const int64_t rb = c.out_row_bytes;
+  std::vector<RowCopy> copies;
+  for (int d = 0; d < c.W; ++d) {
+    if (c.to[d] && !c.to[d]->addressable()) continue;
+    int64_t j = send.rank_offset[d];
+    for (int64_t l = 0; l < c.sh.pl.local_experts(d); ++l) {
+      const int64_t n = send.counts[c.sh.pl.block_base(d) + l];
+      char* dst = c.to[d] ? c.to[d]->place(static_cast<int>(c.where[d].gen),
+                                           c.where[d].rows + c.p->block_row[d][l] * rb, n * rb)
+                          : c.out.expand_x.ptr<char>() + c.recv().block_offset[l * c.W + c.me] * rb;
+      if (c.quant) {
+        qz.rows(j, n, reinterpret_cast<int8_t*>(dst));
+      } else {
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t i = send.order[j + r] / c.sh.KS;
+          copies.push_back({c.x_row(i), dst + r * rb, i});
+        }
+      }
+      j += n;
+    }
+    MOE_EP_CHECK(j == send.rank_offset[d + 1]);
+  }
+  parallel_copy(copies, rb, static_cast<int64_t>(copies.size()) * rb >= c.stream_min);
+  if (c.quant) qz.flush(static_cast<int64_t>(qz.queued.size()) * c.sh.H >= c.stream_min);
+}
+
+// Step 4e: the metadata of every row sent, (token, slot, expert_scale, int8 scale), in send
+// order: stored next to the rows in a window, then announced by its count, or sent as one
+// message. Shared-expert copies (slot >= K) carry no weight: expand_scales 0.
+void send_metadata(Dispatch& c, Exchange& ex, RowsPhase& rx) {
+  const SendPlan& send = c.send();
+  const EpShape& sh = c.sh;
+  for (int d = 0; d < c.W; ++d) {
+    const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
+    rx.meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
+    ex.keep_alive(rx.meta_out[d]);
+    RowMeta* m = rx.meta_out[d]->data();
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t flat = send.order[first + j], i = flat / sh.KS, k = flat % sh.KS;
+      m[j] = RowMeta{static_cast<int32_t>(i), static_cast<int32_t>(k),
+                     c.in.expert_scales && k < sh.K ? float_at(*c.in.expert_scales, i, k) : 0.0f,
+                     c.quant ? (*c.qsend_scale)[first + j] : 0.0f};
+    }
+    if (!c.to[d]) continue;
+    if (!c.to[d]->addressable()) {
+      c.to[d]->put_block(ex, m, n, rx.meta_type, kTagMeta);
+      continue;
+    }
+    for (int64_t l = 0, j = 0; l < sh.pl.local_experts(d); ++l) {  // next to its rows
+      const int64_t rows = send.counts[sh.pl.block_base(d) + l];
+      const int64_t bytes = rows * static_cast<int64_t>(sizeof(RowMeta));
+      if (rows > 0)
+        std::memcpy(c.to[d]->place(
+                        static_cast<int>(c.where[d].gen),
+                        c.where[d].extra + c.p->block_row[d][l] * int64_t{sizeof(RowMeta)}, bytes),
+                    m + j, static_cast<std::size_t>(bytes));
+      j += rows;
+    }
+    (*rx.announced)[c.W + d] = n;
+    c.to[d]->announce(ex, rx.announced->data() + c.W + d, kTagMeta);
+  }
+}
+
+// Step 4g: a merged source's rows, each copied to its place from the source's distinct tokens,
+// which came in the order the metadata (in send order) first names them.
+void spread_merged(Dispatch& c, const RowsPhase& rx) {
+  const RecvPlan& recv = c.recv();
+  std::vector<RowCopy> spread;
+  std::vector<int32_t> at;  // [token]: its row among the source's distinct tokens, or -1
+  for (int s = 0, keys = 0; s < c.W; ++s) {
+    if (!rx.merged_in[s]) continue;
+    const int64_t bs = c.headers[s].BS;
+    at.assign(static_cast<std::size_t>(bs), -1);
+    int32_t next = 0;
+    const RowMeta* m = rx.meta_in[s]->data();
+    const char* base = rx.merged_in[s]->ptr<char>();
+    for (int l = 0; l < c.L; ++l) {
+      const int64_t b = int64_t{l} * c.W + s;
+      for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
+           ++j, ++m) {
+        if (m->token < 0 || m->token >= bs)
+          fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent token ", m->token,
+               " of its ", bs, " (please report this bug)");
+        int32_t& t = at[static_cast<std::size_t>(m->token)];
+        if (t < 0) t = next++;
+        spread.push_back({base + int64_t{t} * c.out_row_bytes,
+                          c.out.expand_x.ptr<char>() + j * c.out_row_bytes, keys + t});
+      }
+    }
+    if (next != c.p->distinct_from[s])
+      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent ", c.p->distinct_from[s],
+           " distinct tokens, its rows' metadata names ", next, " (please report this bug)");
+    keys += next;
+  }
+  parallel_copy(spread, c.out_row_bytes,
+                static_cast<int64_t>(spread.size()) * c.out_row_bytes >= c.stream_min);
+}
+
+// Step 4h: assist_info_for_combine, expand_scales and dynamic_scales of every received row, from
+// its metadata: in this rank's window for a source that wrote there, else its message (this
+// rank's own: what it built), in the source's send order.
+void fill_row_info(Dispatch& c, const RowsPhase& rx) {
+  const RecvPlan& recv = c.recv();
+  int32_t* assist = c.out.assist_info_for_combine.ptr<int32_t>();
+  float* scales = c.out.expand_scales.ptr<float>();
+  float* dyn = c.quant ? c.out.dynamic_scales.ptr<float>() : nullptr;
+  const auto* window_meta =
+      c.slot ? reinterpret_cast<const RowMeta*>(static_cast<char*>(c.slot->ptr) +
+                                                dispatch_meta_offset(c.expand_bytes))
+             : nullptr;
+  for (int s = 0; s < c.W; ++s) {
+    const RowMeta* next = c.window_from[s] ? nullptr
+                          : s == c.me      ? rx.meta_out[s]->data()
+                                           : rx.meta_in[s]->data();
+    for (int l = 0; l < c.L; ++l) {
+      const int64_t b = int64_t{l} * c.W + s;
+      const RowMeta* m = c.window_from[s] ? window_meta + recv.block_offset[b] : next;
+      if (!c.window_from[s]) next += recv.block_rows[b];
+      for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
+           ++j, ++m) {
+        assist[3 * j] = s;
+        assist[3 * j + 1] = m->token;
+        assist[3 * j + 2] = m->slot;
+        scales[j] = m->scale;
+        if (dyn) dyn[j] = m->qscale;
+      }
+    }
+  }
+}
+
+// Step 4: the rows phase. With shared memory the sender writes the rows and their metadata
+// itself, then sends their count, which announces them (a message of 8 bytes instead of 16 per
+// row: such a message of a few thousand rows went through MPI's rendezvous, which stalled about
+// 0.25 ms in half the calls).
+void move_rows(Dispatch& c) {
+  c.out_row_bytes = c.quant ? c.sh.H : c.sh.H * static_cast<int64_t>(dtype_size(c.sh.dtype));
+  choose_links(c);
+  Quantiser qz(c);
+  if (c.quant) quantise_for_messages(c, qz);
+  Exchange ex(c.comm, c.op, "rows");
+  ex.keep_alive(std::make_shared<Tensor>(c.out.expand_x));
+  if (c.qsend) ex.keep_alive(c.qsend);
+  RowsPhase rx(c);
+  ex.keep_alive(rx.announced);
+  post_receives(c, ex, rx);
+  post_sends(c, ex, rx);
+  store_in_place(c, qz);
+  send_metadata(c, ex, rx);
+  ex.wait();
+  if (c.perf) ex.add_recv_wait_us(c.perf);
+  for (int s = 0; s < c.W; ++s) {
+    if (!c.window_from[s]) continue;
+    c.shm->link(c.peers()[s])->acquire();  // the peer's rows and metadata, announced, are visible
+    if ((*rx.announced)[s] != c.recv().source_rows[s])
+      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " announced ", (*rx.announced)[s],
+           " rows in shared memory, its counts said ", c.recv().source_rows[s],
+           " (please report this bug)");
+  }
+  spread_merged(c, rx);
+  fill_row_info(c, rx);
+}
+
+// Step 5: the counts of the plan, the handle, and the TP all-gather (SPEC §1.1 step 3).
+void finish(Dispatch& c) {
+  const RecvPlan& recv = c.recv();
+  c.out.ep_recv_counts = Tensor::empty(DType::kI32, {c.sh.W * c.sh.L});
+  std::copy(recv.inclusive.begin(), recv.inclusive.end(), c.out.ep_recv_counts.ptr<int32_t>());
+  c.out.expert_token_nums = Tensor::empty(DType::kI64, {c.sh.L});
+  int64_t running = 0;
+  for (int l = 0; l < c.L; ++l) {
+    int64_t rows = 0;
+    for (int s = 0; s < c.W; ++s) rows += recv.block_rows[l * c.W + s];
+    running += rows;
+    c.out.expert_token_nums.ptr<int64_t>()[l] = c.in.expert_token_nums_type == 0 ? running : rows;
+  }
+  c.out.tp_recv_counts = Tensor::empty(DType::kI32, {1});
+  c.out.tp_recv_counts.ptr<int32_t>()[0] = static_cast<int32_t>(recv.valid);
+  if (c.cfg.tp_world_size == 2) tp_all_gather(c.op, c.cfg, c.sh, recv.valid, c.out);
+  if (c.cached) {
+    c.out.handle = *c.in.handle;
+    return;
+  }
+  EpPlan& p = *c.plan;
+  p.comm = &c.comm;
+  p.cfg = c.cfg;
+  p.world_hash = c.world.hash;
+  p.transport = c.headers[0].transport;
+  p.shm = c.shm != nullptr;
+  p.sh = c.sh;
+  keep_routing(p, c.in.expert_ids, c.in.x_active_mask ? &*c.in.x_active_mask : nullptr);
+  if (c.cfg.tp_world_size == 2)
+    p.tp_peer_rows = c.out.tp_recv_counts.ptr<int32_t>()[1 - c.cfg.tp_rank_id];
+  c.out.handle = HandleInternals::make(c.plan);
+}
+
+}  // namespace
+
+}  // namespace moe_ep::detail
+
+namespace moe_ep {
+
+DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
+  using namespace detail;
+  Dispatch c(in, cfg, require_comm(Dispatch::op, cfg));
+  const uint64_t id = next_plan_id(c.comm);
+  c.hdr = base_header(kOpDispatch, cfg);
+  c.hdr.BS = in.x.ndim >= 1 ? in.x.shape[0] : -1;
+  c.hdr.H = in.x.ndim == 2 ? in.x.shape[1] : -1;
+  c.hdr.K = in.expert_ids.ndim == 2 ? in.expert_ids.shape[1] : -1;
+  c.hdr.dtype = static_cast<int64_t>(in.x.dtype);
+  c.hdr.quant_mode = static_cast<int32_t>(in.quant_mode);
+  capture(c.hdr, c.local, [&] {
+    check_arguments(c);
+    if (!c.world.removed) allocate(c);
+  });
+  if (!agree(c)) return removed_outputs(c);
+  plan_receives(c);
+  if (c.plan) c.plan->id = id;
+  move_rows(c);
+  finish(c);
+  return std::move(c.out);
+}
+
+}  // namespace moe_ep

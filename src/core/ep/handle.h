@@ -1,0 +1,68 @@
+// Internal: what a DispatchHandle holds (SPEC §7): the plan one dispatch_v2 computed, so that the
+// combine_v2 of its outputs and a later dispatch_v2 of the same routing (a "cached dispatch")
+// exchange rows only, never layout. A plan is immutable once made and shared by every handle
+// to it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/ep/config.h"
+#include "core/ep/plan.h"
+#include "moe_ep/dispatch.h"
+
+namespace moe_ep::detail {
+
+struct EpPlan {
+  uint64_t id = 0;  // the dispatch_v2 call that made it, counted per communicator (1, 2, ...)
+  const Communicator* comm = nullptr;
+  // What it is bound to: later calls must pass the same (check_plan).
+  EpConfig cfg;  // group_ep, group_tp and the arguments every rank must agree on
+  int64_t world_hash = 0;
+  int64_t transport = 0;            // TransportCode
+  bool shm = false;                 // the call used the shared-memory transport
+  bool may_merge = false;           // tokens may travel once per MPI destination (dispatch.cc)
+  std::vector<int32_t> expert_ids;  // (BS, K) row-major copy
+  int mask_ndim = 0;                // 0: no x_active_mask
+  std::vector<uint8_t> mask;        // its elements, row-major
+  EpShape sh;
+  // This rank as a sender (dispatch) and, in combine_v2, as the source the rows come back to.
+  SendPlan send;
+  // This rank as a receiver (dispatch) and, in combine_v2, as the owner that sends them back.
+  RecvPlan recv;
+  // Over MPI a token travels once per destination d when distinct[d] is not empty: the
+  // send-order entries of each token's first copy to d (dispatch.cc, "merges").
+  std::vector<std::vector<int64_t>> distinct;
+  std::vector<int32_t> distinct_count;  // per destination: rows on the wire
+  std::vector<int32_t> distinct_from;   // per source: rows on the wire
+  // For each rank d of this machine (world order; empty for others): the first row, in d's
+  // expand_x, of each block this rank sends d (one per local expert of d).
+  std::vector<std::vector<int64_t>> block_row;
+  int64_t tp_peer_rows = 0;  // tp_world_size 2: the TP peer's rows appended to expand_x
+};
+
+struct HandleInternals {
+  static const std::shared_ptr<const EpPlan>& plan(const DispatchHandle& h) { return h.plan_; }
+  static DispatchHandle make(std::shared_ptr<const EpPlan> plan) {
+    DispatchHandle h;
+    h.plan_ = std::move(plan);
+    return h;
+  }
+};
+
+// The next plan id of `comm` (every rank counts its dispatch_v2 calls on it alike).
+uint64_t next_plan_id(const Communicator& comm);
+
+// Checks that `plan` belongs to this call: the communicator, the arguments every rank agrees on
+// (the resolved transport and the elastic_info hash too), expert_ids and x_active_mask (element
+// by element). kInvalidArgument naming what differs, e.g.
+// "combine_v2: expert_ids[3,1] = 7 differs from the dispatch_v2 of the handle (5)".
+void check_plan(const char* op, const EpPlan& plan, const EpConfig& cfg,
+                const TensorView& expert_ids, const TensorView* mask, int64_t transport,
+                int64_t world_hash);
+
+// The copies of expert_ids and x_active_mask a plan keeps.
+void keep_routing(EpPlan& plan, const TensorView& expert_ids, const TensorView* mask);
+
+}  // namespace moe_ep::detail

@@ -1,0 +1,31 @@
+// Internal: the MPI transport's Link (transport/link.h): rows as messages, one per block.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "moe_ep/comm.h"
+#include "transport/link.h"
+
+namespace moe_ep::detail {
+
+class MessageLink final : public Link {
+ public:
+  explicit MessageLink(int peer) : Link(peer) {}
+  bool addressable() const override { return false; }
+  char* place(int gen, int64_t offset, int64_t bytes) const override;
+  // Contiguous messages: OpenMPI moves them with its single-copy path (derived datatypes went
+  // through copy-in/out, about 6x slower: docs/performance.md).
+  void put_block(Exchange& ex, const void* data, int64_t rows, const MpiType& type,
+                 int tag) const override;
+  void get_block(Exchange& ex, void* data, int64_t rows, const MpiType& type,
+                 int tag) const override;
+  void announce(Exchange&, const int64_t*, int) const override {}
+  void expect_announce(Exchange&, int64_t*, int) const override {}
+};
+
+// The message links of `comm`, one per rank (itself included), created on first use and kept
+// with the communicator.
+const std::vector<std::unique_ptr<MessageLink>>& message_links(const Communicator& comm);
+
+}  // namespace moe_ep::detail
