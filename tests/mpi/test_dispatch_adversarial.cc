@@ -432,8 +432,9 @@ TEST_F(EpLayoutAdversarial, TopKEqualsExpertNum) {
 }
 
 // H = 0: zero-byte rows (a degenerate size the SPEC does not exclude) must work (the quant_mode 2
-// part below: or be a clean Error), never a crash or a hang. (ref/ cannot run H = 0: its memcpy into an empty vector
-// passes null, UBSan stops; so the layout is compared with the H = 1 reference.)
+// part below: or be a clean Error), never a crash or a hang. (ref/ cannot run H = 0: its memcpy
+// into an empty vector passes null, UBSan stops; so the layout is compared with the H = 1
+// reference.)
 TEST_F(EpLayoutAdversarial, ZeroHiddenSize) {
   const int W = world_size(), rank = world_rank();
   Case c = make_case(W, 12, 2, 1, std::vector<int64_t>(W, 3), 0, 4, 10);

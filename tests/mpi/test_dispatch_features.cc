@@ -287,6 +287,36 @@ uint64_t fnv1a(const void* p, std::size_t n) {
   return h;
 }
 
+// SPEC §7: with the handle of `out` (dispatch_v2 type 1 of b), a cached dispatch gives the same
+// outputs bit for bit, and combine_v2 given the handle (no assist_info_for_combine, no
+// ep_send_counts) the same sum: once on the experts' outputs in a tensor of their own, once with
+// the experts run in place on expand_x (which then lies in the shared-memory window, where the
+// peers of this machine read it).
+void handle_round_trip(const Batch& b, const DispatchOutputs& out,
+                       const std::vector<unsigned char>& combined) {
+  const int rank = comm()->rank();
+  ASSERT_TRUE(out.handle.defined());
+  const auto want = ref::dispatch_reference(ref_inputs(b), b.world);
+  DispatchInputs din = dispatch_inputs(b, rank, 1);
+  din.handle = &out.handle;
+  const DispatchOutputs cached = dispatch_v2(din, config(b));
+  SCOPED_TRACE("cached dispatch");
+  check_dispatch(b, cached, want[rank], 1);
+  const Tensor y = run_experts(b, cached, rank, b.W, b.spec.S, b.spec.Ns, b.spec.E);
+  for (bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "combine with the handle, in place" : "combine with the handle");
+    if (in_place) std::memcpy(cached.expand_x.data(), y.data(), y.nbytes());
+    CombineInputs cin = combine_inputs(b, rank, cached, in_place ? cached.expand_x : y);
+    cin.assist_info_for_combine = TensorView{};
+    cin.ep_send_counts = TensorView{};
+    cin.handle = &cached.handle;
+    const Tensor x = combine_v2(cin, config(b));
+    ASSERT_EQ(x.nbytes(), combined.size());
+    EXPECT_TRUE(same_bytes(x.data(), combined.data(), x.nbytes()))
+        << "combine_v2 with the handle differs from SPEC §2.3 computed by the reference";
+  }
+}
+
 // dispatch (both types), the experts, combine: everything against the reference.
 void round_trip(const Batch& b) {
   const int rank = comm()->rank();
@@ -305,6 +335,7 @@ void round_trip(const Batch& b) {
   ASSERT_EQ(x.nbytes(), combined[rank].size());
   EXPECT_TRUE(same_bytes(x.data(), combined[rank].data(), x.nbytes()))
       << "combine_v2 differs from SPEC §2.3 computed by the reference";
+  handle_round_trip(b, out, combined[rank]);
   if (rank == 0) {
     uint64_t h = 1469598103934665603ull;
     for (const auto& part : combined) h ^= fnv1a(part.data(), part.size()) + (h << 6);

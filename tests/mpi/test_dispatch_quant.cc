@@ -156,7 +156,12 @@ TEST(DispatchQuant, MatchesReferenceBitwise) {
     const int rank = world_rank();
     const std::vector<ref::EpRankDispatch> want = ref::dispatch_reference(b.inputs, b.world);
     const ref::EpRankDispatch& w = want[rank];
-    const DispatchOutputs out = dispatch_v2(dispatch_inputs(b, 2), config(b));
+    const DispatchOutputs first = dispatch_v2(dispatch_inputs(b, 2), config(b));
+    // A cached dispatch (SPEC §7) with the handle of the first: these outputs, the same bits.
+    DispatchInputs cached = dispatch_inputs(b, 2);
+    cached.handle = &first.handle;
+    const DispatchOutputs out = dispatch_v2(cached, config(b));
+    EXPECT_EQ(std::memcmp(out.expand_x.data(), first.expand_x.data(), w.valid * spec.H), 0);
     const int64_t H = spec.H, es = esize(spec.dtype);
     ASSERT_EQ(out.expand_x.dtype(), DType::kI8);
     ASSERT_EQ(out.expand_x.ndim(), 2);
@@ -249,6 +254,17 @@ TEST(DispatchQuant, CombineCommQuantBitwise) {
     CombineInputs cin = combine_inputs(b, d, y);
     cin.comm_quant_mode = 2;
     const Tensor out = combine_v2(cin, config(b));
+    // With the handle (SPEC §7: no layout round, no per-row metadata; the int8 scales travel on
+    // their own): the same bits.
+    CombineInputs hin = combine_inputs(b, d, y);
+    hin.comm_quant_mode = 2;
+    hin.handle = &d.handle;
+    hin.assist_info_for_combine = TensorView{};
+    hin.ep_send_counts = TensorView{};
+    const Tensor out_h = combine_v2(hin, config(b));
+    ASSERT_EQ(out_h.nbytes(), out.nbytes());
+    EXPECT_EQ(std::memcmp(out_h.data(), out.data(), out.nbytes()), 0)
+        << "comm_quant_mode 2 with the handle differs from without";
     const int64_t H = spec.H, K = b.K, es = esize(spec.dtype);
     ASSERT_EQ(out.dtype(), spec.dtype);
     ASSERT_EQ(out.size(0), spec.BS);

@@ -207,6 +207,22 @@ void round_trip(Grouping grouping, uint64_t seed) {
   const auto want = ref::combine_reference(g.inputs(), ref::tp_sum_expert(p0, p1));
   ASSERT_EQ(out.nbytes(), want[w.ep_rank].size());
   EXPECT_EQ(std::memcmp(out.data(), want[w.ep_rank].data(), out.nbytes()), 0);
+
+  // SPEC §7 with TP: a cached dispatch gives the same layout, and combine given its handle (no
+  // assist_info_for_combine, ep_send_counts or tp_send_counts) the same sum.
+  DispatchInputs cached_in = dispatch_inputs(g, w.ep_rank);
+  cached_in.handle = &d.handle;
+  DispatchOutputs cached = dispatch_v2(cached_in, cfg);
+  expect_layout(cached, ref::tp_layout(own, peer, w.W), t, own.valid, peer.valid);
+  Tensor yc = run_expert(cached, w.ep_rank, g.H, t == 0 ? p0 : p1);
+  CombineInputs hin;
+  hin.expand_x = yc;
+  hin.expert_ids = TensorView::contiguous(g.ids[w.ep_rank].data(), DType::kI32, {g.BS, g.K});
+  hin.expert_scales = TensorView::contiguous(g.scales[w.ep_rank].data(), DType::kF32, {g.BS, g.K});
+  hin.handle = &cached.handle;
+  Tensor out_h = combine_v2(hin, cfg);
+  ASSERT_EQ(out_h.nbytes(), want[w.ep_rank].size());
+  EXPECT_EQ(std::memcmp(out_h.data(), want[w.ep_rank].data(), out_h.nbytes()), 0);
 }
 
 TEST(DispatchTp, HandMadeLayout) {

@@ -66,8 +66,11 @@ MPI_Datatype MpiType::get() const {
   return t_ = t;
 }
 
+thread_local std::vector<std::string>* phase_trace = nullptr;
+
 Exchange::Exchange(const Communicator& comm, const char* op, const char* phase)
     : comm_(comm), op_(op), phase_(phase) {
+  if (phase_trace) phase_trace->push_back(phase);
   // A send and a receive per peer is the common phase; reserved at once, since the arena never
   // reuses what a growing vector gives back.
   const std::size_t expect = 2 * static_cast<std::size_t>(comm.size());

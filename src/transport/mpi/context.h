@@ -108,6 +108,10 @@ class Exchange {
   std::pmr::vector<std::shared_ptr<const void>> keep_{&pool_};
 };
 
+// Testing: while non-null, every Exchange this thread makes appends its phase name here, so a
+// test can check which rounds an op makes (e.g. that a DispatchHandle skips the layout rounds).
+extern thread_local std::vector<std::string>* phase_trace;
+
 // The deadline from_mpi uses: options.timeout_s (finite, > 0), else $MOE_EP_TIMEOUT_S, else
 // 300 s. Error(kInvalidArgument) "<op>: ..." for a bad value.
 double resolve_timeout(const CommOptions& options, const char* op);

@@ -1,0 +1,226 @@
+// The dispatch handle (SPEC §7): which rounds it saves, and the mistakes it refuses. That its
+// results are the same bits as the SPEC tensors' is checked with every feature in
+// test_dispatch_features.cc (FeatureGrid), test_dispatch_quant.cc and test_dispatch_tp.cc.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe_ep/comm.h"
+#include "moe_ep/dispatch.h"
+#include "moe_ep/error.h"
+#include "mpi/common.h"
+#include "transport/mpi/context.h"
+
+namespace moe_ep {
+namespace {
+
+using test::expect_collective_error;
+
+Communicator* comm() {
+  static std::shared_ptr<Communicator> c = Communicator::from_mpi(MPI_COMM_WORLD);
+  return c.get();
+}
+
+// This rank's tokens: BS = 5, H = 16, K = 3 distinct experts of E = 4 W, bf16.
+struct Batch {
+  int64_t BS = 5, H = 16, K = 3, E = 0;
+  std::vector<uint16_t> x;
+  std::vector<int32_t> ids;
+  std::vector<float> scales;
+  std::vector<uint8_t> mask;
+  TensorView x_view() { return TensorView::contiguous(x.data(), DType::kBF16, {BS, H}); }
+  TensorView ids_view() { return TensorView::contiguous(ids.data(), DType::kI32, {BS, K}); }
+  TensorView scales_view() { return TensorView::contiguous(scales.data(), DType::kF32, {BS, K}); }
+  TensorView mask_view() { return TensorView::contiguous(mask.data(), DType::kBool, {BS, K}); }
+};
+
+Batch make_batch(uint64_t seed) {
+  Batch b;
+  const int W = comm()->size();
+  b.E = 4 * W;
+  test::SplitMix64 rng{seed * 7919 + static_cast<uint64_t>(comm()->rank())};
+  for (int64_t i = 0; i < b.BS * b.H; ++i)
+    b.x.push_back(float_to_bf16(static_cast<float>(rng.below(200)) / 64.0f - 1.5f));
+  for (int64_t i = 0; i < b.BS; ++i) {
+    std::vector<int32_t> pool(b.E);
+    for (int32_t e = 0; e < b.E; ++e) pool[e] = e;
+    for (int64_t k = 0; k < b.K; ++k) {
+      std::swap(pool[k], pool[k + rng.below(b.E - k)]);
+      b.ids.push_back(pool[k]);
+      b.scales.push_back(static_cast<float>(1 + rng.below(8)) / 8.0f);
+      b.mask.push_back(rng.below(5) != 0);
+    }
+  }
+  return b;
+}
+
+EpConfig config(const Batch& b, Communicator* group = comm()) {
+  EpConfig c;
+  c.group_ep = group;
+  c.ep_world_size = group->size();
+  c.ep_rank_id = group->rank();
+  c.moe_expert_num = b.E;
+  return c;
+}
+
+DispatchInputs dispatch_inputs(Batch& b) {
+  DispatchInputs in;
+  in.x = b.x_view();
+  in.expert_ids = b.ids_view();
+  in.expert_scales = b.scales_view();
+  return in;
+}
+
+// combine_v2 of dispatch's rows as they came (identity experts), with or without the handle.
+CombineInputs combine_inputs(Batch& b, const DispatchOutputs& d, bool handle) {
+  CombineInputs in;
+  in.expand_x = d.expand_x;
+  in.expert_ids = b.ids_view();
+  in.expert_scales = b.scales_view();
+  if (handle) {
+    in.handle = &d.handle;
+  } else {
+    in.assist_info_for_combine = d.assist_info_for_combine;
+    in.ep_send_counts = d.ep_recv_counts;
+  }
+  return in;
+}
+
+// The phases (rounds of messages) `call` makes on this rank.
+template <class F>
+std::vector<std::string> phases_of(F&& call) {
+  std::vector<std::string> trace;
+  detail::phase_trace = &trace;
+  try {
+    call();
+  } catch (...) {
+    detail::phase_trace = nullptr;
+    throw;
+  }
+  detail::phase_trace = nullptr;
+  return trace;
+}
+
+bool has(const std::vector<std::string>& v, const char* s) {
+  return std::find(v.begin(), v.end(), s) != v.end();
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (const std::string& p : v) s += (s.empty() ? "" : ", ") + p;
+  return s;
+}
+
+TEST(Handle, SavesTheLayoutRounds) {
+  Batch b = make_batch(1);
+  DispatchOutputs d;
+  const auto plain = phases_of([&] { d = dispatch_v2(dispatch_inputs(b), config(b)); });
+  EXPECT_TRUE(has(plain, "counts")) << joined(plain);
+  DispatchInputs cached_in = dispatch_inputs(b);
+  cached_in.handle = &d.handle;
+  DispatchOutputs cached;
+  const auto cached_phases = phases_of([&] { cached = dispatch_v2(cached_in, config(b)); });
+  EXPECT_FALSE(has(cached_phases, "counts")) << joined(cached_phases);
+  EXPECT_FALSE(has(cached_phases, "shm offsets")) << joined(cached_phases);
+  EXPECT_TRUE(has(cached_phases, "header")) << joined(cached_phases);
+  Tensor x_plain, x_handle;
+  const auto without =
+      phases_of([&] { x_plain = combine_v2(combine_inputs(b, cached, false), config(b)); });
+  EXPECT_TRUE(has(without, "layout back")) << joined(without);
+  const auto with =
+      phases_of([&] { x_handle = combine_v2(combine_inputs(b, cached, true), config(b)); });
+  EXPECT_FALSE(has(with, "layout back")) << joined(with);
+  EXPECT_TRUE(has(with, "rows")) << joined(with);
+  ASSERT_EQ(x_plain.nbytes(), x_handle.nbytes());
+  EXPECT_EQ(std::memcmp(x_plain.data(), x_handle.data(), x_plain.nbytes()), 0);
+}
+
+TEST(Handle, OutlivesTheOutputs) {
+  Batch b = make_batch(2);
+  DispatchHandle h;
+  Tensor want;
+  {
+    const DispatchOutputs d = dispatch_v2(dispatch_inputs(b), config(b));
+    h = d.handle;
+    want = combine_v2(combine_inputs(b, d, false), config(b));
+  }
+  DispatchInputs in = dispatch_inputs(b);
+  in.handle = &h;
+  const DispatchOutputs d = dispatch_v2(in, config(b));
+  const Tensor got = combine_v2(combine_inputs(b, d, true), config(b));
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0);
+}
+
+TEST(Handle, OtherExpertIdsAreRefused) {
+  Batch b = make_batch(3);
+  const DispatchOutputs d = dispatch_v2(dispatch_inputs(b), config(b));
+  const int rank = comm()->rank();
+  // Rank 0 moves token 1's first entry to an expert the token does not use.
+  if (rank == 0) {
+    int32_t e = 0;
+    while (std::count(b.ids.begin() + b.K, b.ids.begin() + 2 * b.K, e)) ++e;
+    b.ids[b.K] = e;
+  }
+  expect_collective_error([&] { combine_v2(combine_inputs(b, d, true), config(b)); }, rank, 0,
+                          ErrorKind::kInvalidArgument,
+                          {"expert_ids[1,0]", "differs from the dispatch_v2 of the handle"});
+  DispatchInputs in = dispatch_inputs(b);
+  in.handle = &d.handle;
+  expect_collective_error([&] { dispatch_v2(in, config(b)); }, rank, 0, ErrorKind::kInvalidArgument,
+                          {"differs from the dispatch_v2"});
+}
+
+TEST(Handle, OtherMaskIsRefused) {
+  Batch b = make_batch(4);
+  DispatchInputs in = dispatch_inputs(b);
+  in.x_active_mask = b.mask_view();
+  const DispatchOutputs d = dispatch_v2(in, config(b));
+  // Every rank leaves the mask out: every rank refuses.
+  expect_collective_error([&] { combine_v2(combine_inputs(b, d, true), config(b)); },
+                          comm()->rank(), -1, ErrorKind::kInvalidArgument, {"x_active_mask"});
+}
+
+TEST(Handle, EveryRankMustPassTheSameHandle) {
+  if (comm()->size() < 2) GTEST_SKIP() << "needs two ranks";
+  Batch b = make_batch(5);
+  const DispatchOutputs d1 = dispatch_v2(dispatch_inputs(b), config(b));
+  const DispatchOutputs d2 = dispatch_v2(dispatch_inputs(b), config(b));
+  const int rank = comm()->rank();
+  // Only rank 0 passes one.
+  CombineInputs some = combine_inputs(b, d2, rank == 0);
+  expect_collective_error([&] { combine_v2(some, config(b)); }, rank, -1,
+                          ErrorKind::kInvalidArgument,
+                          {"the ranks passed different dispatch handles", "(every rank must pass"});
+  // Rank 0 passes the first dispatch's, the others the second's.
+  DispatchInputs in = dispatch_inputs(b);
+  in.handle = rank == 0 ? &d1.handle : &d2.handle;
+  expect_collective_error([&] { dispatch_v2(in, config(b)); }, rank, -1,
+                          ErrorKind::kInvalidArgument, {"different dispatch handles"});
+}
+
+TEST(Handle, UndefinedOrForeignHandleIsRefused) {
+  Batch b = make_batch(6);
+  const int rank = comm()->rank();
+  const DispatchOutputs d = dispatch_v2(dispatch_inputs(b), config(b));
+  const DispatchHandle empty;
+  EXPECT_FALSE(empty.defined());
+  CombineInputs in = combine_inputs(b, d, true);
+  if (rank == 0) in.handle = &empty;
+  expect_collective_error([&] { combine_v2(in, config(b)); }, rank, 0, ErrorKind::kInvalidArgument,
+                          {"handle is given but not defined"});
+  // A handle of another communicator over the same ranks.
+  auto other = Communicator::from_mpi(MPI_COMM_WORLD);
+  const DispatchOutputs od = dispatch_v2(dispatch_inputs(b), config(b, other.get()));
+  CombineInputs foreign = combine_inputs(b, d, true);
+  if (rank == 0) foreign.handle = &od.handle;
+  expect_collective_error([&] { combine_v2(foreign, config(b)); }, rank, 0,
+                          ErrorKind::kInvalidArgument, {"belongs to another communicator"});
+}
+
+}  // namespace
+}  // namespace moe_ep
