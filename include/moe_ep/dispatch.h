@@ -158,6 +158,23 @@ class MOE_EP_API DispatchHandle {
   std::shared_ptr<const detail::EpPlan> plan_;
 };
 
+// Caller-allocated outputs of dispatch_v2 (as NCCL EP's API allows), so that a serving loop
+// allocates no output per call. Each view given must be contiguous, of exactly the dtype and
+// shape dispatch_v2 returns for it (dispatch_workspace gives the sizes) and stay alive while the
+// outputs are used: the returned tensors then view this memory and do not own it. Views not
+// given are allocated as usual. expand_x: when it is the expand_x of an earlier dispatch_v2 on
+// this communicator whose tensor is still alive (its shared-memory slot), the senders on this
+// machine write into it in place and the returned expand_x keeps the slot; any other memory
+// gets the rows through the usual path (with shared memory: a slot of the window, then one
+// copy of the valid rows). The serving-loop pattern: keep the first call's outputs as the
+// buffers, `DispatchBuffers b = buffers_of(first);` then `in.out = &b;` on every call.
+// Errors: kInvalidArgument "dispatch_v2: out.expand_scales is fp32[8] but this call writes
+// fp32[12]", or a non-contiguous view.
+struct DispatchBuffers {
+  std::optional<TensorView> expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums,
+      ep_recv_counts, tp_recv_counts, expand_scales;
+};
+
 // SPEC §1.3.
 struct DispatchInputs {
   TensorView x;           // [in] (BS, H) bf16/fp16/fp32, BS >= 0; rows may be strided
@@ -200,6 +217,8 @@ struct DispatchInputs {
   // have had the same quant_mode and smoothing scales given or not. Not owned; read during the
   // call only. The outputs are those of an uncached call, bit for bit.
   const DispatchHandle* handle = nullptr;
+  // [out] optional: where to write the outputs (see DispatchBuffers). Not owned.
+  const DispatchBuffers* out = nullptr;
 };
 
 // SPEC §1.4. A = G * min(L, K) on a MoE rank, (G / W) * ceil(W / (S / Ns)) on a shared-expert
@@ -239,6 +258,10 @@ struct DispatchOutputs {
 // disagree), kUnsupported (outside this build's slice), kRemote (another rank's arguments),
 // kTimeout, kSystem. docs/errors.md lists every check.
 MOE_EP_API DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg);
+
+// Views of every defined output of `outputs`, to pass back as DispatchInputs::out (they stay
+// valid while `outputs`' tensors live).
+MOE_EP_API DispatchBuffers buffers_of(const DispatchOutputs& outputs);
 
 // SPEC §2.1. expand_x holds the expert outputs, row for row in dispatch's layout.
 struct CombineInputs {
@@ -290,6 +313,10 @@ struct CombineInputs {
   // ep_send_counts are not read (they may be left empty), and expert_ids / x_active_mask must be
   // that dispatch's (checked element by element). The result is the same bits. Not owned.
   const DispatchHandle* handle = nullptr;
+  // [out] optional: the caller's (BS, H) contiguous tensor of expand_x's dtype, which combine_v2
+  // writes and returns a (non-owning) view of, instead of allocating one. kInvalidArgument for
+  // another shape, dtype or layout.
+  std::optional<TensorView> out;
 };
 
 // Returns x (BS, H) in expand_x's dtype: SPEC §2.3 and §2.2, for each ACTIVE token i, in fp32

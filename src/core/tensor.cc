@@ -9,6 +9,7 @@
 #include "base/check.h"
 #include "base/numeric.h"
 #include "core/block_cache.h"
+#include "core/tensor_internals.h"
 
 namespace moe_ep {
 
@@ -247,5 +248,26 @@ DLManagedTensor* Tensor::to_dlpack_managed() const {
   };
   return m;
 }
+
+namespace detail {
+
+Tensor TensorInternals::wrap(std::shared_ptr<void> owner, void* data, DType dtype,
+                             const std::vector<int64_t>& shape) {
+  Tensor t;
+  t.view_ = TensorView::contiguous(data, dtype, shape);
+  t.storage_ = std::move(owner);
+  return t;
+}
+
+Tensor TensorInternals::view(const TensorView& v) {
+  Tensor t;
+  t.view_ = v;
+  // Non-null, owning nothing: defined() holds, and no copy frees the memory.
+  static char empty;
+  t.storage_ = std::shared_ptr<void>(std::shared_ptr<void>(), v.data != nullptr ? v.data : &empty);
+  return t;
+}
+
+}  // namespace detail
 
 }  // namespace moe_ep

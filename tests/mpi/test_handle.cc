@@ -1,4 +1,5 @@
-// The dispatch handle (SPEC §7): which rounds it saves, and the mistakes it refuses. That its
+// The dispatch handle (SPEC §7): which rounds it saves, and the mistakes it refuses; and outputs
+// written into the caller's memory (DispatchBuffers, CombineInputs::out). That its
 // results are the same bits as the SPEC tensors' is checked with every feature in
 // test_dispatch_features.cc (FeatureGrid), test_dispatch_quant.cc and test_dispatch_tp.cc.
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 #include "moe_ep/error.h"
 #include "mpi/common.h"
 #include "transport/mpi/context.h"
+#include "transport/shm/context.h"
 
 namespace moe_ep {
 namespace {
@@ -220,6 +222,110 @@ TEST(Handle, UndefinedOrForeignHandleIsRefused) {
   if (rank == 0) foreign.handle = &od.handle;
   expect_collective_error([&] { combine_v2(foreign, config(b)); }, rank, 0,
                           ErrorKind::kInvalidArgument, {"belongs to another communicator"});
+}
+
+// Every defined output of a and b equal where defined (the valid rows of expand_x, the first
+// 3 * valid entries of assist_info_for_combine), and the rest whole.
+void expect_same_outputs(const DispatchOutputs& a, const DispatchOutputs& b, int64_t H) {
+  const int64_t valid = a.tp_recv_counts.ptr<int32_t>()[0];
+  ASSERT_EQ(valid, b.tp_recv_counts.ptr<int32_t>()[0]);
+  EXPECT_EQ(std::memcmp(a.expand_x.data(), b.expand_x.data(), valid * H * 2), 0);
+  EXPECT_EQ(std::memcmp(a.assist_info_for_combine.data(), b.assist_info_for_combine.data(),
+                        valid * 3 * 4),
+            0);
+  for (auto t : {&DispatchOutputs::ep_recv_counts, &DispatchOutputs::expert_token_nums,
+                 &DispatchOutputs::expand_scales}) {
+    ASSERT_EQ((a.*t).nbytes(), (b.*t).nbytes());
+    EXPECT_EQ(std::memcmp((a.*t).data(), (b.*t).data(), (a.*t).nbytes()), 0);
+  }
+}
+
+TEST(Outputs, DispatchWritesTheCallersBuffers) {
+  Batch b = make_batch(7);
+  const DispatchOutputs want = dispatch_v2(dispatch_inputs(b), config(b));
+  const DispatchOutputs buffers = dispatch_v2(dispatch_inputs(b), config(b));
+  // Scribble over them: every output must be written again.
+  std::memset(buffers.expand_scales.data(), 0x7f, buffers.expand_scales.nbytes());
+  std::memset(buffers.ep_recv_counts.data(), 0x7f, buffers.ep_recv_counts.nbytes());
+  const DispatchBuffers views = buffers_of(buffers);
+  DispatchInputs in = dispatch_inputs(b);
+  in.out = &views;
+  const DispatchOutputs got = dispatch_v2(in, config(b));
+  // The previous expand_x is a window slot still held (shm) or ordinary memory (mpi): written
+  // in place either way.
+  for (auto t : {&DispatchOutputs::expand_x, &DispatchOutputs::assist_info_for_combine,
+                 &DispatchOutputs::expand_scales, &DispatchOutputs::ep_recv_counts,
+                 &DispatchOutputs::tp_recv_counts, &DispatchOutputs::expert_token_nums})
+    EXPECT_EQ((got.*t).data(), (buffers.*t).data());
+  expect_same_outputs(got, want, b.H);
+  // And combine into the caller's x.
+  std::vector<uint16_t> x(static_cast<std::size_t>(b.BS * b.H), 0xffff);
+  CombineInputs cin = combine_inputs(b, got, true);
+  cin.out = TensorView::contiguous(x.data(), DType::kBF16, {b.BS, b.H});
+  const Tensor y = combine_v2(cin, config(b));
+  EXPECT_EQ(y.data(), x.data());
+  const Tensor y_want = combine_v2(combine_inputs(b, want, false), config(b));
+  EXPECT_EQ(std::memcmp(x.data(), y_want.data(), y_want.nbytes()), 0);
+}
+
+TEST(Outputs, ExpandXInOrdinaryMemory) {
+  Batch b = make_batch(8);
+  const DispatchOutputs want = dispatch_v2(dispatch_inputs(b), config(b));
+  std::vector<uint16_t> rows(static_cast<std::size_t>(want.expand_x.numel()));
+  DispatchBuffers views;
+  views.expand_x = TensorView::contiguous(rows.data(), DType::kBF16,
+                                          {want.expand_x.size(0), want.expand_x.size(1)});
+  DispatchInputs in = dispatch_inputs(b);
+  in.out = &views;
+  const DispatchOutputs got = dispatch_v2(in, config(b));
+  EXPECT_EQ(got.expand_x.data(), rows.data());
+  expect_same_outputs(got, want, b.H);
+}
+
+// A serving loop: outputs, handle and window slot reused, every call the same bits, and no new
+// shared-memory slot after the first calls.
+TEST(Outputs, ServingLoopReusesEverything) {
+  Batch b = make_batch(9);
+  const DispatchOutputs first = dispatch_v2(dispatch_inputs(b), config(b));
+  const Tensor want = combine_v2(combine_inputs(b, first, false), config(b));
+  const DispatchBuffers views = buffers_of(first);
+  std::vector<uint16_t> x(static_cast<std::size_t>(b.BS * b.H));
+  DispatchInputs in = dispatch_inputs(b);
+  in.out = &views;
+  in.handle = &first.handle;
+  int64_t slots = -1;
+  for (int call = 0; call < 5; ++call) {
+    const DispatchOutputs d = dispatch_v2(in, config(b));
+    CombineInputs cin = combine_inputs(b, d, true);
+    cin.out = TensorView::contiguous(x.data(), DType::kBF16, {b.BS, b.H});
+    combine_v2(cin, config(b));
+    EXPECT_EQ(std::memcmp(x.data(), want.data(), want.nbytes()), 0) << "call " << call;
+    const auto& shm = detail::CommInternals::shm(*comm());
+    if (!shm) continue;
+    if (call == 1) slots = shm->slots_allocated();
+    if (call > 1) {
+      EXPECT_EQ(shm->slots_allocated(), slots) << "call " << call;
+    }
+  }
+}
+
+TEST(Outputs, WrongBuffersAreRefused) {
+  Batch b = make_batch(10);
+  const DispatchOutputs d = dispatch_v2(dispatch_inputs(b), config(b));
+  std::vector<float> small(static_cast<std::size_t>(d.expand_scales.numel() + 1));
+  DispatchBuffers views;
+  views.expand_scales =
+      TensorView::contiguous(small.data(), DType::kF32, {static_cast<int64_t>(small.size())});
+  DispatchInputs in = dispatch_inputs(b);
+  const int rank = comm()->rank();
+  if (rank == 0) in.out = &views;
+  expect_collective_error([&] { dispatch_v2(in, config(b)); }, rank, 0, ErrorKind::kInvalidArgument,
+                          {"out.expand_scales is fp32[", "but this call writes fp32["});
+  std::vector<uint16_t> x(static_cast<std::size_t>(b.BS * b.H));
+  CombineInputs cin = combine_inputs(b, d, false);
+  if (rank == 0) cin.out = TensorView::contiguous(x.data(), DType::kF16, {b.BS, b.H});
+  expect_collective_error([&] { combine_v2(cin, config(b)); }, rank, 0, ErrorKind::kInvalidArgument,
+                          {"combine_v2: out is fp16["});
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include "core/ep/slot.h"
 #include "core/ep/tp.h"
 #include "core/ep/windows.h"
+#include "core/tensor_internals.h"
 #include "core/validate.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
@@ -246,6 +247,17 @@ void check_arguments(Combine& c) {
   if (in.expand_scales) expect_tensor(op, "expand_scales", *in.expand_scales, {DType::kF32}, 1);
 }
 
+// The caller's output (CombineInputs::out): (BS, H), expand_x's dtype, contiguous.
+void check_out(const Combine& c) {
+  const TensorView& v = *c.in.out;
+  if (v.dtype != c.sh.dtype || v.ndim != 2 || v.shape[0] != c.sh.BS || v.shape[1] != c.sh.H)
+    invalid(c.op, ": out is ", v.describe(), " but this call writes ",
+            TensorView::contiguous(nullptr, c.sh.dtype, {c.sh.BS, c.sh.H}).describe(),
+            " (BS, H) of expand_x's dtype");
+  expect_memory(c.op, "out", v);
+  if (!v.is_contiguous()) invalid(c.op, ": out (", v.describe(), ") is not contiguous");
+}
+
 // Step 1c: what the call holds, allocated before the header exchange (see dispatch.cc). With
 // shared memory: whether peers can read expand_x where it lies, else a staging slot.
 void allocate(Combine& c) {
@@ -272,7 +284,12 @@ void allocate(Combine& c) {
     c.qback = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {valid * sh.H}));
     c.qback_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(valid));
   }
-  c.out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
+  if (c.in.out) {
+    check_out(c);
+    c.out = TensorInternals::view(*c.in.out);
+  } else {
+    c.out = Tensor::empty(sh.dtype, {sh.BS, sh.H});
+  }
 }
 
 // Step 2: the rows this rank sends back, ready where its readers find them: with comm_quant_mode

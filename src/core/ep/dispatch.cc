@@ -32,6 +32,7 @@
 #include "core/ep/slot.h"
 #include "core/ep/tp.h"
 #include "core/ep/windows.h"
+#include "core/tensor_internals.h"
 #include "core/validate.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
@@ -68,6 +69,9 @@ struct Dispatch {
   // first grow, its allocation deferred until after the header agreement.
   bool shm_want = false, shm_defer = false;
   std::optional<ShmSlot> slot;
+  // The caller's expand_x (DispatchInputs::out) when the rows land elsewhere first (a window
+  // slot): the valid rows are copied there at the end.
+  std::optional<TensorView> copy_to;
   int64_t expand_bytes = 0, slot_need = 0, stream_min = 0;
   // 2. agree
   std::vector<OpHeader> headers;
@@ -155,6 +159,56 @@ void check_arguments(Dispatch& c) {
   }
 }
 
+// An output: the caller's view `given` (DispatchInputs::out) after checking it, or allocated.
+// Rows past the valid ones of expand_scales and dynamic_scales are documented as 0: zeroed.
+Tensor output(const char* name, const std::optional<TensorView>* given, DType dtype,
+              const std::vector<int64_t>& shape, bool zero) {
+  if (given == nullptr || !given->has_value()) {
+    return zero ? Tensor::zeros(dtype, shape) : Tensor::empty(dtype, shape);
+  }
+  const TensorView& v = **given;
+  const TensorView want = TensorView::contiguous(nullptr, dtype, shape);
+  bool same = v.dtype == dtype && v.ndim == want.ndim;
+  for (int d = 0; same && d < v.ndim; ++d) same = v.shape[d] == want.shape[d];
+  if (!same)
+    invalid("dispatch_v2: out.", name, " is ", v.describe(), " but this call writes ",
+            want.describe(), " (sizes: dispatch_workspace)");
+  expect_memory("dispatch_v2", name, v);
+  if (!v.is_contiguous())
+    invalid("dispatch_v2: out.", name, " (", v.describe(), ") is not contiguous");
+  Tensor t = TensorInternals::view(v);
+  if (zero && t.nbytes() > 0) std::memset(t.data(), 0, t.nbytes());
+  return t;
+}
+
+// expand_x: a window slot (the caller's, when it is one still held; else a new one, or one
+// deferred until the window grows), else the caller's memory, else allocated.
+void allocate_expand_x(Dispatch& c, DType dtype, int64_t rows) {
+  const std::optional<TensorView>* given = c.in.out ? &c.in.out->expand_x : nullptr;
+  if (given && given->has_value()) output("expand_x", given, dtype, {rows, c.sh.H}, false);
+  if (c.shm_want) {
+    const auto& ctx = CommInternals::shm(c.comm);
+    if (ctx && given && given->has_value()) c.slot = ctx->adopt((*given)->data, c.slot_need);
+    if (!c.slot && ctx) c.slot = ctx->try_alloc(c.slot_need);
+    // No window yet, or ShmContext::should_grow (one too small, or full within a bound): all
+    // ranks of the machine grow it after the agreement. Otherwise: MPI for this call.
+    if (!c.slot && (!ctx || ctx->should_grow(c.slot_need))) c.hdr.shm_grow = 1, c.shm_defer = true;
+    const bool adopted = c.slot && given && given->has_value() && c.slot->ptr == (*given)->data;
+    if (given && given->has_value() && !adopted) {
+      if (c.slot || c.shm_defer) {
+        c.copy_to = **given;
+      } else {
+        c.out.expand_x = output("expand_x", given, dtype, {rows, c.sh.H}, false);
+        return;
+      }
+    }
+  }
+  if (c.slot)
+    c.out.expand_x = TensorInternals::wrap(c.slot->token, c.slot->ptr, dtype, {rows, c.sh.H});
+  else if (!c.shm_defer)
+    c.out.expand_x = output("expand_x", given, dtype, {rows, c.sh.H}, false);
+}
+
 // Step 1b: the send plan and the outputs, allocated before the header exchange, so that an
 // allocation failure on one rank is reported to every rank instead of leaving them waiting.
 void allocate(Dispatch& c) {
@@ -166,23 +220,15 @@ void allocate(Dispatch& c) {
   }
   const SendPlan& send = c.cached ? c.cached->send : c.plan->send;
   const DType out_dtype = c.quant ? DType::kI8 : sh.dtype;
-  const int64_t rows = tp_rows(c.cfg, sh.A);
+  const int64_t rows = tp_rows(c.cfg, sh.A), T = std::max<int64_t>(1, c.cfg.tp_world_size);
   c.expand_bytes = rows * sh.H * static_cast<int64_t>(dtype_size(out_dtype));
   c.slot_need = dispatch_slot_need(c.expand_bytes, rows);
   c.shm_want = shm_applies(c.hdr.transport, c.cfg, c.world);
-  if (c.shm_want) {
-    const auto& ctx = CommInternals::shm(c.comm);
-    if (ctx) c.slot = ctx->try_alloc(c.slot_need);
-    // No window yet, or ShmContext::should_grow (one too small, or full within a bound): all
-    // ranks of the machine grow it after the agreement. Otherwise: MPI for this call.
-    if (!c.slot && (!ctx || ctx->should_grow(c.slot_need))) c.hdr.shm_grow = 1, c.shm_defer = true;
-  }
-  if (c.slot)
-    c.out.expand_x = TensorInternals::wrap(c.slot->token, c.slot->ptr, out_dtype, {rows, sh.H});
-  else if (!c.shm_defer)
-    c.out.expand_x = Tensor::empty(out_dtype, {rows, sh.H});
+  allocate_expand_x(c, out_dtype, rows);
+  const DispatchBuffers* b = c.in.out;
   if (c.quant) {
-    c.out.dynamic_scales = Tensor::zeros(DType::kF32, {rows});
+    c.out.dynamic_scales =
+        output("dynamic_scales", b ? &b->dynamic_scales : nullptr, DType::kF32, {rows}, true);
     const int64_t n = static_cast<int64_t>(send.order.size());
     // With shm the int8 rows for peers on this machine are written straight into their
     // expand_x; the send buffer is allocated later, only if some peer needs MPI.
@@ -190,8 +236,17 @@ void allocate(Dispatch& c) {
     c.qsend_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(n));
   }
   // Only the first 3 * valid entries are written (SPEC §1.4: opaque, only those are read).
-  c.out.assist_info_for_combine = Tensor::empty(DType::kI32, {std::max(sh.BS * sh.K, sh.A * 128)});
-  c.out.expand_scales = Tensor::zeros(DType::kF32, {rows});
+  c.out.assist_info_for_combine =
+      output("assist_info_for_combine", b ? &b->assist_info_for_combine : nullptr, DType::kI32,
+             {std::max(sh.BS * sh.K, sh.A * 128)}, false);
+  c.out.expand_scales =
+      output("expand_scales", b ? &b->expand_scales : nullptr, DType::kF32, {rows}, true);
+  c.out.ep_recv_counts = output("ep_recv_counts", b ? &b->ep_recv_counts : nullptr, DType::kI32,
+                                {sh.W * sh.L * T}, false);
+  c.out.tp_recv_counts =
+      output("tp_recv_counts", b ? &b->tp_recv_counts : nullptr, DType::kI32, {T}, false);
+  c.out.expert_token_nums =
+      output("expert_token_nums", b ? &b->expert_token_nums : nullptr, DType::kI64, {sh.L}, false);
 }
 
 // This rank's slot as its header tells the peers on its machine.
@@ -803,12 +858,11 @@ void move_rows(Dispatch& c) {
   fill_row_info(c, rx);
 }
 
-// Step 5: the counts of the plan, the handle, and the TP all-gather (SPEC §1.1 step 3).
+// Step 5: the counts of the plan, the TP all-gather (SPEC §1.1 step 3), the caller's expand_x,
+// the handle.
 void finish(Dispatch& c) {
   const RecvPlan& recv = c.recv();
-  c.out.ep_recv_counts = Tensor::empty(DType::kI32, {c.sh.W * c.sh.L});
   std::copy(recv.inclusive.begin(), recv.inclusive.end(), c.out.ep_recv_counts.ptr<int32_t>());
-  c.out.expert_token_nums = Tensor::empty(DType::kI64, {c.sh.L});
   int64_t running = 0;
   for (int l = 0; l < c.L; ++l) {
     int64_t rows = 0;
@@ -816,9 +870,15 @@ void finish(Dispatch& c) {
     running += rows;
     c.out.expert_token_nums.ptr<int64_t>()[l] = c.in.expert_token_nums_type == 0 ? running : rows;
   }
-  c.out.tp_recv_counts = Tensor::empty(DType::kI32, {1});
   c.out.tp_recv_counts.ptr<int32_t>()[0] = static_cast<int32_t>(recv.valid);
   if (c.cfg.tp_world_size == 2) tp_all_gather(c.op, c.cfg, c.sh, recv.valid, c.out);
+  if (c.copy_to) {  // shared memory only, so no TP rows
+    Tensor to = TensorInternals::view(*c.copy_to);
+    if (recv.valid > 0)
+      std::memcpy(to.data(), c.out.expand_x.data(),
+                  static_cast<std::size_t>(recv.valid * c.out_row_bytes));
+    c.out.expand_x = to;
+  }
   if (c.cached) {
     c.out.handle = *c.in.handle;
     return;
@@ -841,6 +901,21 @@ void finish(Dispatch& c) {
 }  // namespace moe_ep::detail
 
 namespace moe_ep {
+
+DispatchBuffers buffers_of(const DispatchOutputs& o) {
+  DispatchBuffers b;
+  auto view = [](const Tensor& t) {
+    return t.defined() ? std::optional<TensorView>(t.view()) : std::nullopt;
+  };
+  b.expand_x = view(o.expand_x);
+  b.dynamic_scales = view(o.dynamic_scales);
+  b.assist_info_for_combine = view(o.assist_info_for_combine);
+  b.expert_token_nums = view(o.expert_token_nums);
+  b.ep_recv_counts = view(o.ep_recv_counts);
+  b.tp_recv_counts = view(o.tp_recv_counts);
+  b.expand_scales = view(o.expand_scales);
+  return b;
+}
 
 DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   using namespace detail;

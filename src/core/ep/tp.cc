@@ -140,14 +140,11 @@ void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64
   check_mpi(MPI_Get_count(&scales_status, MPI_FLOAT, &got), op, "MPI_Get_count");
   MOE_EP_CHECK(got == peer_rows && peer_rows <= cap);
 
-  Tensor counts = Tensor::empty(DType::kI32, {2 * WL});
-  int32_t* c = counts.ptr<int32_t>();
-  std::copy(counts_out->begin(), counts_out->end(), c);
+  MOE_EP_CHECK(out.ep_recv_counts.numel() == 2 * WL && out.tp_recv_counts.numel() == 2);
+  int32_t* c = out.ep_recv_counts.ptr<int32_t>();
   for (int64_t b = 0; b < WL; ++b) c[WL + b] = static_cast<int32_t>(own + (*counts_in)[b]);
-  out.ep_recv_counts = counts;
   // L = 1: the running sum and the count are the same.
   out.expert_token_nums.ptr<int64_t>()[0] = own + peer_rows;
-  out.tp_recv_counts = Tensor::empty(DType::kI32, {2});
   out.tp_recv_counts.ptr<int32_t>()[tp_rank] = static_cast<int32_t>(own);
   out.tp_recv_counts.ptr<int32_t>()[peer] = static_cast<int32_t>(peer_rows);
 }

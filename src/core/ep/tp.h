@@ -48,8 +48,8 @@ void tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr, std::optio
 
 // dispatch_v2's TP all-gather (SPEC §1.1 step 3), after the EP exchange: this rank's `own` valid
 // rows with their ep_recv_counts, assist triples, expand_scales (and dynamic_scales when defined)
-// go to the TP peer; the peer's land after them. Rewrites ep_recv_counts (2W), expert_token_nums
-// and tp_recv_counts (2).
+// go to the TP peer; the peer's land after them. Completes ep_recv_counts (2W entries, the first
+// W this rank's), expert_token_nums and tp_recv_counts (2).
 void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64_t own,
                    DispatchOutputs& out);
 

@@ -26,7 +26,7 @@ struct SlotRelease {
   ~SlotRelease() {
     std::lock_guard<std::mutex> lock(win->mu);
     auto it = std::find_if(win->live.begin(), win->live.end(),
-                           [&](const auto& r) { return r.first == offset; });
+                           [&](const auto& r) { return r.offset == offset; });
     if (it != win->live.end()) win->live.erase(it);
   }
 };
@@ -198,18 +198,39 @@ std::optional<ShmSlot> ShmContext::try_alloc(int64_t bytes) {
     int64_t at = 0;  // first fit between the live regions
     std::size_t pos = 0;
     for (; pos < w->live.size(); ++pos) {
-      if (w->live[pos].first - at >= need) break;
-      at = w->live[pos].first + w->live[pos].second;
+      if (w->live[pos].offset - at >= need) break;
+      at = w->live[pos].offset + w->live[pos].bytes;
     }
     if (cap - at < need) continue;
-    w->live.insert(w->live.begin() + static_cast<std::ptrdiff_t>(pos), {at, need});
     ShmSlot s;
     s.token = std::shared_ptr<SlotRelease>(new SlotRelease{w, at});  // no temporary to destroy
+    w->live.insert(w->live.begin() + static_cast<std::ptrdiff_t>(pos), {at, need, s.token});
     s.gen = w->gen;
     s.offset = at;
     s.ptr = w->base[node_rank_] + at;
     ++slots_allocated_;
     return s;
+  }
+  return std::nullopt;
+}
+
+std::optional<ShmSlot> ShmContext::adopt(const void* p, int64_t bytes) const {
+  const int64_t need = slot_bytes(bytes);
+  for (const std::shared_ptr<ShmWindow>& w : windows_) {
+    const char* base = w->base[node_rank_];
+    const char* c = static_cast<const char*>(p);
+    if (c < base || c >= base + w->bytes[node_rank_]) continue;
+    std::lock_guard<std::mutex> lock(w->mu);
+    for (const ShmWindow::Live& r : w->live) {
+      if (r.offset != c - base || r.bytes < need) continue;
+      ShmSlot s;
+      s.token = r.token.lock();
+      if (!s.token) return std::nullopt;  // being released
+      s.gen = w->gen;
+      s.offset = r.offset;
+      s.ptr = w->base[node_rank_] + r.offset;
+      return s;
+    }
   }
   return std::nullopt;
 }
@@ -251,14 +272,6 @@ void ShmContext::sync() const {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   for (const auto& w : windows_) MPI_Win_sync(w->win);
   std::atomic_thread_fence(std::memory_order_seq_cst);
-}
-
-Tensor TensorInternals::wrap(std::shared_ptr<void> owner, void* data, DType dtype,
-                             const std::vector<int64_t>& shape) {
-  Tensor t;
-  t.view_ = TensorView::contiguous(data, dtype, shape);
-  t.storage_ = std::move(owner);
-  return t;
 }
 
 }  // namespace moe_ep::detail

@@ -28,13 +28,6 @@ namespace moe_ep::detail {
 
 class ShmContext;
 
-// The private member of Tensor that the shared-memory transport needs.
-struct TensorInternals {
-  // A contiguous tensor over `data`, kept valid by `owner` (released with the last copy).
-  static Tensor wrap(std::shared_ptr<void> owner, void* data, DType dtype,
-                     const std::vector<int64_t>& shape);
-};
-
 // One generation of windows: every rank of the node allocated its segment in the same call.
 struct ShmWindow {
   MPI_Win win = MPI_WIN_NULL;
@@ -42,9 +35,14 @@ struct ShmWindow {
   std::vector<char*> base;     // per node rank: the segment's address in THIS process
   std::vector<int64_t> bytes;  // per node rank
   int me = 0;                  // this rank's node rank
-  // The regions of this rank's own segment in use, (offset, bytes) sorted by offset.
+  // The regions of this rank's own segment in use, sorted by offset, with the token that keeps
+  // each reserved.
+  struct Live {
+    int64_t offset, bytes;
+    std::weak_ptr<void> token;
+  };
   std::mutex mu;
-  std::vector<std::pair<int64_t, int64_t>> live;
+  std::vector<Live> live;
 };
 
 // A region of this rank's segment, reserved until `token` (and every copy) is released.
@@ -88,6 +86,10 @@ class ShmContext {
   // the live slots of none. Thread-safe release. Records slot_bytes(bytes) as a request
   // (should_grow).
   std::optional<ShmSlot> try_alloc(int64_t bytes);
+  // The slot a live tensor starting at `p` occupies (a slot try_alloc gave, still held), when it
+  // is at least slot_bytes(bytes) long: the caller may write a new output there (dispatch_v2's
+  // caller-provided expand_x). nullopt otherwise.
+  std::optional<ShmSlot> adopt(const void* p, int64_t bytes) const;
   // Whether a request of `bytes` that try_alloc could not place should grow the windows (a new
   // generation, node-collective) rather than use MPI for that call: when the newest segment is
   // too small for it, or when it is big enough but full (earlier outputs still held) while this
