@@ -350,8 +350,8 @@ struct DispatchWorkspace {
   // up to 4 KiB.
   // shm_stage_bytes: what a combine_v2 holds during the call when its expand_x is not such a slot
   // (the experts wrote their outputs elsewhere) or comm_quant_mode is 2: its valid rows staged, at
-  // most A rows of H x (1 with comm_quant_mode 2, else x's element size: the experts' outputs in
-  // x's dtype). A window of n x shm_slot_bytes + shm_stage_bytes (CommOptions::shm_window_bytes)
+  // most A rows of H x x's element size (the experts' outputs in x's dtype), or with
+  // comm_quant_mode 2 A int8 rows of H bytes, rounded up to 64, then A fp32 scales. A window of n x shm_slot_bytes + shm_stage_bytes (CommOptions::shm_window_bytes)
   // holds n live dispatch_v2 outputs and the combine_v2 of any of them without growing. A call
   // that finds no room in a window big enough for it grows the window (a new generation) while
   // this rank's windows together map less than 4 times its largest request; beyond that it uses

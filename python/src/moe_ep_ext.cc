@@ -436,7 +436,8 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
                       int64_t shared_expert_rank_num, int64_t quant_mode, int64_t global_bs,
                       int64_t expert_token_nums_type, const std::string& comm_alg,
                       int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
-                      const std::string& transport) {
+                      const std::string& transport, const moe_ep::DispatchHandle* handle,
+                      const std::string& handle_error) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
@@ -458,6 +459,9 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
   }
   in.quant_mode = quant_mode;
   in.expert_token_nums_type = expert_token_nums_type;
+  in.handle = handle;
+  if (!handle_error.empty() && !in.caller_error)
+    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, handle_error);
   InUse ep_guard(&group_ep, "dispatch_v2", "group_ep");
   InUse tp_guard(group_tp ? &*group_tp : nullptr, "dispatch_v2", "group_tp");
   moe_ep::DispatchOutputs r;
@@ -469,11 +473,11 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
       to_python(std::move(r.expand_x)), to_python(std::move(r.dynamic_scales)),
       to_python(std::move(r.assist_info_for_combine)), to_python(std::move(r.expert_token_nums)),
       to_python(std::move(r.ep_recv_counts)), to_python(std::move(r.tp_recv_counts)),
-      to_python(std::move(r.expand_scales)));
+      to_python(std::move(r.expand_scales)), nb::cast(std::move(r.handle)));
 }
 
 nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
-                      const InArray& assist_info_for_combine, const InArray& ep_send_counts,
+                      const OptIn& assist_info_for_combine, const OptIn& ep_send_counts,
                       const InArray& expert_scales, const PyCommunicator& group_ep,
                       int64_t ep_world_size, int64_t ep_rank_id, int64_t moe_expert_num,
                       const OptIn& tp_send_counts, const OptIn& x_active_mask,
@@ -485,7 +489,8 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
                       int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
                       int64_t shared_expert_rank_num, int64_t global_bs, int64_t comm_quant_mode,
                       const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
-                      int64_t const_expert_num, const std::string& transport) {
+                      int64_t const_expert_num, const std::string& transport,
+                      const moe_ep::DispatchHandle* handle, const std::string& handle_error) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
@@ -494,8 +499,10 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
   try {  // as in dispatch_v2
     in.expand_x = view_of(expand_x, "expand_x");
     in.expert_ids = view_of(expert_ids, "expert_ids");
-    in.assist_info_for_combine = view_of(assist_info_for_combine, "assist_info_for_combine");
-    in.ep_send_counts = view_of(ep_send_counts, "ep_send_counts");
+    // With a handle they are not read; without, a missing one is the op's error.
+    in.assist_info_for_combine =
+        view_of(assist_info_for_combine, "assist_info_for_combine").value_or(TensorView{});
+    in.ep_send_counts = view_of(ep_send_counts, "ep_send_counts").value_or(TensorView{});
     in.expert_scales = view_of(expert_scales, "expert_scales");
     in.tp_send_counts = view_of(tp_send_counts, "tp_send_counts");
     in.x_active_mask = view_of(x_active_mask, "x_active_mask");
@@ -512,6 +519,9 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
     in.caller_error = moe_ep::Error(e.kind(), std::string("combine_v2: ") + e.what());
   }
   in.comm_quant_mode = comm_quant_mode;
+  in.handle = handle;
+  if (!handle_error.empty() && !in.caller_error)
+    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, handle_error);
   InUse ep_guard(&group_ep, "combine_v2", "group_ep");
   InUse tp_guard(group_tp ? &*group_tp : nullptr, "combine_v2", "group_tp");
   Tensor r;
@@ -558,6 +568,11 @@ NB_MODULE(_C, m) {
   m.doc() = "moe-ep's DLPack binding (framework-agnostic); see moe_ep.torch for the torch ops";
   register_errors(m);
 
+  nb::class_<moe_ep::DispatchHandle>(
+      m, "DispatchHandle",
+      "The plan of one dispatch_v2 call (SPEC §7): pass it to the combine_v2 of its outputs, or "
+      "to a dispatch_v2 with the same routing, so that they exchange rows only")
+      .def_prop_ro("defined", &moe_ep::DispatchHandle::defined);
   nb::class_<PyCommunicator>(m, "Communicator",
                              "An MPI communicator (duplicated) with moe-ep's settings (deadline, "
                              "shared-memory window size)")
@@ -631,11 +646,14 @@ NB_MODULE(_C, m) {
         "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0, "quant_mode"_a = 0,
         "global_bs"_a = 0, "expert_token_nums_type"_a = 1, "comm_alg"_a = "",
         "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
-        "transport"_a = "",
+        "transport"_a = "", "handle"_a = nb::none(), "handle_error"_a = "",
         "SPEC §1. Returns (expand_x, dynamic_scales or None, assist_info_for_combine, "
-        "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales)");
-  m.def("combine_v2", &combine_v2, "expand_x"_a, "expert_ids"_a, "assist_info_for_combine"_a,
-        "ep_send_counts"_a, "expert_scales"_a, "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a,
+        "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales, handle); handle: "
+        "a DispatchHandle of an earlier call with the same routing (a cached dispatch, SPEC §7); "
+        "handle_error: the caller's message about a handle it could not resolve, reported as this "
+        "rank's InvalidArgument inside the collective (the peers raise RemoteError)");
+  m.def("combine_v2", &combine_v2, "expand_x"_a, "expert_ids"_a, "assist_info_for_combine"_a.none(),
+        "ep_send_counts"_a.none(), "expert_scales"_a, "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a,
         "moe_expert_num"_a, nb::kw_only(), "tp_send_counts"_a = nb::none(),
         "x_active_mask"_a = nb::none(), "expand_scales"_a = nb::none(),
         "shared_expert_x"_a = nb::none(), "elastic_info"_a = nb::none(), "ori_x"_a = nb::none(),
@@ -645,7 +663,9 @@ NB_MODULE(_C, m) {
         "expert_shard_type"_a = 0, "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0,
         "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
         "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "transport"_a = "",
-        "SPEC §2. Returns x (BS, H)");
+        "handle"_a = nb::none(), "handle_error"_a = "",
+        "SPEC §2. Returns x (BS, H). handle: dispatch_v2's DispatchHandle (SPEC §7); then "
+        "assist_info_for_combine and ep_send_counts are not read and may be None");
   m.def("dispatch_workspace", &dispatch_workspace, "bs"_a, "hidden"_a, "top_k"_a, "dtype"_a,
         "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(),
         "group_tp"_a = nb::none(), "tp_world_size"_a = 0, "tp_rank_id"_a = 0,

@@ -528,9 +528,22 @@ def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True
         (y, mine.ids, out[2], out[4], mine.w, gid, world, rank, spec.e), ckw,
     )
 
+    # SPEC §7: a cached dispatch with the handle, and combine with the handle (neither
+    # assist_info_for_combine nor ep_send_counts read): the same bits.
+    cached = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, handle=out.handle,
+                            **kw)
+    y_c = run_experts(spec, world, rank, cached[0], cached[3], etn_type,
+                      cached[1] if quant else None)
+    got_h = mt.combine_v2(y_c, mine.ids, None, None, mine.w, ctx.comm, moe_expert_num=spec.e,
+                          handle=cached.handle, **ckw)
+
     def checks():
-        check_fake("dispatch_v2", fake_d, out)
+        check_fake("dispatch_v2", fake_d, (*out, out.handle))
         check_fake("combine_v2", fake_c, (got,))
+        check(cached.handle.shape == (1,) and cached.handle.dtype == torch.int64,
+              "dispatch_v2's handle is not a (1,) int64 tensor")
+        check_dispatch(spec, world, rank, all_in, cached, etn_type, quant, smooth)
+        check_bitwise("combine_v2 output with the handle", got_h, got)
         check_dispatch(spec, world, rank, all_in, out, etn_type, quant, smooth)
         check_bitwise("combine_v2 output", got, ref_combine(spec, mine, quant, smooth, comm_quant))
         if comm_quant:
@@ -874,9 +887,22 @@ def tp_round_trip(ctx, grouping: str, seed: int, bs: Tuple[int, int], global_bs_
                       (y, mine.ids, assist, recv, mine.w, gid_ep, w, ep_rank, w),
                       dict(tpkw, group_tp=gid_tp, tp_send_counts=tp_recv))
 
+    # SPEC §7: a cached dispatch with the handle, and combine with the handle (neither
+    # assist_info_for_combine nor ep_send_counts read): the same bits.
+    cached = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, handle=out.handle,
+                            **kw)
+    y_c = run_experts(spec, world, rank, cached[0], cached[3], etn_type,
+                      cached[1] if quant else None)
+    got_h = mt.combine_v2(y_c, mine.ids, None, None, mine.w, ctx.comm, moe_expert_num=spec.e,
+                          handle=cached.handle, **ckw)
+
     def checks():
-        check_fake("dispatch_v2", fake_d, out)
+        check_fake("dispatch_v2", fake_d, (*out, out.handle))
         check_fake("combine_v2", fake_c, (got,))
+        check(cached.handle.shape == (1,) and cached.handle.dtype == torch.int64,
+              "dispatch_v2's handle is not a (1,) int64 tensor")
+        check_dispatch(spec, world, rank, all_in, cached, etn_type, quant, smooth)
+        check_bitwise("combine_v2 output with the handle", got_h, got)
         a = capacity(spec, w, ep_rank)
         check(a == capacity(peer_spec, w, ep_rank), "the TP pair's A differ")
         h = spec.h
@@ -981,7 +1007,9 @@ def check_workspace(what: str, ws, a: int, rows: int, h: int, bs: int, dtype, qu
           f"{tuple(got.shape)} {got.dtype} holds {nbytes(got)}")
     # expand_x, then from a 64-byte boundary 16 bytes of metadata per row (dispatch.h).
     want_slot = window_slot(-(-ws.expand_x_bytes // 64) * 64 + rows * 16) if shm else 0
-    want_stage = window_slot(a * h * (1 if comm_quant else esize)) if shm else 0
+    # comm_quant_mode 2: the int8 rows, then from a 64-byte boundary their fp32 scales
+    stage = -(-a * h // 64) * 64 + a * 4 if comm_quant else a * h * esize
+    want_stage = window_slot(stage) if shm else 0
     check((ws.shm_slot_bytes, ws.shm_stage_bytes) == (want_slot, want_stage),
           f"{what}: (shm_slot_bytes, shm_stage_bytes) = ({ws.shm_slot_bytes}, "
           f"{ws.shm_stage_bytes}), want ({want_slot}, {want_stage})")
@@ -1492,10 +1520,11 @@ def _opcheck_args(ctx):
 def dispatch_prefixes(outs):
     """dispatch_v2's outputs with expand_x cut to its valid rows and assist_info_for_combine to
     its first 3 * valid entries (SPEC §1.4: only those are meaningful, the rest is whatever the
-    memory held and differs between two calls), and the shapes of all of them, uncut."""
+    memory held and differs between two calls), without the handle (an id that names each
+    call's plan: it differs between two calls by design), and the shapes of all of them, uncut."""
     recv = outs[4]
     valid = int(recv[-1]) if recv.numel() else 0
-    cut = list(outs)
+    cut = list(outs[:7])
     cut[0], cut[2] = outs[0][:valid], outs[2][: 3 * valid]
     return cut, [tuple(t.shape) for t in outs]
 
@@ -1525,6 +1554,32 @@ def opcheck_dispatch(args, kwargs):
     aot_autograd_check(
         func, args, kwargs, dynamic=True, check_gradients="auto", assert_equals_fn=equal
     )
+
+
+@case()
+def handle_errors(ctx):
+    """A handle that is not one, or names no live plan, on one rank: that rank raises
+    InvalidArgumentError naming it, the others RemoteError; then a good call works."""
+    spec = Spec(61, bs_all(ctx, 3), k=2, e=2 * ctx.world)
+    mine = make_inputs(spec, ctx.rank)
+    d = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e)
+    bad = {0: torch.zeros(1), 1: torch.tensor([10**9], dtype=torch.int64)}
+    for which, message in ((0, "handle must be the handle tensor dispatch_v2 returned"),
+                           (1, "names no live dispatch_v2 plan")):
+        handle = bad[which] if ctx.rank == 0 else d.handle
+        try:
+            mt.combine_v2(d.expand_x, mine.ids, None, None, mine.w, ctx.comm, moe_expert_num=spec.e,
+                          handle=handle)
+            raise CaseFailure("a bad handle was accepted")
+        except moe_ep.InvalidArgumentError as e:
+            check(ctx.rank == 0 and message in str(e), f"rank {ctx.rank}: {e}")
+        except moe_ep.RemoteError as e:
+            check(ctx.rank != 0 and "rank 0 failed" in str(e) and message in str(e), str(e))
+    got = mt.combine_v2(d.expand_x, mine.ids, None, None, mine.w, ctx.comm, moe_expert_num=spec.e,
+                        handle=d.handle)
+    want = mt.combine_v2(d.expand_x, mine.ids, d.assist_info_for_combine, d.ep_recv_counts, mine.w,
+                         ctx.comm, moe_expert_num=spec.e)
+    agreed(ctx, lambda: check_bitwise("combine_v2 with the handle", got, want))
 
 
 @case(only=2)

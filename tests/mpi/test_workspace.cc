@@ -97,8 +97,13 @@ TEST(Workspace, SizesEqualTheOutputs) {
         int gen = 0;
         int64_t off = 0;
         EXPECT_TRUE(ctx && ctx->locate(d.expand_x.data(), w.expand_x_bytes, gen, off));
-        // Staging holds up to A rows of the experts' outputs (x's dtype).
+        // Staging holds up to A rows of the experts' outputs (x's dtype); with comm_quant_mode 2,
+        // A int8 rows, then from a 64-byte boundary their fp32 scales.
         EXPECT_GE(w.shm_stage_bytes, w.recv_rows * H * 2);
+        const DispatchWorkspace wq = dispatch_workspace(cfg, kBS, H, kK, DType::kBF16, quant, 2);
+        const int64_t int8_stage = (w.recv_rows * H + 63) / 64 * 64 + w.recv_rows * 4;
+        EXPECT_GE(wq.shm_stage_bytes, int8_stage);
+        EXPECT_LT(wq.shm_stage_bytes, int8_stage + 4096);
       } else {
         EXPECT_EQ(w.shm_slot_bytes, 0);
         EXPECT_EQ(w.shm_stage_bytes, 0);

@@ -13,6 +13,7 @@ with mpirun.
 
 from moe_ep.torch.distributed import (
     DispatchOutputs,
+    DispatchResult,
     DispatchWorkspace,
     combine_v2,
     dispatch_v2,
@@ -39,6 +40,7 @@ if _dist.is_available():  # DTensor needs torch.distributed (the CPU wheels have
 
 __all__ = [
     "DispatchOutputs",
+    "DispatchResult",
     "DispatchWorkspace",
     "_token_unpermute",
     "combine_v2",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import itertools
+import weakref
 from typing import Dict, NamedTuple, List, Optional, Tuple
 
 import torch
@@ -203,6 +204,8 @@ def _binding_args(op: str, args: Dict[str, object]) -> Dict[str, object]:
             _query_only.discard(value)  # used by an op: its options are now fixed
         elif name == "group_tp":
             out[name] = None
+        elif name == "handle":
+            continue  # the caller resolves it (_handle_of)
         elif isinstance(value, Tensor) and name != "performance_info":
             # Not dl(value, op, name): a dtype the binding cannot take must reach the op as this
             # rank's caller_error (the binding does that), so the peers raise RemoteError at
@@ -246,6 +249,40 @@ def _dispatch_shapes(
 
 
 # ---------------------------------------------------------------------------------------------
+# The dispatch handle (SPEC §7) as the torch ops carry it: a (1,) int64 tensor holding an id of
+# the registry below, so that it flows through torch.compile graphs like any output. The plan
+# lives as long as that tensor: its entry is dropped when the tensor is freed.
+
+_handles: Dict[int, object] = {}
+_next_handle = itertools.count(1)
+
+
+def _handle_tensor(handle) -> Tensor:
+    hid = next(_next_handle)
+    t = torch.tensor([hid], dtype=torch.int64)
+    _handles[hid] = handle
+    weakref.finalize(t, _handles.pop, hid, None)
+    return t
+
+
+def _handle_of(op: str, t: Optional[Tensor]) -> Tuple[object, str]:
+    """(the plan named by t, "") or (None, the reason it names none): a bad handle is reported
+    inside the collective, as this rank's argument error, so the peers are not left waiting."""
+    if t is None:
+        return None, ""
+    if not isinstance(t, Tensor) or t.dtype != torch.int64 or t.numel() != 1:
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+        return None, (f"{op}: handle must be the handle tensor dispatch_v2 returned ((1,) int64), "
+                      f"got {got}")
+    hid = int(t.reshape(-1)[0])
+    h = _handles.get(hid)
+    if h is None:
+        return None, (f"{op}: handle {hid} names no live dispatch_v2 plan (the handle tensor "
+                      "dispatch_v2 returned must be passed itself, and kept alive)")
+    return h, ""
+
+
+# ---------------------------------------------------------------------------------------------
 # dispatch_v2
 
 
@@ -275,14 +312,16 @@ def _dispatch_v2_impl(
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
     transport: str = "",
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    outs = _C.dispatch_v2(**_binding_args("dispatch_v2", locals()))
-    expand_x, dynamic_scales, *rest = outs
+    handle: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    args = _binding_args("dispatch_v2", locals())
+    args["handle"], args["handle_error"] = _handle_of("dispatch_v2", handle)
+    expand_x, dynamic_scales, *rest, plan = _C.dispatch_v2(**args)
     if dynamic_scales is None:  # quant_mode 0: empty, as torch_npu returns
         dynamic_scales = torch.empty((0,), dtype=torch.float32)
     else:
         dynamic_scales = tt(dynamic_scales)
-    return (tt(expand_x), dynamic_scales, *(tt(r) for r in rest))
+    return (tt(expand_x), dynamic_scales, *(tt(r) for r in rest), _handle_tensor(plan))
 
 
 _dispatch_v2_op = torch.library.custom_op(
@@ -330,6 +369,7 @@ def _dispatch_v2_fake(
         x.new_empty((ep_world_size * local * t,), dtype=i32),
         x.new_empty((t,), dtype=i32),
         x.new_empty((t * a,), dtype=f32),
+        x.new_empty((1,), dtype=torch.int64),
     )
 
 
@@ -340,8 +380,8 @@ def _dispatch_v2_fake(
 def _combine_v2_impl(
     expand_x: Tensor,
     expert_ids: Tensor,
-    assist_info_for_combine: Tensor,
-    ep_send_counts: Tensor,
+    assist_info_for_combine: Optional[Tensor],
+    ep_send_counts: Optional[Tensor],
     expert_scales: Tensor,
     group_ep: int,
     ep_world_size: int,
@@ -370,9 +410,11 @@ def _combine_v2_impl(
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
     transport: str = "",
+    handle: Optional[Tensor] = None,
 ) -> Tensor:
-    out = _C.combine_v2(**_binding_args("combine_v2", locals()))
-    return tt(out)
+    args = _binding_args("combine_v2", locals())
+    args["handle"], args["handle_error"] = _handle_of("combine_v2", handle)
+    return tt(_C.combine_v2(**args))
 
 
 def _combine_v2_fake(
@@ -402,7 +444,8 @@ _combine_v2_functional.register_fake(_combine_v2_fake)
 
 
 class DispatchOutputs(NamedTuple):
-    """dispatch_v2's outputs (SPEC §1.4); unpacks like the SPEC's 7-tuple."""
+    """dispatch_v2's outputs (SPEC §1.4); unpacks like the SPEC's 7-tuple. What dispatch_v2
+    returns also has .handle (DispatchResult)."""
 
     expand_x: Tensor  # (max(1,T)*A, H): x's dtype, int8 with quant_mode 2
     dynamic_scales: Tensor  # (max(1,T)*A,) fp32 with quant_mode 2, else (0,)
@@ -411,6 +454,15 @@ class DispatchOutputs(NamedTuple):
     ep_recv_counts: Tensor  # (W*L*max(1,T),) int32 inclusive running sum: combine's ep_send_counts
     tp_recv_counts: Tensor  # (max(1,T),) int32
     expand_scales: Tensor  # (max(1,T)*A,) fp32
+
+
+class DispatchResult(DispatchOutputs):
+    """DispatchOutputs with the handle of the call (SPEC §7) as .handle: a (1,) int64 tensor to
+    pass as combine_v2(..., handle=d.handle) (then only the rows travel back) or as
+    dispatch_v2(..., handle=d.handle) with the same routing (a cached dispatch). The plan lives as
+    long as that tensor."""
+
+    handle: Tensor
 
 
 def dispatch_v2(
@@ -437,9 +489,12 @@ def dispatch_v2(
     bits), "" (default): $MOE_EP_TRANSPORT, else "shm"; it must resolve to the same value on
     every rank (EpConfig::transport, include/moe_ep/dispatch.h).
 
-    Returns DispatchOutputs (expand_x, dynamic_scales ((0,) unless quant_mode 2),
-    assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales):
-    SPEC §1.4. Only the first ep_recv_counts[-1] rows of expand_x are valid (the rows after them
+    handle: the .handle of an earlier result with the same expert_ids and x_active_mask (a cached
+    dispatch, SPEC §7: no counts round; the same outputs).
+
+    Returns DispatchResult (expand_x, dynamic_scales ((0,) unless quant_mode 2),
+    assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales;
+    SPEC §1.4), which also carries .handle, the plan of this call (SPEC §7). Only the first ep_recv_counts[-1] rows of expand_x are valid (the rows after them
     are unspecified: left over from earlier calls). No autograd:
     dispatch_v2 and combine_v2 are forward-only.
     Errors: moe_ep.InvalidArgumentError / UnsupportedError on this rank's bad arguments,
@@ -456,14 +511,16 @@ def dispatch_v2(
         group_tp=_resolve(group_tp)[0] if group_tp is not None else 0,
         **kwargs,
     )
-    return DispatchOutputs(*outs)
+    result = DispatchResult(*outs[:7])
+    result.handle = outs[7]
+    return result
 
 
 def combine_v2(
     expand_x: Tensor,
     expert_ids: Tensor,
-    assist_info_for_combine: Tensor,
-    ep_send_counts: Tensor,
+    assist_info_for_combine: Optional[Tensor],
+    ep_send_counts: Optional[Tensor],
     expert_scales: Tensor,
     group_ep=None,
     ep_world_size: Optional[int] = None,
@@ -481,8 +538,10 @@ def combine_v2(
     (tp_send_counts, x_active_mask, expand_scales, shared_expert_x, elastic_info, ori_x,
     const_expert_alpha_1/2, const_expert_v, performance_info, tp_world_size, tp_rank_id,
     expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_quant_mode,
-    comm_alg, zero/copy/const_expert_num) and transport (as dispatch_v2's). Returns x (BS, H) in
-    expand_x's dtype.
+    comm_alg, zero/copy/const_expert_num) and transport (as dispatch_v2's). handle: the .handle
+    of the dispatch_v2 result these rows came from (SPEC §7): then only the rows travel (no layout
+    round, no per-row checks; the same bits) and assist_info_for_combine / ep_send_counts are not
+    read (they may be None). Returns x (BS, H) in expand_x's dtype.
     """
     gid, size, rank = _resolve(group_ep)
     with_perf = kwargs.get("performance_info") is not None
