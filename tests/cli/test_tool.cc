@@ -39,19 +39,22 @@ std::string routing_csv() { return MOE_EP_TEST_ROUTING_CSV; }
 // v rounded to the dtype and back to fp32.
 float round_to(DType dtype, float v) {
   float buf = 0;  // room for any dtype
-  store(dtype, &buf, 0, v);
-  return load(dtype, &buf, 0);
+  moe_ep::store_float(dtype, &buf, 0, v);
+  return moe_ep::load_float(dtype, &buf, 0);
 }
 
+// The tool's reference and experts round through the library's conversions (moe_ep/tensor.h).
 TEST(Numeric, Bf16RoundsToNearestEven) {
-  EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(moe_ep::float_to_bf16(1.0f), 0x3f80);
   // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
-  EXPECT_EQ(f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);
+  EXPECT_EQ(moe_ep::float_to_bf16(1.0f + 0x1p-8f), 0x3f80);
   // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6).
-  EXPECT_EQ(f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);
-  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(NAN))));
-  EXPECT_EQ(f16_to_f32(f32_to_f16(0.333333f)),
+  EXPECT_EQ(moe_ep::float_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);
+  EXPECT_TRUE(std::isnan(moe_ep::bf16_to_float(moe_ep::float_to_bf16(NAN))));
+  EXPECT_EQ(moe_ep::fp16_to_float(moe_ep::float_to_fp16(0.333333f)),
             static_cast<float>(static_cast<_Float16>(0.333333f)));
+  EXPECT_EQ(parse_float_dtype("fp16"), DType::kF16);
+  EXPECT_EQ(parse_float_dtype("bf16"), DType::kBF16);
 }
 
 TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
@@ -521,7 +524,7 @@ TEST(Batch, LoadRejectsNonFiniteValuesAndABadSeed) {
   EXPECT_EQ(error_of([&] { load_routing(path); }),
             "routing file '" + path + "': expert_scales[3,0] = nan is not finite");
   c = b;
-  store(DType::kBF16, c.x.data(), 2 * 3 + 1, -INFINITY);
+  moe_ep::store_float(DType::kBF16, c.x.data(), 2 * 3 + 1, -INFINITY);
   save_routing(path, c);
   EXPECT_EQ(error_of([&] { load_routing(path); }),
             "routing file '" + path + "': x[2,1] = -inf is not finite");
@@ -731,14 +734,14 @@ TEST(Reference, QuantisedRunWithinTheDerivedInt8Bound) {
         }
       };
       for (int64_t i = 0; i < N; ++i) {
-        for (int64_t h = 0; h < H; ++h) xf[h] = load(dt, b.x.data(), i * H + h);
+        for (int64_t h = 0; h < H; ++h) xf[h] = moe_ep::load_float(dt, b.x.data(), i * H + h);
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t k = 0; k < K; ++k) {
           const int32_t e = b.expert_ids[i * K + k];
           if (e >= 0 && e < E) term(e, b.expert_scales[i * K + k], true);
         }
         for (int64_t s = 0; s < Ns; ++s) term(E + s, 1.0f, false);
-        for (int64_t h = 0; h < H; ++h) store(dt, out.data(), i * H + h, acc[h]);
+        for (int64_t h = 0; h < H; ++h) moe_ep::store_float(dt, out.data(), i * H + h, acc[h]);
       }
       CheckResult c = compare_outputs(out, ref, dt, ExpertFn::kScale);
       EXPECT_TRUE(c.bounded);
@@ -748,8 +751,9 @@ TEST(Reference, QuantisedRunWithinTheDerivedInt8Bound) {
       EXPECT_GT(c.mismatches, 0);  // quantisation did change the output
       EXPECT_NE(c.rule.find("/ 254"), std::string::npos) << c.rule;
       // One element off by twice its bound.
-      const float r = load(dt, ref.out.data(), 5 * H + 7);
-      store(dt, out.data(), 5 * H + 7, static_cast<float>(r + 2.5 * ref.bound[5 * H + 7] + 0.01));
+      const float r = moe_ep::load_float(dt, ref.out.data(), 5 * H + 7);
+      moe_ep::store_float(dt, out.data(), 5 * H + 7,
+                          static_cast<float>(r + 2.5 * ref.bound[5 * H + 7] + 0.01));
       c = compare_outputs(out, ref, dt, ExpertFn::kScale);
       EXPECT_FALSE(c.pass);
       EXPECT_EQ(c.over_bound, 1);
@@ -760,12 +764,12 @@ TEST(Reference, QuantisedRunWithinTheDerivedInt8Bound) {
 TEST(Reference, NaNCountsAsAMismatchEvenWithEqualBits) {
   std::vector<std::byte> out(4 * 4), ref(4 * 4);
   for (int i = 0; i < 4; ++i) {
-    store(DType::kF32, out.data(), i, 1.0f + i);
-    store(DType::kF32, ref.data(), i, 1.0f + i);
+    moe_ep::store_float(DType::kF32, out.data(), i, 1.0f + i);
+    moe_ep::store_float(DType::kF32, ref.data(), i, 1.0f + i);
   }
-  store(DType::kF32, out.data(), 1, NAN);
-  store(DType::kF32, ref.data(), 1, NAN);  // the same bits
-  store(DType::kF32, out.data(), 3, NAN);
+  moe_ep::store_float(DType::kF32, out.data(), 1, NAN);
+  moe_ep::store_float(DType::kF32, ref.data(), 1, NAN);  // the same bits
+  moe_ep::store_float(DType::kF32, out.data(), 3, NAN);
   for (ExpertFn fn : {ExpertFn::kScale, ExpertFn::kSwiglu}) {
     Reference r;
     r.out = ref;

@@ -539,7 +539,8 @@ bool same_values(DType dtype, const void* a, const void* b, int64_t n, int64_t* 
                     es) == 0) {
       continue;
     }
-    if (load(dtype, a, i) == 0.0f && load(dtype, b, i) == 0.0f) continue;
+    if (moe_ep::load_float(dtype, a, i) == 0.0f && moe_ep::load_float(dtype, b, i) == 0.0f)
+      continue;
     *first_bad = i;
     return false;
   }
@@ -709,7 +710,7 @@ Verification verify(const BenchOptions& o, const Point& p, moe_ep::Communicator&
     int64_t bad = 0;
     for (int64_t j = 0; j < valid && j < static_cast<int64_t>(expected.size()); ++j) {
       const std::byte* src = p.x_all.data() + expected[j] * rb;
-      for (int64_t h = 0; h < H; ++h) xf[h] = load(p.dtype, src, h);
+      for (int64_t h = 0; h < H; ++h) xf[h] = moe_ep::load_float(p.dtype, src, h);
       const float inv = quantize_dequantize_row(xf.data(), H, deq.data());
       bool ok = std::memcmp(&inv, &dyn[j], sizeof(float)) == 0;
       for (int64_t h = 0; h < H && ok; ++h) {

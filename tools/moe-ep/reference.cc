@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "moe_ep/error.h"
-#include "numeric.h"
+#include "moe_ep/tensor.h"
 
 namespace moe_ep_tool {
 
@@ -85,7 +85,7 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
     xdeq.resize(static_cast<size_t>(N * H));
     std::vector<float> xf(static_cast<size_t>(H));
     for (int64_t i = 0; i < N; ++i) {
-      for (int64_t h = 0; h < H; ++h) xf[h] = load(dt, b.x.data(), i * H + h);
+      for (int64_t h = 0; h < H; ++h) xf[h] = moe_ep::load_float(dt, b.x.data(), i * H + h);
       quantize_dequantize_row(xf.data(), H, xdeq.data() + i * H);
     }
   }
@@ -122,7 +122,7 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
   for (int64_t i = 0; i < N; ++i) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     if (!token_active[i]) {
-      for (int64_t h = 0; h < H; ++h) store(dt, ref.out.data(), i * H + h, 0.0f);
+      for (int64_t h = 0; h < H; ++h) moe_ep::store_float(dt, ref.out.data(), i * H + h, 0.0f);
       continue;
     }
     const std::byte* xi = b.x.data() + i * row_bytes;
@@ -130,12 +130,13 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
     if (bounded) {
       std::fill(err.begin(), err.end(), 0.0);
       std::fill(mag.begin(), mag.end(), 0.0);
-      for (int64_t h = 0; h < H; ++h) amax_x = std::max(amax_x, std::fabs(double(load(dt, xi, h))));
+      for (int64_t h = 0; h < H; ++h)
+        amax_x = std::max(amax_x, std::fabs(double(moe_ep::load_float(dt, xi, h))));
     }
     const double dx = sp.quant ? amax_x / 254 * (1 + 0x1p-14) + 0x1p-143 : 0;
     // One expert output row (routed or shared) with weight w (factor c of scale/identity).
     auto add_expert = [&](const std::byte* row, float w, bool weighted, float c, bool q) {
-      for (int64_t h = 0; h < H; ++h) yf[h] = load(dt, row, h);
+      for (int64_t h = 0; h < H; ++h) yf[h] = moe_ep::load_float(dt, row, h);
       const float* v = yf.data();
       if (emulate_out && q) {
         quantize_dequantize_row(yf.data(), H, deq.data());
@@ -176,7 +177,7 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
         // zero expert: contributes 0
       } else if (e < const_begin) {
         for (int64_t h = 0; h < H; ++h) {
-          const float p = w * load(dt, xi, h);
+          const float p = w * moe_ep::load_float(dt, xi, h);
           acc[h] = acc[h] + p;
           if (bounded) mag[h] += std::fabs(double(p));
         }
@@ -186,8 +187,8 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
         const std::byte* a2 = sp.alpha_2.data() + q * row_bytes;
         const std::byte* v = sp.const_v.data() + q * row_bytes;
         for (int64_t h = 0; h < H; ++h) {
-          const float t1 = load(dt, a1, h) * load(dt, xi, h);
-          const float t2 = load(dt, a2, h) * load(dt, v, h);
+          const float t1 = moe_ep::load_float(dt, a1, h) * moe_ep::load_float(dt, xi, h);
+          const float t2 = moe_ep::load_float(dt, a2, h) * moe_ep::load_float(dt, v, h);
           const float t = t1 + t2;
           const float p = w * t;
           acc[h] = acc[h] + p;
@@ -199,12 +200,12 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
       add_expert(y.data() + (i * KS + K + s) * row_bytes, 1.0f, false, bank.factor(E + s),
                  quantised(E + s));
     }
-    for (int64_t h = 0; h < H; ++h) store(dt, ref.out.data(), i * H + h, acc[h]);
+    for (int64_t h = 0; h < H; ++h) moe_ep::store_float(dt, ref.out.data(), i * H + h, acc[h]);
     if (bounded) {
       const double gamma = 2.0 * static_cast<double>(K + Ns + 1) * 0x1p-24;
       for (int64_t h = 0; h < H; ++h) {
         const double eacc = err[h] + gamma * mag[h];
-        const double r = std::fabs(double(load(dt, ref.out.data(), i * H + h)));
+        const double r = std::fabs(double(moe_ep::load_float(dt, ref.out.data(), i * H + h)));
         ref.bound[i * H + h] = eacc * (1 + u) + 2.02 * u * r + 2 * tiny;
       }
     }
@@ -253,7 +254,8 @@ CheckResult compare_outputs(const std::vector<std::byte>& out, const Reference& 
     c.mismatches = n;
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      const double o = load(dtype, out.data(), i), r = load(dtype, ref.data(), i);
+      const double o = moe_ep::load_float(dtype, out.data(), i),
+                   r = moe_ep::load_float(dtype, ref.data(), i);
       const bool nan = std::isnan(o) || std::isnan(r);
       if (nan) ++c.nans;
       if (nan || std::memcmp(out.data() + i * es, ref.data() + i * es, es) != 0) ++c.mismatches;

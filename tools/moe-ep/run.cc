@@ -690,7 +690,8 @@ std::vector<std::byte> const_table(uint64_t seed, int64_t count, int64_t hidden,
   std::vector<std::byte> t(static_cast<size_t>(count * hidden) * moe_ep::dtype_size(dtype));
   for (int64_t q = 0; q < count; ++q) {
     const Counter c(seed, Stream::kConstExpert, static_cast<uint64_t>(3 * q + j));
-    for (int64_t h = 0; h < hidden; ++h) store(dtype, t.data(), q * hidden + h, c.uniform(h));
+    for (int64_t h = 0; h < hidden; ++h)
+      moe_ep::store_float(dtype, t.data(), q * hidden + h, c.uniform(h));
   }
   return t;
 }
