@@ -1,26 +1,34 @@
 // Unit tests of the moe-ep tool's pure parts: safetensors I/O, the batch files, token splitting,
 // the real-routing data mapping, routing determinism, the scoring rules, redundant expert slots,
-// the output check and the checks made before a run (flags, sizes, memory, files).
+// the output check, the checks made before a run (flags, sizes, memory, files), the report (line
+// wrapping, the summary line) and the progress lines.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <set>
+#include <thread>
+#include <utility>
 
 #include "batch.h"
 #include "checks.h"
+#include "common.h"
 #include "moe_ep/error.h"
 #include "numeric.h"
 #include "presets.h"
+#include "progress.h"
 #include "redundant.h"
 #include "reference.h"
 #include "rng.h"
 #include "routing.h"
+#include "run_report.h"
 #include "safetensors.h"
 
 namespace moe_ep_tool {
@@ -787,6 +795,91 @@ TEST(Reference, NaNCountsAsAMismatchEvenWithEqualBits) {
   EXPECT_FALSE(c.pass);
   EXPECT_EQ(c.mismatches, 4);
   EXPECT_TRUE(c.size_mismatch);
+}
+
+TEST(Report, WrapKeepsLinesWithinTheWidthAndBreaksBetweenFields) {
+  const std::string text =
+      "moe-ep run: preset olmoe  H 2048  E 64  K 8  FFN 1024  dtype bf16  expert-fn swiglu  W 4  "
+      "tokens/rank 64 (N 256)  seed 0";
+  EXPECT_EQ(wrap(text, 2, 100),
+            "moe-ep run: preset olmoe  H 2048  E 64  K 8  FFN 1024  dtype bf16  expert-fn swiglu  "
+            "W 4\n  tokens/rank 64 (N 256)  seed 0");
+  EXPECT_EQ(wrap("short", 2, 100), "short");
+  // A word longer than the line stands alone; "§" counts one column.
+  const std::string path(120, 'p');
+  EXPECT_EQ(wrap("file " + path + " end", 4, 100), "file\n    " + path + "\n    end");
+  // 64 columns in 65 bytes: it fits.
+  EXPECT_EQ(wrap(std::string(58, 'a') + " §2.3)", 2, 64), std::string(58, 'a') + " §2.3)");
+  // In the last third of the line, a break between clauses beats a fuller line.
+  EXPECT_EQ(wrap(std::string(50, 'a') + "; bb cc dd ee", 2, 60),
+            std::string(50, 'a') + ";\n  bb cc dd ee");
+  EXPECT_EQ(wrap_fields({"first", "second", "", "third"}, 2, 13), "first  second\n  third");
+}
+
+TEST(Report, SummaryLineSaysWhatRanHowFastAndWhatTheVerdictMeans) {
+  Plan p;
+  p.layer = *find_preset("olmoe");
+  const std::vector<RankStats> stats = {{0, 0.010, 0, 0, 0.020, 0, 0, 0},
+                                        {0, 0.012, 0, 0, 0.015, 0, 0, 0}};
+  const WarmTimes warm{5, 0.0012, 0.0009};
+  CheckResult c;
+  c.exact = c.pass = true;
+  const std::string layer = "olmoe layer (H 2048, E 64, top-8) on 4 ranks, ";
+  EXPECT_EQ(summary_line(p, 4, stats, warm, c),
+            "PASS: " + layer +
+                "dispatch 1.2 ms + combine 0.9 ms warm; the output equals the dense "
+                "single-process reference bitwise");
+  // Without warm repeats: the cold calls, max over ranks.
+  EXPECT_EQ(summary_line(p, 4, stats, WarmTimes{}, c)
+                .rfind("PASS: " + layer + "dispatch 12 ms + combine 20 ms cold;", 0),
+            0u);
+  c.exact = false;
+  c.bounded = true;
+  EXPECT_NE(summary_line(p, 4, stats, warm, c).find("; the output is within the int8 bound of"),
+            std::string::npos);
+  c.bounded = false;
+  EXPECT_NE(summary_line(p, 4, stats, warm, c).find("; the output is within the tolerance of"),
+            std::string::npos);
+  c.pass = false;
+  EXPECT_EQ(summary_line(p, 1, stats, warm, c),
+            "FAIL: olmoe layer (H 2048, E 64, top-8) on 1 rank, dispatch 1.2 ms + combine 0.9 ms "
+            "warm; the output differs from the dense single-process reference (check above)");
+  const std::vector<double> dispatch = {3, 1, 2, 1, 5, 1}, combine = {1, 1, 1, 4, 4, 4};
+  const WarmTimes w = median_of_max(dispatch, combine, 3);  // 2 ranks x 3 repeats
+  EXPECT_EQ(w.n, 3);
+  EXPECT_EQ(w.dispatch_s, 3);  // max over ranks 3, 5, 2: median 3
+  EXPECT_EQ(w.combine_s, 4);
+}
+
+// The progress lines of a run: every phase with `on`, a phase that outlasts the wait with
+// `auto`, none with `off` or on other ranks than 0.
+TEST(Progress, PrintsPhasesByMode) {
+  auto lines = [](Progress::Mode mode, bool active, double after_s, double phase_s) {
+    std::FILE* f = std::tmpfile();
+    {
+      Progress p(mode, active, "moe-ep run", after_s, f);
+      p.phase("first");
+      std::this_thread::sleep_for(std::chrono::duration<double>(phase_s));
+      p.phase("second");
+      p.done();
+    }
+    std::rewind(f);
+    std::string text;
+    for (int c; (c = std::fgetc(f)) != EOF;) text += static_cast<char>(c);
+    std::fclose(f);
+    return text;
+  };
+  const std::string on = lines(Progress::Mode::kOn, true, 10, 0);
+  EXPECT_NE(on.find("moe-ep run: [0.0 s] first ...\n"), std::string::npos) << on;
+  EXPECT_NE(on.find("] second ...\n"), std::string::npos) << on;
+  const std::string slow = lines(Progress::Mode::kAuto, true, 0.05, 0.5);
+  EXPECT_NE(slow.find("] first ...\n"), std::string::npos) << slow;
+  EXPECT_EQ(lines(Progress::Mode::kAuto, true, 30, 0.05), "");
+  EXPECT_EQ(lines(Progress::Mode::kOff, true, 0, 0.1), "");
+  EXPECT_EQ(lines(Progress::Mode::kOn, false, 0, 0), "");
+  EXPECT_EQ(Progress::parse("on"), Progress::Mode::kOn);
+  EXPECT_EQ(Progress::parse("off"), Progress::Mode::kOff);
+  EXPECT_EQ(Progress::parse("auto"), Progress::Mode::kAuto);
 }
 
 }  // namespace

@@ -2,23 +2,15 @@
 
 #include <cblas.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstring>
 
+#include "common.h"
 #include "moe_ep/error.h"
 #include "moe_ep/tensor.h"
 #include "rng.h"
 
 namespace moe_ep_tool {
-
-namespace {
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
 
 const char* expert_fn_name(ExpertFn fn) {
   switch (fn) {

@@ -214,6 +214,15 @@ void add_run_options(CLI::App* run, RunOptions& o) {
                   "deadline of every blocking wait inside dispatch/combine, seconds > 0 "
                   "(default: $MOE_EP_TIMEOUT_S, else 300)")
       ->check(validator(moe_ep_tool::check_timeout, "> 0"));
+  run->add_option("--warm-repeats", o.warm_repeats,
+                  "after the checked call, repeat dispatch_v2 + combine_v2 this many times on the "
+                  "same inputs and report the median (max over ranks) as the warm time (default "
+                  "5; 0: only the cold first call, which includes the window set-up)")
+      ->check(integer(0, 1000000));
+  run->add_option("--progress", o.progress,
+                  "progress lines on stderr (rank 0): auto (default; a phase once it has run 1 s), "
+                  "on (every phase as it starts), off")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
 }
 
 void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_text) {
@@ -449,7 +458,9 @@ int main(int argc, char** argv) {
       "run",
       "Forward of one MoE layer across the MPI ranks: router -> dispatch_v2 -> local experts -> "
       "combine_v2, checked against a single-process dense reference on rank 0. Run it under "
-      "mpirun; prints the configuration, load balance, time per phase, bandwidth and PASS/FAIL.");
+      "mpirun; prints the configuration, load balance, time per phase (cold: the first call; "
+      "warm: the median of --warm-repeats more), bandwidth, the check and a last line PASS: or "
+      "FAIL: saying what ran, how fast and what the verdict means.");
   add_run_options(run, options);
   BenchOptions bench_options;
   CLI::App* bench = app.add_subcommand(

@@ -143,6 +143,15 @@ std::map<int64_t, double> read_counts(const RealRoutingSource& source) {
 
 }  // namespace
 
+std::string default_routing_file() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const auto dir = ec ? std::filesystem::path(".") : exe.parent_path();
+  return (dir / ".." / "share" / "moe-ep" / "real-routing" / "expert_counts.csv")
+      .lexically_normal()
+      .string();
+}
+
 int64_t real_data_experts(const RealRoutingSource& source) {
   return static_cast<int64_t>(read_counts(with_domain(source)).size());
 }
