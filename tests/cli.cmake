@@ -12,7 +12,8 @@ add_executable(moe_ep_cli_tests ${_cli}/test_tool.cc)
 target_link_libraries(moe_ep_cli_tests PRIVATE moe_ep_tool moe_ep_flags GTest::gtest
                                                GTest::gtest_main)
 target_compile_definitions(moe_ep_cli_tests PRIVATE
-                           MOE_EP_TEST_ROUTING_CSV="${MOE_EP_ROUTING_CSV}")
+                           MOE_EP_TEST_ROUTING_CSV="${MOE_EP_ROUTING_CSV}"
+                           MOE_EP_TEST_VERSION="${PROJECT_VERSION}")
 gtest_discover_tests(moe_ep_cli_tests TEST_PREFIX cli. DISCOVERY_MODE PRE_TEST
                      PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120)
 
@@ -131,6 +132,62 @@ cli_expect_error(load_wrong_preset "InvalidArgument: --load-routing.*H = 4096.*H
 cli_expect_error(load_wrong_dtype "InvalidArgument: --load-routing.*bf16.*fp16"
                  "${_mpi} -n 1 ${_exe} run --preset mixtral-8x7b --dtype fp16 --load-routing ${_work}/bad_ids/good.safetensors"
                  FIXTURES_REQUIRED cli_bad_ids)
+
+# Command-line mistakes (parse errors included) print one "moe-ep: error: InvalidArgument: ..."
+# line for all ranks, and exit with status 2 through MPI_Finalize (no MPI_ABORT banner, no
+# CLI11 "Run with --help"); an unknown option names the closest known one.
+function(cli_expect_usage_error name regex args)
+  add_test(NAME cli.usage.${name}
+           COMMAND ${CMAKE_COMMAND} "-DCMD=${_mpi} -n 2 --oversubscribe ${_exe} ${args}"
+                   "-DREGEX=(^|\n)moe-ep: error: InvalidArgument: ${regex}" -DEXIT=2 -DONCE=1
+                   "-DNOT_REGEX=MPI_ABORT|Run with --help" -DTIMEOUT=45
+                   -P ${_cli}/expect_error.cmake)
+  set_tests_properties(cli.usage.${name} PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60
+                                                    PROCESSORS 2)
+endfunction()
+cli_expect_usage_error(unknown_option_did_you_mean
+                       "moe-ep run: unknown option --token; did you mean --tokens\\? \\(moe-ep run --help lists them\\)\n"
+                       "run --token 16")
+cli_expect_usage_error(unknown_option_with_value
+                       "moe-ep run: unknown option --hiden; did you mean --hidden\\?"
+                       "run --tokens=8 --hiden=64")
+cli_expect_usage_error(bench_unknown_option_did_you_mean
+                       "moe-ep bench: unknown option --iter; did you mean --iters\\?"
+                       "bench --iter 3")
+cli_expect_usage_error(option_of_the_other_subcommand
+                       "moe-ep run: unknown option --compare: it is an option of moe-ep bench"
+                       "run --compare")
+cli_expect_usage_error(unknown_option_no_suggestion
+                       "moe-ep run: unknown option --frobnicate \\(moe-ep run --help lists them\\)"
+                       "run --frobnicate")
+cli_expect_usage_error(missing_value
+                       "--tokens: a value is missing \\(expected INT:\\[0, 2147483647\\]\\)"
+                       "run --tokens")
+cli_expect_usage_error(bad_value "--dtype: int8 not in \\{bf16,fp16,fp32\\}" "run --dtype int8")
+cli_expect_usage_error(bad_number
+                       "--tokens: must be an integer in \\[0, 2147483647\\], got abc \\(not an integer\\)"
+                       "run --tokens abc")
+cli_expect_usage_error(unexpected_positional
+                       "moe-ep run: unexpected argument '16': moe-ep run takes only options"
+                       "run 16")
+cli_expect_usage_error(option_before_subcommand
+                       "moe-ep: unexpected argument '--tokens' before the subcommand"
+                       "--tokens 8 run")
+cli_expect_usage_error(subcommand_did_you_mean
+                       "unknown subcommand 'rnu' \\(expected run or bench\\); did you mean run\\?"
+                       "rnu")
+cli_expect_usage_error(no_subcommand_exit_2 "a subcommand is required: moe-ep run or moe-ep bench" "")
+cli_expect_usage_error(combination "--comm-quant int8 cannot be combined with --tp 2"
+                       "run --tp 2 --comm-quant int8")
+# --version and --help print once (rank 0) and exit 0.
+cli_expect_output(version "^moe-ep ${PROJECT_VERSION}\n$"
+                  "${_mpi} -n 2 --oversubscribe ${_exe} --version" PROCESSORS 2)
+cli_expect_output(help "Usage: [^\n]*moe-ep run \\[OPTIONS\\].*--warm-repeats.*--progress"
+                  "${_mpi} -n 2 --oversubscribe ${_exe} run --help" NOT_REGEX "error" PROCESSORS 2)
+add_test(NAME cli.help_once
+         COMMAND ${CMAKE_COMMAND} "-DCMD=${_mpi} -n 2 --oversubscribe ${_exe} --help"
+                 "-DREGEX=Usage: " -DONCE=1 -P ${_cli}/expect_output.cmake)
+set_tests_properties(cli.help_once PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60)
 
 # The report of `moe-ep run` (tests/cli/run_report.py; no timing is asserted): lines of at most
 # 100 columns, cold and warm times labelled, the last line a PASS: summary that agrees with the

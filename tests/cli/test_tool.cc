@@ -1,7 +1,7 @@
 // Unit tests of the moe-ep tool's pure parts: safetensors I/O, the batch files, token splitting,
 // the real-routing data mapping, routing determinism, the scoring rules, redundant expert slots,
-// the output check, the checks made before a run (flags, sizes, memory, files), the report (line
-// wrapping, the summary line) and the progress lines.
+// the output check, the checks made before a run (flags, sizes, memory, files), the command line
+// (errors, suggestions), the report's line wrapping and the progress lines.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -19,6 +19,7 @@
 
 #include "batch.h"
 #include "checks.h"
+#include "cli.h"
 #include "common.h"
 #include "moe_ep/error.h"
 #include "numeric.h"
@@ -795,6 +796,73 @@ TEST(Reference, NaNCountsAsAMismatchEvenWithEqualBits) {
   EXPECT_FALSE(c.pass);
   EXPECT_EQ(c.mismatches, 4);
   EXPECT_TRUE(c.size_mismatch);
+}
+
+CommandLine parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "moe-ep");
+  return parse_command_line(static_cast<int>(args.size()), args.data());
+}
+
+TEST(CommandLine, ParsesRunAndBench) {
+  CommandLine c = parse({"run", "--tokens", "8", "--warm-repeats", "0", "--progress", "on"});
+  ASSERT_EQ(c.action, CommandLine::Action::kRun) << c.text;
+  EXPECT_EQ(c.run.tokens, 8);
+  EXPECT_TRUE(c.run.tokens_given);
+  EXPECT_EQ(c.run.warm_repeats, 0);
+  EXPECT_EQ(c.run.progress, "on");
+  c = parse({"bench", "--tokens", "8,16"});
+  ASSERT_EQ(c.action, CommandLine::Action::kBench) << c.text;
+  EXPECT_EQ(c.bench.tokens, (std::vector<int64_t>{8, 16}));
+}
+
+TEST(CommandLine, ErrorsAreOneLineAndSayWhatIsWrong) {
+  const std::pair<std::vector<const char*>, std::string> cases[] = {
+      {{"run", "--token", "16"},
+       "moe-ep run: unknown option --token; did you mean --tokens? (moe-ep run --help lists "
+       "them)"},
+      {{"run", "--hiden=3"}, "moe-ep run: unknown option --hiden; did you mean --hidden?"},
+      {{"bench", "--iter", "3"}, "moe-ep bench: unknown option --iter; did you mean --iters?"},
+      {{"run", "--compare"},
+       "moe-ep run: unknown option --compare: it is an option of moe-ep bench"},
+      {{"run", "--frobnicate"}, "moe-ep run: unknown option --frobnicate (moe-ep run --help"},
+      {{"run", "16"}, "moe-ep run: unexpected argument '16': moe-ep run takes only options"},
+      {{"run", "--tokens"}, "--tokens: a value is missing (expected INT:[0, 2147483647])"},
+      {{"run", "--tokens", "x"}, "--tokens: must be an integer in [0, 2147483647], got x"},
+      {{"run", "--tokens", "4", "--tokens", "8"}, "--tokens: given 2 times; it takes one value"},
+      {{"--tokens", "8", "run"}, "moe-ep: unexpected argument '--tokens' before the subcommand"},
+      {{"rn"}, "unknown subcommand 'rn' (expected run or bench); did you mean run?"},
+      {{}, "a subcommand is required: moe-ep run or moe-ep bench"},
+  };
+  for (const auto& [args, message] : cases) {
+    const CommandLine c = parse(args);
+    EXPECT_EQ(c.action, CommandLine::Action::kError) << message;
+    EXPECT_EQ(c.text.rfind(message, 0), 0u) << c.text;
+    EXPECT_EQ(c.text.find('\n'), std::string::npos) << c.text;
+  }
+}
+
+TEST(CommandLine, HelpAndVersionPrint) {
+  CommandLine c = parse({"--version"});
+  EXPECT_EQ(c.action, CommandLine::Action::kPrint);
+  EXPECT_EQ(c.text, "moe-ep " MOE_EP_TEST_VERSION "\n");
+  c = parse({"run", "--help"});
+  EXPECT_EQ(c.action, CommandLine::Action::kPrint);
+  EXPECT_NE(c.text.find("--warm-repeats"), std::string::npos);
+  EXPECT_EQ(c.text.find("--debug-omit-ori-x"), std::string::npos);  // a hidden test hook
+}
+
+TEST(CommandLine, ClosestName) {
+  const std::vector<std::string> known = {"--tokens",  "--top-k",     "--tp",
+                                          "--timeout", "--expert-fn", "--experts"};
+  EXPECT_EQ(closest_name("--token", known), "--tokens");
+  EXPECT_EQ(closest_name("--tok", known), "--tokens");  // the only name it begins
+  EXPECT_EQ(closest_name("--expert_fn", known), "--expert-fn");
+  EXPECT_EQ(closest_name("--expret-fn", known), "--expert-fn");  // two letters swapped
+  EXPECT_EQ(closest_name("--expert", known), "--experts");
+  EXPECT_EQ(closest_name("--t", known), "");  // begins four names
+  EXPECT_EQ(closest_name("--x", known), "");  // nothing near
+  EXPECT_EQ(closest_name("--banana", known), "");
+  EXPECT_EQ(closest_name("--", known), "");
 }
 
 TEST(Report, WrapKeepsLinesWithinTheWidthAndBreaksBetweenFields) {
