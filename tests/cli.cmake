@@ -619,10 +619,12 @@ moe_ep_add_mpi_test(NAME cli.run.tp2_shared_rank_special_mask
                     NPROCS 6 TIMEOUT 120)
 
 # moe-ep bench (issue 6): --compare at small sizes runs, verifies, prints the table, ratios and
-# targets, and writes CSV, JSON and (with gnuplot) a PNG. Not a timing check.
+# targets, and writes CSV, JSON and (with gnuplot) a PNG, all consistent with each other. Not a
+# timing check.
 add_test(NAME cli.bench.compare
          COMMAND ${CMAKE_COMMAND} -DMPIEXEC=${_mpi} -DEXE=${_exe} -DWORK=${_work}/bench
-                 -DPYTHON=${Python3_EXECUTABLE} -P ${_cli}/bench.cmake)
+                 -DPYTHON=${Python3_EXECUTABLE} -DCHECK=${_cli}/bench_check.py
+                 -P ${_cli}/bench.cmake)
 set_tests_properties(cli.bench.compare PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 180
                                                   PROCESSORS 2)
 # --transport mpi: moe-ep's ops on plain MPI, verified like the shm default, and named in the

@@ -150,7 +150,7 @@ bool write_plot_data(const std::string& dat, const std::vector<Result>& all,
   return static_cast<bool>(f);
 }
 
-// The gnuplot script.
+// The gnuplot script: each series its own colour (series_colour) and point type.
 bool write_plot_script(const std::string& gp, const std::string& png, const std::string& dat,
                        const std::string& title, const std::vector<Op>& series) {
   std::ofstream f(gp);
@@ -170,7 +170,8 @@ bool write_plot_script(const std::string& gp, const std::string& png, const std:
        "plot ";
   for (size_t i = 0; i < series.size(); ++i) {
     f << (i ? ", \\\n     " : "") << gp_quote(dat) << " using 1:" << i + 2
-      << " with linespoints lw 2 title '" << kOpNames[series[i]].op << ' '
+      << " with linespoints lw 2 lc rgb '" << series_colour(series[i]) << "' pt "
+      << static_cast<int>(series[i]) + 1 << " title '" << kOpNames[series[i]].op << ' '
       << kOpNames[series[i]].impl << "'";
   }
   f << "\n";
@@ -214,6 +215,22 @@ void plot(const BenchOptions& o, const Setup& s, const Sweep& sweep) {
 }
 
 }  // namespace
+
+const char* series_colour(Op op) {
+  // Okabe-Ito's colour-blind-safe set, and three more; moe-ep's ops in the strongest.
+  static const char* const kColours[kOps] = {
+      "#0072b2",  // dispatch moe-ep: blue
+      "#d55e00",  // combine moe-ep: vermillion
+      "#009e73",  // dispatch-int8 moe-ep: green
+      "#56b4e9",  // dispatch alltoallv: sky blue
+      "#e69f00",  // combine alltoallv: orange
+      "#cc79a7",  // dispatch-int8 alltoallv: reddish purple
+      "#6a3d9a",  // dispatch textbook: purple
+      "#8c564b",  // combine textbook: brown
+      "#000000",  // copy memcpy: black
+  };
+  return kColours[op];
+}
 
 Rules counting_rules(const BenchOptions& o, const Setup& s) {
   Rules r;

@@ -37,4 +37,7 @@ struct Sweep {
 void write_report(const BenchOptions& o, const Setup& s, const Rules& rules, const Sweep& sweep,
                   bool compare);
 
+// The plot's series colours, one per op, all distinct ("#rrggbb").
+const char* series_colour(Op op);
+
 }  // namespace moe_ep_tool::bench
