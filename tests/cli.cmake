@@ -12,7 +12,8 @@ add_executable(moe_ep_cli_tests ${_cli}/test_tool.cc)
 target_link_libraries(moe_ep_cli_tests PRIVATE moe_ep_tool moe_ep_flags GTest::gtest
                                                GTest::gtest_main)
 target_compile_definitions(moe_ep_cli_tests PRIVATE
-                           MOE_EP_TEST_ROUTING_CSV="${MOE_EP_ROUTING_CSV}")
+                           MOE_EP_TEST_ROUTING_CSV="${MOE_EP_ROUTING_CSV}"
+                           MOE_EP_TEST_VERSION="${PROJECT_VERSION}")
 gtest_discover_tests(moe_ep_cli_tests TEST_PREFIX cli. DISCOVERY_MODE PRE_TEST
                      PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120)
 
@@ -98,6 +99,17 @@ function(cli_expect_error_once name regex cmd)
   set_tests_properties(cli.error.${name} PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60
                                                     ${ARGN})
 endfunction()
+# A run that must succeed (exit 0) with stdout matching the whole regex, ';' included (a
+# PASS_REGULAR_EXPRESSION property would be split at each ';' and pass on any piece); optional
+# NOT_REGEX <regex> (not in stdout or stderr) and test properties after it.
+function(cli_expect_output name regex cmd)
+  cmake_parse_arguments(O "" "NOT_REGEX" "" ${ARGN})
+  add_test(NAME cli.${name}
+           COMMAND ${CMAKE_COMMAND} "-DCMD=${cmd}" "-DREGEX=${regex}" "-DNOT_REGEX=${O_NOT_REGEX}"
+                   -DTIMEOUT=200 -P ${_cli}/expect_output.cmake)
+  set_tests_properties(cli.${name} PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 240
+                                              ${O_UNPARSED_ARGUMENTS})
+endfunction()
 set(_run2 "${_mpi} -n 2 --oversubscribe ${_exe} run --preset mixtral-8x7b --expert-fn scale")
 cli_expect_error(repeated_id "moe-ep: error: [A-Za-z]+: dispatch_v2: expert_ids\\[0,[^\n]*repeat"
                  "${_run2} --load-routing ${_work}/bad_ids/repeat.safetensors"
@@ -120,6 +132,85 @@ cli_expect_error(load_wrong_preset "InvalidArgument: --load-routing.*H = 4096.*H
 cli_expect_error(load_wrong_dtype "InvalidArgument: --load-routing.*bf16.*fp16"
                  "${_mpi} -n 1 ${_exe} run --preset mixtral-8x7b --dtype fp16 --load-routing ${_work}/bad_ids/good.safetensors"
                  FIXTURES_REQUIRED cli_bad_ids)
+
+# Command-line mistakes (parse errors included) print one "moe-ep: error: InvalidArgument: ..."
+# line for all ranks, and exit with status 2 through MPI_Finalize (no MPI_ABORT banner, no
+# CLI11 "Run with --help"); an unknown option names the closest known one.
+function(cli_expect_usage_error name regex args)
+  add_test(NAME cli.usage.${name}
+           COMMAND ${CMAKE_COMMAND} "-DCMD=${_mpi} -n 2 --oversubscribe ${_exe} ${args}"
+                   "-DREGEX=(^|\n)moe-ep: error: InvalidArgument: ${regex}" -DEXIT=2 -DONCE=1
+                   "-DNOT_REGEX=MPI_ABORT|Run with --help" -DTIMEOUT=45
+                   -P ${_cli}/expect_error.cmake)
+  set_tests_properties(cli.usage.${name} PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60
+                                                    PROCESSORS 2)
+endfunction()
+cli_expect_usage_error(unknown_option_did_you_mean
+                       "moe-ep run: unknown option --token; did you mean --tokens\\? \\(moe-ep run --help lists them\\)\n"
+                       "run --token 16")
+cli_expect_usage_error(unknown_option_with_value
+                       "moe-ep run: unknown option --hiden; did you mean --hidden\\?"
+                       "run --tokens=8 --hiden=64")
+cli_expect_usage_error(bench_unknown_option_did_you_mean
+                       "moe-ep bench: unknown option --iter; did you mean --iters\\?"
+                       "bench --iter 3")
+cli_expect_usage_error(option_of_the_other_subcommand
+                       "moe-ep run: unknown option --compare: it is an option of moe-ep bench"
+                       "run --compare")
+cli_expect_usage_error(unknown_option_no_suggestion
+                       "moe-ep run: unknown option --frobnicate \\(moe-ep run --help lists them\\)"
+                       "run --frobnicate")
+cli_expect_usage_error(missing_value
+                       "--tokens: a value is missing \\(expected INT:\\[0, 2147483647\\]\\)"
+                       "run --tokens")
+cli_expect_usage_error(bad_value "--dtype: int8 not in \\{bf16,fp16,fp32\\}" "run --dtype int8")
+cli_expect_usage_error(bad_number
+                       "--tokens: must be an integer in \\[0, 2147483647\\], got abc \\(not an integer\\)"
+                       "run --tokens abc")
+cli_expect_usage_error(unexpected_positional
+                       "moe-ep run: unexpected argument '16': moe-ep run takes only options"
+                       "run 16")
+cli_expect_usage_error(option_before_subcommand
+                       "moe-ep: unexpected argument '--tokens' before the subcommand"
+                       "--tokens 8 run")
+cli_expect_usage_error(subcommand_did_you_mean
+                       "unknown subcommand 'rnu' \\(expected run or bench\\); did you mean run\\?"
+                       "rnu")
+cli_expect_usage_error(no_subcommand_exit_2 "a subcommand is required: moe-ep run or moe-ep bench" "")
+cli_expect_usage_error(combination "--comm-quant int8 cannot be combined with --tp 2"
+                       "run --tp 2 --comm-quant int8")
+# --version and --help print once (rank 0) and exit 0.
+cli_expect_output(version "^moe-ep ${PROJECT_VERSION}\n$"
+                  "${_mpi} -n 2 --oversubscribe ${_exe} --version" PROCESSORS 2)
+cli_expect_output(help "Usage: [^\n]*moe-ep run \\[OPTIONS\\].*--warm-repeats.*--progress"
+                  "${_mpi} -n 2 --oversubscribe ${_exe} run --help" NOT_REGEX "error" PROCESSORS 2)
+add_test(NAME cli.help_once
+         COMMAND ${CMAKE_COMMAND} "-DCMD=${_mpi} -n 2 --oversubscribe ${_exe} --help"
+                 "-DREGEX=Usage: " -DONCE=1 -P ${_cli}/expect_output.cmake)
+set_tests_properties(cli.help_once PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60)
+
+# The report of `moe-ep run` (tests/cli/run_report.py; no timing is asserted): lines of at most
+# 100 columns, cold and warm times labelled, the last line a PASS: summary that agrees with the
+# header, the times above and the kind of check; progress lines on stderr with --progress on,
+# none with off.
+function(cli_report name np expect args)
+  separate_arguments(a UNIX_COMMAND "${args}")
+  add_test(NAME cli.report.${name}
+           COMMAND ${Python3_EXECUTABLE} ${_cli}/run_report.py ${_mpi} ${np} ${expect} -- ${_exe}
+                   run ${a})
+  set_tests_properties(cli.report.${name} PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
+                                                     TIMEOUT 240 PROCESSORS ${np})
+endfunction()
+cli_report(warm_progress_on 2 exact
+           "--preset mixtral-8x7b --tokens 8 --hidden 64 --expert-fn scale --warm-repeats 3 --progress on")
+cli_report(cold_only_progress_off 2 exact
+           "--preset mixtral-8x7b --tokens 8 --hidden 64 --expert-fn scale --warm-repeats 0 --progress off")
+cli_report(swiglu_tolerance 1 tolerance "--preset mixtral-8x7b --tokens 4 --hidden 64 --ffn 16")
+# The longest header and placement: shared-expert rank, redundant slots, special experts, mask.
+cli_report(everything_scale 4 exact
+           "--preset deepseek-v3 --hidden 128 --tokens 6 --expert-fn scale --zero-experts 1 --copy-experts 1 --const-experts 2 --mask entries --shared-expert-ranks 1")
+cli_report(tp_int8_bound 4 bound
+           "--tp 2 --experts 2 --top-k 2 --quant int8 --comm-quant none --hidden 64 --tokens 4 --expert-fn scale --mask entries --routing uniform")
 
 # Bad flags: CLI11 errors, non-zero exit.
 cli_expect_error(negative_tokens "--tokens" "${_mpi} -n 2 ${_exe} run --tokens -3")
@@ -255,20 +346,14 @@ cli_expect_error(load_with_domain
                  "${_run2} --domain arxiv --load-routing ${_bad}/good.safetensors"
                  FIXTURES_REQUIRED cli_bad_ids)
 # --seed with a loaded batch sets only the swiglu weights; the header says so and shows no router.
-add_test(NAME cli.load.seed_header
-         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} run --preset mixtral-8x7b --ffn 16 --seed 5
-                 --load-routing ${_bad}/good.safetensors)
-set_tests_properties(cli.load.seed_header PROPERTIES
-  ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120 FIXTURES_REQUIRED cli_bad_ids
-  PASS_REGULAR_EXPRESSION "tokens/rank 4 \\(N 8, from the file\\)  seed 5 \\(--seed; expert weights only: x and routing come from the file, saved with seed 0\\)\n.*\nPASS\n"
-  FAIL_REGULAR_EXPRESSION "router scores")
-add_test(NAME cli.load.seed_unused
-         COMMAND ${_mpi} -n 1 ${_exe} run --preset mixtral-8x7b --expert-fn identity
-                 --load-routing ${_bad}/good.safetensors)
-set_tests_properties(cli.load.seed_unused PROPERTIES
-  ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120 FIXTURES_REQUIRED cli_bad_ids
-  PASS_REGULAR_EXPRESSION "seed not used \\(x and routing come from the file; expert-fn identity has no weights\\)\n.*\nPASS\n"
-  FAIL_REGULAR_EXPRESSION "router scores")
+cli_expect_output(load.seed_header
+                  "tokens/rank 4 \\(N 8, from the file\\)\n  seed 5 \\(--seed; expert weights only: x and routing come from the file, saved with seed 0\\)\n.*\nPASS: "
+                  "${_mpi} -n 2 --oversubscribe ${_exe} run --preset mixtral-8x7b --ffn 16 --seed 5 --load-routing ${_bad}/good.safetensors"
+                  NOT_REGEX "router scores" FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_output(load.seed_unused
+                  "seed not used \\(x and routing come from the file; expert-fn identity has no weights\\)\n.*\nPASS: "
+                  "${_mpi} -n 1 ${_exe} run --preset mixtral-8x7b --expert-fn identity --load-routing ${_bad}/good.safetensors"
+                  NOT_REGEX "router scores" FIXTURES_REQUIRED cli_bad_ids)
 
 # Outputs never overwrite the input or each other (./F and F are the same file), and an output
 # path that cannot be written fails before the run.
@@ -303,13 +388,10 @@ moe_ep_add_mpi_test(NAME cli.run.deepseek_shared_local_scale
 # replicas of the two busiest experts (by the real data's p_e): 258 slots, 86 per MoE rank. The
 # routing stays over the 256 experts; even tokens use an expert's own slot, odd ones its replica.
 # The header names the replicas and the run shows both copies of each receive rows.
-add_test(NAME cli.run.deepseek_shared_rank_acceptance
-         COMMAND ${_mpi} -n 4 --oversubscribe ${_exe} run --preset deepseek-v3 --ffn 128
-                 --tokens 16 --shared-experts 1 --shared-expert-ranks 1 --routing real)
-set_tests_properties(cli.run.deepseek_shared_rank_acceptance PROPERTIES
-  ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 240 PROCESSORS 4
-  PASS_REGULAR_EXPRESSION "E 256 \\(\\+2 redundant slots: replicas of experts [0-9]+, [0-9]+\\)  K 8 .*moe_expert_num = E \\+ R = 258; slot p on rank 1 \\+ p / 86;.*redundant slots used \\(rows per slot, original first\\): expert [0-9]+ on slots [0-9]+/25[67]: [1-9][0-9]*/[1-9][0-9]* rows; expert [0-9]+ on slots [0-9]+/25[67]: [1-9][0-9]*/[1-9][0-9]* rows\n.*\nPASS\n"
-  FAIL_REGULAR_EXPRESSION "FAIL")
+cli_expect_output(run.deepseek_shared_rank_acceptance
+                  "E 256 \\(\\+2 redundant slots: replicas of experts [0-9]+, [0-9]+\\)[ \n]+K 8[ \n].*moe_expert_num = E \\+ R = 258;[ \n]+slot p on rank 1 \\+ p / 86;.*redundant slots used \\(rows per slot, original first\\):[ \n]+expert [0-9]+ on slots [0-9]+/25[67]: [1-9][0-9]*/[1-9][0-9]* rows;[ \n]+expert [0-9]+ on slots [0-9]+/25[67]: [1-9][0-9]*/[1-9][0-9]* rows\n.*\nPASS: "
+                  "${_mpi} -n 4 --oversubscribe ${_exe} run --preset deepseek-v3 --ffn 128 --tokens 16 --shared-experts 1 --shared-expert-ranks 1 --routing real"
+                  NOT_REGEX "FAIL" PROCESSORS 4)
 # With --experts 192 (a multiple of 3 the real data's 64 experts map onto) no slot is redundant.
 moe_ep_add_mpi_test(NAME cli.run.deepseek_shared_rank_real
                     COMMAND ${_exe} run --preset deepseek-v3 --ffn 128 --tokens 16
@@ -388,13 +470,10 @@ cli_roundtrip(redundant_shared_special_scale 4 "2 3" ""
               "--shared-expert-ranks 1")
 # More redundant slots than experts: E 4 + R 5 = 9 slots over 3 ranks; uniform routing replicates
 # experts 0, 1, 2, 3, 0 (expert 0 has three copies: token index mod 3).
-add_test(NAME cli.run.redundant_cycle_uniform
-         COMMAND ${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --experts 4
-                 --routing uniform --redundant-experts 5 --hidden 64 --tokens 12 --expert-fn scale)
-set_tests_properties(cli.run.redundant_cycle_uniform PROPERTIES
-  ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120 PROCESSORS 3
-  PASS_REGULAR_EXPRESSION "E 4 \\(\\+5 redundant slots: replicas of experts 0, 1, 2, 3, 0\\).*expert 0 on slots 0/4/8: [1-9][0-9]*/[1-9][0-9]*/[1-9][0-9]* rows; expert 1 on slots 1/5: .*\nPASS\n"
-  FAIL_REGULAR_EXPRESSION "FAIL")
+cli_expect_output(run.redundant_cycle_uniform
+                  "E 4 \\(\\+5 redundant slots: replicas of experts 0, 1, 2, 3, 0\\).*expert 0 on slots 0/4/8: [1-9][0-9]*/[1-9][0-9]*/[1-9][0-9]* rows;[ \n]+expert 1 on slots 1/5: .*\nPASS: "
+                  "${_mpi} -n 3 --oversubscribe ${_exe} run --preset mixtral-8x7b --experts 4 --routing uniform --redundant-experts 5 --hidden 64 --tokens 12 --expert-fn scale"
+                  NOT_REGEX "FAIL" PROCESSORS 3)
 # 8 experts at 3 ranks (R = 1, gate routing: a replica of expert 0), swiglu.
 moe_ep_add_mpi_test(NAME cli.run.redundant_mixtral_gate_swiglu
                     COMMAND ${_exe} run --preset mixtral-8x7b --routing gate --hidden 128 --ffn 16
@@ -540,10 +619,12 @@ moe_ep_add_mpi_test(NAME cli.run.tp2_shared_rank_special_mask
                     NPROCS 6 TIMEOUT 120)
 
 # moe-ep bench (issue 6): --compare at small sizes runs, verifies, prints the table, ratios and
-# targets, and writes CSV, JSON and (with gnuplot) a PNG. Not a timing check.
+# targets, and writes CSV, JSON and (with gnuplot) a PNG, all consistent with each other. Not a
+# timing check.
 add_test(NAME cli.bench.compare
          COMMAND ${CMAKE_COMMAND} -DMPIEXEC=${_mpi} -DEXE=${_exe} -DWORK=${_work}/bench
-                 -DPYTHON=${Python3_EXECUTABLE} -P ${_cli}/bench.cmake)
+                 -DPYTHON=${Python3_EXECUTABLE} -DCHECK=${_cli}/bench_check.py
+                 -P ${_cli}/bench.cmake)
 set_tests_properties(cli.bench.compare PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 180
                                                   PROCESSORS 2)
 # --transport mpi: moe-ep's ops on plain MPI, verified like the shm default, and named in the

@@ -1,8 +1,11 @@
 # `moe-ep bench --compare` at small sizes, run with cmake -P: it must exit 0, print the
 # verification ("verified"), a table row for each (op, impl) at each swept tokens value, the
-# ratios and the targets (PASS or FAIL: timing is not checked here), and write the CSV, the JSON
-# (checked by PYTHON) and, when gnuplot is installed, a PNG.
-# -D: MPIEXEC, EXE, WORK, PYTHON.
+# ratios and the targets, and write the CSV, the JSON and, when gnuplot is installed, a PNG whose
+# series have distinct colours. No timing is asserted (a target may PASS or FAIL); CHECK
+# (bench_check.py) asserts that what is printed and written is consistent: every check 0 bad,
+# well-formed rows, p50 <= p99, GB/s and ratios computed from the p50s, each verdict agreeing
+# with its value and bound.
+# -D: MPIEXEC, EXE, WORK, PYTHON, CHECK.
 file(REMOVE_RECURSE "${WORK}")
 file(MAKE_DIRECTORY "${WORK}")
 execute_process(
@@ -26,8 +29,9 @@ foreach(
   "\n  dispatch      moe-ep +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+x +[0-9.]+x\n"
   "\n  combine       textbook +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +- +-\n"
   "int8 dispatch \\(quant_mode 2\\): bytes moved 0.508 of bf16's[^\n]*; memory traffic 0.562 of bf16's \\(each token read once"
-  "tokens/rank    32  combine moe-ep/textbook +[0-9.]+ >= 2.0  (PASS|FAIL)"
-  "tokens/rank    32  dispatch int8/bf16 time +[0-9.]+ <= 0.6  (PASS|FAIL)"
+  # The format only: CHECK checks each verdict against its value and bound.
+  "tokens/rank    32  combine moe-ep/textbook +[0-9.]+ >= 2.0  (PASS|FAIL)\n"
+  "tokens/rank    32  dispatch int8/bf16 time +[0-9.]+ <= 0.6  (PASS|FAIL)\n"
   "THIS RUN'S CONFIGURATION DIFFERS")
   if(NOT out MATCHES "${re}")
     message(FATAL_ERROR "stdout does not match '${re}'")
@@ -76,7 +80,21 @@ if(NOT rc EQUAL 0)
   message(FATAL_ERROR "bench.json check failed: ${err}")
 endif()
 
+# What is printed and written agrees with itself (see the top).
+file(WRITE ${WORK}/stdout.txt "${out}")
 find_program(GNUPLOT gnuplot)
+set(gp "")
+if(GNUPLOT)
+  set(gp ${WORK}/bench.gp)
+endif()
+execute_process(COMMAND ${PYTHON} ${CHECK} ${WORK}/stdout.txt ${WORK}/bench.csv ${WORK}/bench.json
+                        ${gp}
+                RESULT_VARIABLE rc OUTPUT_VARIABLE check_out ERROR_VARIABLE err)
+message(STATUS "${check_out}")
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "bench outputs are not consistent: ${err}")
+endif()
+
 if(GNUPLOT)
   if(NOT out MATCHES "plot written to ${WORK}/bench.png")
     message(FATAL_ERROR "gnuplot is installed but no plot was reported")

@@ -1,26 +1,35 @@
 // Unit tests of the moe-ep tool's pure parts: safetensors I/O, the batch files, token splitting,
 // the real-routing data mapping, routing determinism, the scoring rules, redundant expert slots,
-// the output check and the checks made before a run (flags, sizes, memory, files).
+// the output check, the checks made before a run (flags, sizes, memory, files), the command line
+// (errors, suggestions), the report's line wrapping and the progress lines.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <set>
+#include <thread>
+#include <utility>
 
 #include "batch.h"
 #include "checks.h"
+#include "cli.h"
+#include "common.h"
 #include "moe_ep/error.h"
 #include "numeric.h"
 #include "presets.h"
+#include "progress.h"
 #include "redundant.h"
 #include "reference.h"
 #include "rng.h"
 #include "routing.h"
+#include "run_report.h"
 #include "safetensors.h"
 
 namespace moe_ep_tool {
@@ -39,19 +48,22 @@ std::string routing_csv() { return MOE_EP_TEST_ROUTING_CSV; }
 // v rounded to the dtype and back to fp32.
 float round_to(DType dtype, float v) {
   float buf = 0;  // room for any dtype
-  store(dtype, &buf, 0, v);
-  return load(dtype, &buf, 0);
+  moe_ep::store_float(dtype, &buf, 0, v);
+  return moe_ep::load_float(dtype, &buf, 0);
 }
 
+// The tool's reference and experts round through the library's conversions (moe_ep/tensor.h).
 TEST(Numeric, Bf16RoundsToNearestEven) {
-  EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(moe_ep::float_to_bf16(1.0f), 0x3f80);
   // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties to even (1.0).
-  EXPECT_EQ(f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);
+  EXPECT_EQ(moe_ep::float_to_bf16(1.0f + 0x1p-8f), 0x3f80);
   // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 and 1 + 2^-6: ties to even (1 + 2^-6).
-  EXPECT_EQ(f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);
-  EXPECT_TRUE(std::isnan(bf16_to_f32(f32_to_bf16(NAN))));
-  EXPECT_EQ(f16_to_f32(f32_to_f16(0.333333f)),
+  EXPECT_EQ(moe_ep::float_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);
+  EXPECT_TRUE(std::isnan(moe_ep::bf16_to_float(moe_ep::float_to_bf16(NAN))));
+  EXPECT_EQ(moe_ep::fp16_to_float(moe_ep::float_to_fp16(0.333333f)),
             static_cast<float>(static_cast<_Float16>(0.333333f)));
+  EXPECT_EQ(parse_float_dtype("fp16"), DType::kF16);
+  EXPECT_EQ(parse_float_dtype("bf16"), DType::kBF16);
 }
 
 TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
@@ -521,7 +533,7 @@ TEST(Batch, LoadRejectsNonFiniteValuesAndABadSeed) {
   EXPECT_EQ(error_of([&] { load_routing(path); }),
             "routing file '" + path + "': expert_scales[3,0] = nan is not finite");
   c = b;
-  store(DType::kBF16, c.x.data(), 2 * 3 + 1, -INFINITY);
+  moe_ep::store_float(DType::kBF16, c.x.data(), 2 * 3 + 1, -INFINITY);
   save_routing(path, c);
   EXPECT_EQ(error_of([&] { load_routing(path); }),
             "routing file '" + path + "': x[2,1] = -inf is not finite");
@@ -731,14 +743,14 @@ TEST(Reference, QuantisedRunWithinTheDerivedInt8Bound) {
         }
       };
       for (int64_t i = 0; i < N; ++i) {
-        for (int64_t h = 0; h < H; ++h) xf[h] = load(dt, b.x.data(), i * H + h);
+        for (int64_t h = 0; h < H; ++h) xf[h] = moe_ep::load_float(dt, b.x.data(), i * H + h);
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t k = 0; k < K; ++k) {
           const int32_t e = b.expert_ids[i * K + k];
           if (e >= 0 && e < E) term(e, b.expert_scales[i * K + k], true);
         }
         for (int64_t s = 0; s < Ns; ++s) term(E + s, 1.0f, false);
-        for (int64_t h = 0; h < H; ++h) store(dt, out.data(), i * H + h, acc[h]);
+        for (int64_t h = 0; h < H; ++h) moe_ep::store_float(dt, out.data(), i * H + h, acc[h]);
       }
       CheckResult c = compare_outputs(out, ref, dt, ExpertFn::kScale);
       EXPECT_TRUE(c.bounded);
@@ -748,8 +760,9 @@ TEST(Reference, QuantisedRunWithinTheDerivedInt8Bound) {
       EXPECT_GT(c.mismatches, 0);  // quantisation did change the output
       EXPECT_NE(c.rule.find("/ 254"), std::string::npos) << c.rule;
       // One element off by twice its bound.
-      const float r = load(dt, ref.out.data(), 5 * H + 7);
-      store(dt, out.data(), 5 * H + 7, static_cast<float>(r + 2.5 * ref.bound[5 * H + 7] + 0.01));
+      const float r = moe_ep::load_float(dt, ref.out.data(), 5 * H + 7);
+      moe_ep::store_float(dt, out.data(), 5 * H + 7,
+                          static_cast<float>(r + 2.5 * ref.bound[5 * H + 7] + 0.01));
       c = compare_outputs(out, ref, dt, ExpertFn::kScale);
       EXPECT_FALSE(c.pass);
       EXPECT_EQ(c.over_bound, 1);
@@ -760,12 +773,12 @@ TEST(Reference, QuantisedRunWithinTheDerivedInt8Bound) {
 TEST(Reference, NaNCountsAsAMismatchEvenWithEqualBits) {
   std::vector<std::byte> out(4 * 4), ref(4 * 4);
   for (int i = 0; i < 4; ++i) {
-    store(DType::kF32, out.data(), i, 1.0f + i);
-    store(DType::kF32, ref.data(), i, 1.0f + i);
+    moe_ep::store_float(DType::kF32, out.data(), i, 1.0f + i);
+    moe_ep::store_float(DType::kF32, ref.data(), i, 1.0f + i);
   }
-  store(DType::kF32, out.data(), 1, NAN);
-  store(DType::kF32, ref.data(), 1, NAN);  // the same bits
-  store(DType::kF32, out.data(), 3, NAN);
+  moe_ep::store_float(DType::kF32, out.data(), 1, NAN);
+  moe_ep::store_float(DType::kF32, ref.data(), 1, NAN);  // the same bits
+  moe_ep::store_float(DType::kF32, out.data(), 3, NAN);
   for (ExpertFn fn : {ExpertFn::kScale, ExpertFn::kSwiglu}) {
     Reference r;
     r.out = ref;
@@ -783,6 +796,158 @@ TEST(Reference, NaNCountsAsAMismatchEvenWithEqualBits) {
   EXPECT_FALSE(c.pass);
   EXPECT_EQ(c.mismatches, 4);
   EXPECT_TRUE(c.size_mismatch);
+}
+
+CommandLine parse(std::vector<const char*> args) {
+  args.insert(args.begin(), "moe-ep");
+  return parse_command_line(static_cast<int>(args.size()), args.data());
+}
+
+TEST(CommandLine, ParsesRunAndBench) {
+  CommandLine c = parse({"run", "--tokens", "8", "--warm-repeats", "0", "--progress", "on"});
+  ASSERT_EQ(c.action, CommandLine::Action::kRun) << c.text;
+  EXPECT_EQ(c.run.tokens, 8);
+  EXPECT_TRUE(c.run.tokens_given);
+  EXPECT_EQ(c.run.warm_repeats, 0);
+  EXPECT_EQ(c.run.progress, "on");
+  c = parse({"bench", "--tokens", "8,16"});
+  ASSERT_EQ(c.action, CommandLine::Action::kBench) << c.text;
+  EXPECT_EQ(c.bench.tokens, (std::vector<int64_t>{8, 16}));
+}
+
+TEST(CommandLine, ErrorsAreOneLineAndSayWhatIsWrong) {
+  const std::pair<std::vector<const char*>, std::string> cases[] = {
+      {{"run", "--token", "16"},
+       "moe-ep run: unknown option --token; did you mean --tokens? (moe-ep run --help lists "
+       "them)"},
+      {{"run", "--hiden=3"}, "moe-ep run: unknown option --hiden; did you mean --hidden?"},
+      {{"bench", "--iter", "3"}, "moe-ep bench: unknown option --iter; did you mean --iters?"},
+      {{"run", "--compare"},
+       "moe-ep run: unknown option --compare: it is an option of moe-ep bench"},
+      {{"run", "--frobnicate"}, "moe-ep run: unknown option --frobnicate (moe-ep run --help"},
+      {{"run", "16"}, "moe-ep run: unexpected argument '16': moe-ep run takes only options"},
+      {{"run", "--tokens"}, "--tokens: a value is missing (expected INT:[0, 2147483647])"},
+      {{"run", "--tokens", "x"}, "--tokens: must be an integer in [0, 2147483647], got x"},
+      {{"run", "--tokens", "4", "--tokens", "8"}, "--tokens: given 2 times; it takes one value"},
+      {{"--tokens", "8", "run"}, "moe-ep: unexpected argument '--tokens' before the subcommand"},
+      {{"rn"}, "unknown subcommand 'rn' (expected run or bench); did you mean run?"},
+      {{}, "a subcommand is required: moe-ep run or moe-ep bench"},
+  };
+  for (const auto& [args, message] : cases) {
+    const CommandLine c = parse(args);
+    EXPECT_EQ(c.action, CommandLine::Action::kError) << message;
+    EXPECT_EQ(c.text.rfind(message, 0), 0u) << c.text;
+    EXPECT_EQ(c.text.find('\n'), std::string::npos) << c.text;
+  }
+}
+
+TEST(CommandLine, HelpAndVersionPrint) {
+  CommandLine c = parse({"--version"});
+  EXPECT_EQ(c.action, CommandLine::Action::kPrint);
+  EXPECT_EQ(c.text, "moe-ep " MOE_EP_TEST_VERSION "\n");
+  c = parse({"run", "--help"});
+  EXPECT_EQ(c.action, CommandLine::Action::kPrint);
+  EXPECT_NE(c.text.find("--warm-repeats"), std::string::npos);
+  EXPECT_EQ(c.text.find("--debug-omit-ori-x"), std::string::npos);  // a hidden test hook
+}
+
+TEST(CommandLine, ClosestName) {
+  const std::vector<std::string> known = {"--tokens",  "--top-k",     "--tp",
+                                          "--timeout", "--expert-fn", "--experts"};
+  EXPECT_EQ(closest_name("--token", known), "--tokens");
+  EXPECT_EQ(closest_name("--tok", known), "--tokens");  // the only name it begins
+  EXPECT_EQ(closest_name("--expert_fn", known), "--expert-fn");
+  EXPECT_EQ(closest_name("--expret-fn", known), "--expert-fn");  // two letters swapped
+  EXPECT_EQ(closest_name("--expert", known), "--experts");
+  EXPECT_EQ(closest_name("--t", known), "");  // begins four names
+  EXPECT_EQ(closest_name("--x", known), "");  // nothing near
+  EXPECT_EQ(closest_name("--banana", known), "");
+  EXPECT_EQ(closest_name("--", known), "");
+}
+
+TEST(Report, WrapKeepsLinesWithinTheWidthAndBreaksBetweenFields) {
+  const std::string text =
+      "moe-ep run: preset olmoe  H 2048  E 64  K 8  FFN 1024  dtype bf16  expert-fn swiglu  W 4  "
+      "tokens/rank 64 (N 256)  seed 0";
+  EXPECT_EQ(wrap(text, 2, 100),
+            "moe-ep run: preset olmoe  H 2048  E 64  K 8  FFN 1024  dtype bf16  expert-fn swiglu  "
+            "W 4\n  tokens/rank 64 (N 256)  seed 0");
+  EXPECT_EQ(wrap("short", 2, 100), "short");
+  // A word longer than the line stands alone; "§" counts one column.
+  const std::string path(120, 'p');
+  EXPECT_EQ(wrap("file " + path + " end", 4, 100), "file\n    " + path + "\n    end");
+  // 64 columns in 65 bytes: it fits.
+  EXPECT_EQ(wrap(std::string(58, 'a') + " §2.3)", 2, 64), std::string(58, 'a') + " §2.3)");
+  // In the last third of the line, a break between clauses beats a fuller line.
+  EXPECT_EQ(wrap(std::string(50, 'a') + "; bb cc dd ee", 2, 60),
+            std::string(50, 'a') + ";\n  bb cc dd ee");
+  EXPECT_EQ(wrap_fields({"first", "second", "", "third"}, 2, 13), "first  second\n  third");
+}
+
+TEST(Report, SummaryLineSaysWhatRanHowFastAndWhatTheVerdictMeans) {
+  Plan p;
+  p.layer = *find_preset("olmoe");
+  const std::vector<RankStats> stats = {{0, 0.010, 0, 0, 0.020, 0, 0, 0},
+                                        {0, 0.012, 0, 0, 0.015, 0, 0, 0}};
+  const WarmTimes warm{5, 0.0012, 0.0009};
+  CheckResult c;
+  c.exact = c.pass = true;
+  const std::string layer = "olmoe layer (H 2048, E 64, top-8) on 4 ranks, ";
+  EXPECT_EQ(summary_line(p, 4, stats, warm, c),
+            "PASS: " + layer +
+                "dispatch 1.2 ms + combine 0.9 ms warm; the output equals the dense "
+                "single-process reference bitwise");
+  // Without warm repeats: the cold calls, max over ranks.
+  EXPECT_EQ(summary_line(p, 4, stats, WarmTimes{}, c)
+                .rfind("PASS: " + layer + "dispatch 12 ms + combine 20 ms cold;", 0),
+            0u);
+  c.exact = false;
+  c.bounded = true;
+  EXPECT_NE(summary_line(p, 4, stats, warm, c).find("; the output is within the int8 bound of"),
+            std::string::npos);
+  c.bounded = false;
+  EXPECT_NE(summary_line(p, 4, stats, warm, c).find("; the output is within the tolerance of"),
+            std::string::npos);
+  c.pass = false;
+  EXPECT_EQ(summary_line(p, 1, stats, warm, c),
+            "FAIL: olmoe layer (H 2048, E 64, top-8) on 1 rank, dispatch 1.2 ms + combine 0.9 ms "
+            "warm; the output differs from the dense single-process reference (check above)");
+  const std::vector<double> dispatch = {3, 1, 2, 1, 5, 1}, combine = {1, 1, 1, 4, 4, 4};
+  const WarmTimes w = median_of_max(dispatch, combine, 3);  // 2 ranks x 3 repeats
+  EXPECT_EQ(w.n, 3);
+  EXPECT_EQ(w.dispatch_s, 3);  // max over ranks 3, 5, 2: median 3
+  EXPECT_EQ(w.combine_s, 4);
+}
+
+// The progress lines of a run: every phase with `on`, a phase that outlasts the wait with
+// `auto`, none with `off` or on other ranks than 0.
+TEST(Progress, PrintsPhasesByMode) {
+  auto lines = [](Progress::Mode mode, bool active, double after_s, double phase_s) {
+    std::FILE* f = std::tmpfile();
+    {
+      Progress p(mode, active, "moe-ep run", after_s, f);
+      p.phase("first");
+      std::this_thread::sleep_for(std::chrono::duration<double>(phase_s));
+      p.phase("second");
+      p.done();
+    }
+    std::rewind(f);
+    std::string text;
+    for (int c; (c = std::fgetc(f)) != EOF;) text += static_cast<char>(c);
+    std::fclose(f);
+    return text;
+  };
+  const std::string on = lines(Progress::Mode::kOn, true, 10, 0);
+  EXPECT_NE(on.find("moe-ep run: [0.0 s] first ...\n"), std::string::npos) << on;
+  EXPECT_NE(on.find("] second ...\n"), std::string::npos) << on;
+  const std::string slow = lines(Progress::Mode::kAuto, true, 0.05, 0.5);
+  EXPECT_NE(slow.find("] first ...\n"), std::string::npos) << slow;
+  EXPECT_EQ(lines(Progress::Mode::kAuto, true, 30, 0.05), "");
+  EXPECT_EQ(lines(Progress::Mode::kOff, true, 0, 0.1), "");
+  EXPECT_EQ(lines(Progress::Mode::kOn, false, 0, 0), "");
+  EXPECT_EQ(Progress::parse("on"), Progress::Mode::kOn);
+  EXPECT_EQ(Progress::parse("off"), Progress::Mode::kOff);
+  EXPECT_EQ(Progress::parse("auto"), Progress::Mode::kAuto);
 }
 
 }  // namespace

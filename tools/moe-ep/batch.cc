@@ -7,7 +7,7 @@
 
 #include "checks.h"
 #include "moe_ep/error.h"
-#include "numeric.h"
+#include "moe_ep/tensor.h"
 #include "safetensors.h"
 
 namespace moe_ep_tool {
@@ -64,7 +64,7 @@ std::vector<T> values(const StTensor& t) {
 void check_finite(const std::string& path, const std::string& name, DType dtype, const void* data,
                   int64_t rows, int64_t cols) {
   for (int64_t i = 0; i < rows * cols; ++i) {
-    const float v = load(dtype, data, i);
+    const float v = moe_ep::load_float(dtype, data, i);
     if (!std::isfinite(v)) {
       throw Error(ErrorKind::kInvalidArgument,
                   "routing file '" + path + "': " + name + "[" + std::to_string(i / cols) + "," +

@@ -1,24 +1,15 @@
 // moe-ep tool: `moe-ep bench`, the dispatch/combine benchmark (issue 6).
 //
 // For each tokens-per-rank value of the sweep, on every rank of MPI_COMM_WORLD (the EP group):
-//   1. builds the batch: x from the seed (routing.h make_tokens) and top-k routing (real OLMoE
-//      statistics by default), E experts placed E / W per rank (SPEC §1.2, no shared experts);
-//   2. verifies before timing (exit 1 on any mismatch, before anything is timed):
-//      - dispatch_v2's expand_x rows equal the SPEC §1.4 layout rebuilt from every rank's tokens;
-//      - combine_v2 of the rows passed through the `scale` expert function equals the SPEC §2.3
-//        dense reference (reference.h) bitwise;
-//      - with --compare, the textbook pipeline produces the same expand_x rows and the same
-//        combine output (bitwise, +0 == -0), and the bare MPI_Alltoallv moves the same rows (each
-//        (source, local expert) block equal to expand_x's, and back again unchanged);
-//      - with --quant int8, every int8 row and dynamic scale equals SPEC §1.5 applied to the
-//        expected row;
-//   3. times, per iteration: MPI_Barrier, then each rank times one op; the ops of an iteration
-//      run in a rotating order (moe-ep, alltoallv, textbook, memcpy groups) so that load on the
-//      machine falls on all of them alike.
-// Reports, per op: bytes counted (per rank: the rows it sends to OTHER ranks x the row payload,
-// self-traffic excluded, mean over ranks), p50 and p99 over iterations of the max over ranks of
-// the op's time, GB/s = bytes / p50, and with --compare the throughput ratios moe-ep/alltoallv and
-// moe-ep/textbook (= baseline p50 / moe-ep p50: the same bytes) and the issue's targets.
+//   1. builds the batch (bench_point.h): x from the seed (routing.h make_tokens) and top-k
+//      routing (real OLMoE statistics by default), E experts placed E / W per rank (SPEC §1.2,
+//      no shared experts);
+//   2. verifies before timing (bench_verify.h; exit 1 on any mismatch, before anything is
+//      timed), against the SPEC and, with --compare, the baselines (bench_baselines.h: the
+//      textbook pipeline and the bare MPI_Alltoallv);
+//   3. times each op (bench_timing.h): p50/p99 over iterations of the max over ranks, bytes
+//      counted without self-traffic, the ratios against the baselines and the targets;
+//   4. prints the table, the targets and writes --csv, --json and --plot (bench_output.h).
 #pragma once
 
 #include <cstdint>

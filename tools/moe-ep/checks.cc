@@ -376,9 +376,9 @@ void check_load_memory(const std::string& path, uint64_t file_bytes, uint64_t ph
   }
 }
 
-void check_writable(const std::string& flag, const std::string& path) {
+void check_writable(const std::string& flag, const std::string& path, const char* command) {
   namespace fs = std::filesystem;
-  const std::string where = "moe-ep run: " + flag + " '" + path + "': ";
+  const std::string where = std::string(command) + ": " + flag + " '" + path + "': ";
   const fs::path p(path);
   std::error_code ec;
   if (path.empty() || p.filename().empty() || fs::is_directory(p, ec)) {

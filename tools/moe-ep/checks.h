@@ -101,8 +101,10 @@ void check_memory(const RunShape& shape, const std::vector<int>& node_ranks, uin
 void check_load_memory(const std::string& path, uint64_t file_bytes, uint64_t physical);
 
 // Throws moe_ep::Error(kInvalidArgument) unless `path` can be written: an existing writable file,
-// or a new name in an existing writable directory (the message gives strerror's text).
-void check_writable(const std::string& flag, const std::string& path);
+// or a new name in an existing writable directory (the message, "<command>: <flag> '<path>': ...",
+// gives strerror's text).
+void check_writable(const std::string& flag, const std::string& path,
+                    const char* command = "moe-ep run");
 
 // Whether the two paths name the same file (std::filesystem::weakly_canonical: ./F and F are).
 bool same_path(const std::string& a, const std::string& b);

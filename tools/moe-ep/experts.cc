@@ -2,23 +2,15 @@
 
 #include <cblas.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstring>
 
+#include "common.h"
 #include "moe_ep/error.h"
-#include "numeric.h"
+#include "moe_ep/tensor.h"
 #include "rng.h"
 
 namespace moe_ep_tool {
-
-namespace {
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
 
 const char* expert_fn_name(ExpertFn fn) {
   switch (fn) {
@@ -90,7 +82,8 @@ void ExpertBank::forward(int64_t e, const void* in, moe_ep::DType in_dtype, void
   if (fn_ != ExpertFn::kSwiglu) {
     const double t0 = now_s();
     const float f = factor(e);
-    for (int64_t i = 0; i < n; ++i) store(out_dtype, out, i, load(in_dtype, in, i) * f);
+    for (int64_t i = 0; i < n; ++i)
+      moe_ep::store_float(out_dtype, out, i, moe_ep::load_float(in_dtype, in, i) * f);
     compute_s_ += now_s() - t0;
     return;
   }
@@ -104,7 +97,7 @@ void ExpertBank::forward(int64_t e, const void* in, moe_ep::DType in_dtype, void
   h13_.resize(static_cast<size_t>(rows * 2 * Fp));
   act_.resize(static_cast<size_t>(rows * Fp));
   yf_.resize(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) xf_[i] = load(in_dtype, in, i);
+  for (int64_t i = 0; i < n; ++i) xf_[i] = moe_ep::load_float(in_dtype, in, i);
   const int m = static_cast<int>(rows), h = static_cast<int>(H), f = static_cast<int>(Fp);
   // h13 (rows, 2Fp) = x (rows, H) @ W13^T
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, 2 * f, h, 1.0f, xf_.data(), h,
@@ -118,7 +111,7 @@ void ExpertBank::forward(int64_t e, const void* in, moe_ep::DType in_dtype, void
   // y (rows, H) = act (rows, Fp) @ W2^T
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, h, f, 1.0f, act_.data(), f, w2_.data(), f,
               0.0f, yf_.data(), h);
-  for (int64_t i = 0; i < n; ++i) store(out_dtype, out, i, yf_[i]);
+  for (int64_t i = 0; i < n; ++i) moe_ep::store_float(out_dtype, out, i, yf_[i]);
   compute_s_ += now_s() - t0;
 }
 

@@ -1,398 +1,29 @@
 // moe-ep: the command-line tool. `moe-ep run` runs one MoE layer forward across the MPI ranks
-// (see run.h); `moe-ep bench` times dispatch/combine against the baselines (see bench.h); errors
-// print "moe-ep: error: <kind>: <message>" and end the job with status 2: through MPI_Finalize when
-// every rank fails within 10 s, else MPI_Abort (fail()). A rank whose error is Remote (another
-// rank failed and prints the real error) prints nothing.
+// (see run.h); `moe-ep bench` times dispatch/combine against the baselines (see bench.h). Every
+// error prints one line "moe-ep: error: <kind>: <message>" and ends the job with status 2:
+//   - a mistake on the command line (cli.h; kind InvalidArgument): every rank parses the same
+//     argv, the ranks agree on it and the lowest failing rank prints it; MPI_Finalize;
+//   - an error of the run: through MPI_Finalize when every rank fails within 10 s, else MPI_Abort
+//     (fail()). A rank whose error is Remote (another rank failed and prints the real error)
+//     prints nothing.
+// --help and --version print on rank 0 and exit with status 0.
 #include <mpi.h>
 
-#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <exception>
-#include <functional>
 #include <new>
-#include <sstream>
 #include <thread>
-#include <utility>
-#include <vector>
 
 #include "bench.h"
-#include "checks.h"
+#include "cli.h"
+#include "collective.h"
 #include "moe_ep/error.h"
-#include "presets.h"
 #include "run.h"
 
 namespace {
 
-using moe_ep_tool::BenchOptions;
-using moe_ep_tool::RunOptions;
-
-std::string preset_help() {
-  std::ostringstream s;
-  s << "model preset (default olmoe):";
-  for (const auto& p : moe_ep_tool::presets()) {
-    s << "\n  " << p.name << ": H " << p.hidden << ", " << p.experts << " experts, top-" << p.top_k
-      << ", FFN " << p.ffn << ", " << moe_ep_tool::describe_scoring(p);
-    if (!p.note.empty()) s << "; NOTE: " << p.note;
-  }
-  s << "\nLarge presets need a reduced --ffn to fit (one expert's fp32 weights: 3 x H x FFN x 4 B "
-       "per rank at a time).";
-  return s.str();
-}
-
-// A CLI11 validator from a check of checks.h ("" when valid); CLI11 prefixes the flag name:
-// "--timeout: must be a finite number of seconds > 0, got 0".
-CLI::Validator validator(std::function<std::string(const std::string&)> check,
-                         const std::string& words) {
-  return CLI::Validator([check](std::string& value) { return check(value); }, words);
-}
-
-CLI::Validator integer(int64_t low, int64_t high, const std::string& note = "") {
-  return validator(
-      [=](const std::string& v) { return moe_ep_tool::check_integer(v, low, high, note); },
-      "[" + std::to_string(low) + ", " + std::to_string(high) + "]");
-}
-
-// The comma-separated pieces of text, empty ones kept ("8,,16" has three).
-std::vector<std::string> split_commas(const std::string& text) {
-  std::vector<std::string> pieces;
-  std::size_t from = 0;
-  for (std::size_t at; (at = text.find(',', from)) != std::string::npos; from = at + 1)
-    pieces.push_back(text.substr(from, at - from));
-  pieces.push_back(text.substr(from));
-  return pieces;
-}
-
-// A comma-separated list of integers in [low, high], each checked as integer() does. CLI11's own
-// delimiter would drop empty entries ("8,,16" would sweep 8 and 16 without a word).
-CLI::Validator integer_list(int64_t low, int64_t high) {
-  return validator(
-      [=](const std::string& v) {
-        for (const std::string& piece : split_commas(v)) {
-          if (piece.empty())
-            return "must be a comma-separated list of integers in [" + std::to_string(low) + ", " +
-                   std::to_string(high) + "], got " + v + " (an empty entry)";
-          const std::string bad = moe_ep_tool::check_integer(piece, low, high, "");
-          if (!bad.empty()) return "each entry of " + v + " " + bad;
-        }
-        return std::string();
-      },
-      "[" + std::to_string(low) + ", " + std::to_string(high) + "],...");
-}
-
-void add_run_options(CLI::App* run, RunOptions& o) {
-  using moe_ep_tool::kMaxDim;
-  using moe_ep_tool::kMaxExperts;
-  std::vector<std::string> names;
-  for (const auto& p : moe_ep_tool::presets()) names.push_back(p.name);
-  run->add_option("--preset", o.preset, preset_help())->check(CLI::IsMember(names));
-  run->add_option("--tokens", o.tokens,
-                  "tokens per rank (default 64; not with --load-routing, whose file fixes them)")
-      ->check(integer(0, kMaxDim));
-  run->add_option("--hidden", o.hidden, "override the preset's hidden size H")
-      ->check(integer(1, kMaxDim));
-  run->add_option("--experts", o.experts, "override the preset's number of experts E")
-      ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
-  run->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
-      ->check(integer(1, kMaxExperts));
-  run->add_option("--ffn", o.ffn, "override the preset's expert intermediate size FFN")
-      ->check(integer(1, kMaxDim));
-  run->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
-      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
-  run->add_option("--seed", o.seed,
-                  "unsigned seed (default 0) of every generated value: the tokens x, the routing "
-                  "and the swiglu expert weights. With --load-routing x and the routing come from "
-                  "the file and the seed sets only the swiglu expert weights (default: the seed "
-                  "the file was saved with); the header prints the seed used and what it set")
-      ->check(validator(moe_ep_tool::check_unsigned, "[0, 2^64 - 1]"));
-  run->add_option("--expert-fn", o.expert_fn,
-                  "expert function: swiglu (default; y = W2 (silu(W1 x) * (W3 x)), fp32 OpenBLAS "
-                  "GEMMs, checked with a tolerance), scale (expert e: y = x * (1 + e/E) in fp32, "
-                  "checked bitwise), identity (checked bitwise)")
-      ->check(CLI::IsMember({"swiglu", "scale", "identity"}));
-  run->add_option("--routing", o.routing,
-                  "routing: real (default; sampled from real per-expert top-k counts), gate "
-                  "(random router matrix, top-k of x @ Wr), uniform; not with --load-routing")
-      ->check(CLI::IsMember({"real", "gate", "uniform"}));
-  run->add_option("--routing-model", o.routing_model,
-                  "real routing data: olmoe, olmoe-sft, olmoe-dpo (64 experts, top-8), mistral "
-                  "(8 experts, top-2); default: mistral for mixtral-8x7b, olmoe otherwise; other "
-                  "expert counts are mapped by splitting (or merging) consecutive experts")
-      ->check(CLI::IsMember({"olmoe", "olmoe-sft", "olmoe-dpo", "mistral"}));
-  run->add_option("--domain", o.domain,
-                  "real routing text domain: arxiv, book, c4, github, wikipedia (mistral, olmoe), "
-                  "tulu (olmoe, olmoe-sft, olmoe-dpo); default: tulu for olmoe-sft and "
-                  "olmoe-dpo, else c4");
-  run->add_option("--layer", o.layer, "real routing MoE layer: 0, 7 (default) or 15")
-      ->check(integer(0, kMaxDim));
-  run->add_option("--routing-file", o.routing_file,
-                  "expert_counts.csv (default: <exe dir>/../share/moe-ep/real-routing/"
-                  "expert_counts.csv)");
-  run->add_option("--save-routing", o.save_routing,
-                  "write the global batch (expert_ids, expert_scales, x, tokens_per_rank) as "
-                  "safetensors");
-  run->add_option("--load-routing", o.load_routing,
-                  "read the batch from a --save-routing file instead of generating it; H and K "
-                  "must match the preset; rank r takes its slice (tokens_per_rank when it has W "
-                  "entries, else an even split). Excludes --tokens and the routing flags")
-      ->check(CLI::ExistingFile);
-  run->add_option("--save-output", o.save_output,
-                  "write the combined output (N, H) as safetensors tensor 'output'");
-  run->add_option("--tp", o.tp,
-                  "tensor parallelism T: 1 (default) or 2. The world is W_ep x T ranks: world rank "
-                  "r is EP rank r / T and TP rank r % T (EP groups {x T + i}, TP groups "
-                  "{T i + x}); dispatch all-gathers each TP pair's rows, each TP rank computes a "
-                  "partial expert output (swiglu: FFN split in halves; scale/identity: TP rank 0 "
-                  "the value, rank 1 zeros) and combine_v2 reduce-scatters. Needs one expert per "
-                  "MoE rank (E = W_ep - S)")
-      ->check(integer(1, 2));
-  run->add_option("--shared-experts", o.shared_experts,
-                  "shared experts Ns, 0..4 (default: the preset's: 1 for deepseek-v3, else 0); "
-                  "FFN = the routed experts' FFN. With --shared-expert-ranks 0 (Ns <= 1) each "
-                  "rank runs it on its own tokens and passes it to combine_v2 as shared_expert_x")
-      ->check(integer(0, 4));
-  run->add_option("--shared-expert-ranks", o.shared_expert_ranks,
-                  "shared-expert ranks S (default 0): EP ranks [0, S) run the shared experts on "
-                  "the rows dispatch_v2 sends them (S/Ns ranks per shared expert; S % Ns == 0); "
-                  "the routed experts go to the W_ep - S others")
-      ->check(integer(0, kMaxDim));
-  run->add_option("--zero-experts", o.zero_experts,
-                  "zero experts Z (default 0): ids [E, E+Z), contribute 0 (SPEC §2.2); the routing "
-                  "then draws ids over E+Z+C+Q, each special expert as likely as an average "
-                  "routed one")
-      ->check(integer(0, kMaxExperts));
-  run->add_option("--copy-experts", o.copy_experts,
-                  "copy experts C (default 0): ids [E+Z, E+Z+C), contribute w * x (ori_x = x)")
-      ->check(integer(0, kMaxExperts));
-  run->add_option("--const-experts", o.const_experts,
-                  "const experts Q (default 0): ids [E+Z+C, E+Z+C+Q), contribute "
-                  "w * (alpha_1[q] * x + alpha_2[q] * v[q]) with alpha_1, alpha_2, v generated "
-                  "from the seed, uniform in [-1, 1)")
-      ->check(integer(0, kMaxExperts));
-  run->add_option("--quant", o.quant,
-                  "dispatch quantisation: none (default) or int8 (quant_mode 2: rows travel as "
-                  "int8 with a per-row scale; the experts read fp32(q) x dynamic_scales)")
-      ->check(CLI::IsMember({"none", "int8"}));
-  run->add_option("--comm-quant", o.comm_quant,
-                  "combine quantisation: none (default) or int8 (comm_quant_mode 2: expert "
-                  "outputs travel back as int8; not with --tp 2)")
-      ->check(CLI::IsMember({"none", "int8"}));
-  run->add_option("--transport", o.transport,
-                  "how ranks on one machine move rows: shm (MPI-3 shared memory, one copy) or "
-                  "mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. Same results")
-      ->check(CLI::IsMember({"mpi", "shm"}));
-  run->add_option("--mask", o.mask,
-                  "x_active_mask: none (default), prefix (1-D: the last quarter of each rank's "
-                  "tokens, rounded, inactive) or entries (2-D: each (token, k) inactive with "
-                  "probability 0.2, from the seed); inactive tokens give 0. Not with "
-                  "--load-routing (a saved mask is reloaded)")
-      // bad-prefix: a test hook (a 1-D mask that is not a prefix), not listed.
-      ->check(CLI::Validator(
-          [](const std::string& v) {
-            return v == "none" || v == "prefix" || v == "entries" || v == "bad-prefix"
-                       ? std::string()
-                       : v + " not in {none, prefix, entries}";
-          },
-          "{none, prefix, entries}"));
-  run->add_option("--global-bs", o.global_bs,
-                  "dispatch_v2's global_bs (default: 0 when every rank has the same tokens, else "
-                  "W_ep x max tokens per rank); sizes the receive buffers")
-      ->check(integer(0, kMaxDim));
-  run->add_option(
-         "--redundant-experts", o.redundant_experts,
-         "redundant expert slots R, as DeepSeek-V3 serves 256 experts on any number of ranks "
-         "(EPLB): dispatch_v2 gets moe_expert_num = E + R physical slots, slot p < E holding "
-         "expert p and slot E + j a replica of the j-th busiest expert (by the real routing's "
-         "p_e, the loaded file's counts, else experts 0, 1, ...). The routing stays over the E "
-         "experts; an entry of a replicated expert goes to copy (global token index) mod copies "
-         "(one replica: even tokens the original, odd ones the replica), so outputs equal a run "
-         "without redundancy. (E + R) % (W_ep - S) must be 0; default: the smallest such R")
-      ->check(integer(0, kMaxExperts));
-  // Test hook: combine_v2 without ori_x (copy/const experts need it).
-  run->add_flag("--debug-omit-ori-x", o.debug_omit_ori_x)->group("");
-  run->add_option("--timeout", o.timeout_s,
-                  "deadline of every blocking wait inside dispatch/combine, seconds > 0 "
-                  "(default: $MOE_EP_TIMEOUT_S, else 300)")
-      ->check(validator(moe_ep_tool::check_timeout, "> 0"));
-}
-
-void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_text) {
-  using moe_ep_tool::kMaxDim;
-  using moe_ep_tool::kMaxExperts;
-  std::vector<std::string> names;
-  for (const auto& p : moe_ep_tool::presets()) names.push_back(p.name);
-  bench
-      ->add_option("--preset", o.preset,
-                   "model preset for E, K and the router (default olmoe: 64 experts, top-8); "
-                   "shared experts are not benchmarked")
-      ->check(CLI::IsMember(names));
-  bench
-      ->add_option("--tokens", tokens_text,
-                   "tokens per rank, a comma-separated list to sweep (default 512, the performance "
-                   "target; e.g. 64,128,256,512,1024); each value is verified, then timed")
-      ->check(integer_list(1, kMaxDim));
-  bench
-      ->add_option("--hidden", o.hidden,
-                   "hidden size H (default 7168 with the default preset: the performance target's; "
-                   "with --preset, the preset's)")
-      ->check(integer(1, kMaxDim));
-  bench->add_option("--experts", o.experts, "override the preset's number of experts E")
-      ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
-  bench->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
-      ->check(integer(1, kMaxExperts));
-  bench->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
-      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
-  bench->add_option("--seed", o.seed, "unsigned seed (default 0) of the tokens and the routing")
-      ->check(validator(moe_ep_tool::check_unsigned, "[0, 2^64 - 1]"));
-  bench
-      ->add_option("--routing", o.routing,
-                   "routing: real (default; sampled from real per-expert top-k counts), gate, "
-                   "uniform")
-      ->check(CLI::IsMember({"real", "gate", "uniform"}));
-  bench
-      ->add_option("--routing-model", o.routing_model,
-                   "real routing data: olmoe, olmoe-sft, olmoe-dpo, mistral (default: the "
-                   "preset's)")
-      ->check(CLI::IsMember({"olmoe", "olmoe-sft", "olmoe-dpo", "mistral"}));
-  bench->add_option("--domain", o.domain,
-                    "real routing text domain (default: tulu for olmoe-sft and olmoe-dpo, else "
-                    "c4)");
-  bench->add_option("--layer", o.layer, "real routing MoE layer: 0, 7 (default) or 15")
-      ->check(integer(0, kMaxDim));
-  bench->add_option("--routing-file", o.routing_file,
-                    "expert_counts.csv (default: <exe dir>/../share/moe-ep/real-routing/"
-                    "expert_counts.csv)");
-  bench->add_flag(
-      "--compare", o.compare,
-      "also time, in the same run and on the same rows, the bare MPI_Alltoallv of the "
-      "payload, the textbook pipeline (permute -> MPI_Alltoallv -> regroup; combine "
-      "the reverse with the weighted sum) and memcpy; print the ratios and the "
-      "performance targets (docs/performance.md; PASS/FAIL; a missed target does not change "
-      "the exit status)");
-  bench->add_option("--iters", o.iters, "timed iterations per op (default 20)")
-      ->check(integer(1, 1000000));
-  bench->add_option("--warmup", o.warmup, "untimed iterations first (default 3)")
-      ->check(integer(0, 1000000));
-  bench
-      ->add_option("--quant", o.quant,
-                   "none or int8: also time dispatch_v2 with quant_mode 2 and report its bytes "
-                   "and time against bf16's (default: int8 with --compare, whose targets include "
-                   "it; else none)")
-      ->check(CLI::IsMember({"none", "int8"}));
-  bench
-      ->add_option("--transport", o.transport,
-                   "how moe-ep's ranks on one machine move rows: shm (MPI-3 shared memory, one "
-                   "copy) or mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. The "
-                   "baselines always use plain MPI")
-      ->check(CLI::IsMember({"mpi", "shm"}));
-  bench->add_option("--csv", o.csv, "write one row per (tokens, op, impl) as CSV");
-  bench->add_option("--json", o.json,
-                    "write the configuration, rules, results and targets as JSON");
-  bench->add_option("--plot", o.plot,
-                    "write a PNG of GB/s against tokens per rank with gnuplot (the .dat and .gp "
-                    "beside it); without gnuplot the plot is skipped with a message");
-  bench->add_flag("--debug-corrupt-baseline", o.debug_corrupt_baseline)->group("");
-  bench
-      ->add_option("--timeout", o.timeout_s,
-                   "deadline of every blocking wait, seconds > 0 (default: $MOE_EP_TIMEOUT_S, "
-                   "else 300)")
-      ->check(validator(moe_ep_tool::check_timeout, "> 0"));
-}
-
-// The real-routing flags select the statistics that --routing real samples from; with another
-// routing they would be ignored, so they are refused.
-void check_real_routing_flags(CLI::App& sub, const std::string& routing) {
-  if (routing == "real") return;
-  for (const char* flag : {"--routing-model", "--domain", "--layer", "--routing-file"}) {
-    if (sub.count(flag) > 0) {
-      throw CLI::ValidationError(std::string(flag) +
-                                 " applies to --routing real only, got --routing " + routing);
-    }
-  }
-}
-
-// The checks one flag cannot make alone.
-void validate(CLI::App& run, const RunOptions& o) {
-  check_real_routing_flags(run, o.routing);
-  const auto* p = moe_ep_tool::find_preset(o.preset);
-  const int64_t E = o.experts.value_or(p->experts), K = o.top_k.value_or(p->top_k);
-  const int64_t special = o.zero_experts + o.copy_experts + o.const_experts;
-  if (E + special > moe_ep_tool::kMaxExperts) {
-    throw CLI::ValidationError("--zero-experts/--copy-experts/--const-experts",
-                               "E + Z + C + Q = " + std::to_string(E + special) +
-                                   " must stay below 2^31 - 1 (SPEC §1.3: expert ids are int32)");
-  }
-  if (o.redundant_experts && E + special + *o.redundant_experts > moe_ep_tool::kMaxExperts) {
-    throw CLI::ValidationError(
-        "--redundant-experts",
-        "E + R + Z + C + Q = " + std::to_string(E + special + *o.redundant_experts) +
-            " must stay below 2^31 - 1 (SPEC §1.3: expert ids are int32)");
-  }
-  if (K > E + special) {
-    throw CLI::ValidationError(
-        "--top-k", "K = " + std::to_string(K) +
-                       " exceeds the number of experts E = " + std::to_string(E) +
-                       (special > 0 ? " + Z + C + Q = " + std::to_string(E + special) : ""));
-  }
-  const int64_t Ns = o.shared_experts.value_or(p->shared_experts), S = o.shared_expert_ranks;
-  const std::string ns_words =
-      "--shared-experts " + std::to_string(Ns) +
-      (o.shared_experts ? " (shared_expert_num)" : " (shared_expert_num, the preset's)");
-  if (S > 0 && Ns == 0) {
-    throw CLI::ValidationError("--shared-expert-ranks " + std::to_string(S) +
-                               " (shared_expert_rank_num) needs shared experts, but " + ns_words +
-                               " is 0; set --shared-experts");
-  }
-  if (S > 0 && S % Ns != 0) {
-    throw CLI::ValidationError("--shared-expert-ranks " + std::to_string(S) +
-                               " (shared_expert_rank_num) is not a multiple of " + ns_words +
-                               " (SPEC §1.3: shared_expert_rank_num % shared_expert_num == 0)");
-  }
-  if (S == 0 && Ns > 1) {
-    throw CLI::ValidationError(ns_words +
-                               " needs --shared-expert-ranks > 0 (SPEC §1.3: without "
-                               "shared-expert ranks shared_expert_num is 0 or 1)");
-  }
-  if (o.tp == 2 && o.comm_quant != "none") {
-    throw CLI::ValidationError(
-        "--comm-quant int8 cannot be combined with --tp 2 (SPEC §2.1: "
-        "comm_quant_mode 2 is not allowed with tp_world_size 2)");
-  }
-  if (!o.load_routing.empty()) {
-    // What the file fixes.
-    const std::pair<const char*, const char*> fixed[] = {
-        {"--tokens", "the tokens per rank"},
-        {"--routing", "the routing"},
-        {"--routing-model", "the routing"},
-        {"--domain", "the routing"},
-        {"--layer", "the routing"},
-        {"--routing-file", "the routing"},
-        {"--mask", "x_active_mask (a saved mask is reloaded)"},
-    };
-    for (const auto& [flag, what] : fixed) {
-      if (run.count(flag) > 0) {
-        throw CLI::ValidationError(std::string(flag) + " cannot be combined with --load-routing: " +
-                                   "the file fixes " + what);
-      }
-    }
-  }
-  // Outputs must not overwrite the input or each other.
-  const std::pair<const char*, const std::string*> files[] = {{"--load-routing", &o.load_routing},
-                                                              {"--save-routing", &o.save_routing},
-                                                              {"--save-output", &o.save_output}};
-  for (size_t i = 0; i < 3; ++i) {
-    for (size_t j = i + 1; j < 3; ++j) {
-      const std::string &a = *files[i].second, &b = *files[j].second;
-      if (!a.empty() && !b.empty() && moe_ep_tool::same_path(a, b)) {
-        throw CLI::ValidationError(std::string(files[j].first) + " '" + b + "' and " +
-                                   files[i].first + " '" + a + "' are the same file (" +
-                                   (i == 0 ? "the run would overwrite its input"
-                                           : "one output would overwrite the other") +
-                                   ")");
-      }
-    }
-  }
-}
+using moe_ep_tool::CommandLine;
 
 // Only the error path uses it: a rank that failed waits here for the others (MPI_Ibarrier).
 MPI_Comm g_fail_comm = MPI_COMM_NULL;
@@ -411,6 +42,11 @@ bool all_ranks_failed_within(double seconds) {
   }
 }
 
+void print_error(const char* kind, const char* message) {
+  std::fprintf(stderr, "moe-ep: error: %s: %s\n", kind, message);
+  std::fflush(stderr);
+}
+
 // Prints the error, unless it is kRemote: then another rank failed and prints the real error.
 // `agreed`: an error every rank raises once the op's header agreement has run (a bad argument,
 // or kRemote: another rank's), which leaves no message pending: if every rank reaches the same
@@ -420,10 +56,7 @@ bool all_ranks_failed_within(double seconds) {
 // is aborted with MPI_Abort, as it must be so that no rank waits forever for one that left.
 // Returns the exit status when it did not abort (only when `agreed`).
 int fail(const char* kind, const char* message, bool remote, bool agreed) {
-  if (!remote) {
-    std::fprintf(stderr, "moe-ep: error: %s: %s\n", kind, message);
-    std::fflush(stderr);
-  }
+  if (!remote) print_error(kind, message);
   if (agreed && all_ranks_failed_within(10.0)) {
     MPI_Comm_free(&g_fail_comm);
     return 2;
@@ -434,6 +67,45 @@ int fail(const char* kind, const char* message, bool remote, bool agreed) {
   std::_Exit(2);
 }
 
+// Collective: the command line's outcome when it runs nothing (-1 when it is a command to run).
+// Ranks parse the same argv, but a file check (--load-routing) may differ between machines:
+// they agree, and the lowest failing rank prints its error.
+int finish_command_line(const CommandLine& line, int rank) {
+  std::exception_ptr error;
+  if (line.action == CommandLine::Action::kError) {
+    error = std::make_exception_ptr(moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, line.text));
+  }
+  try {
+    moe_ep_tool::agree_on_error(error, "parsing the command line");
+  } catch (const moe_ep::Error& e) {
+    if (e.kind() == moe_ep::ErrorKind::kInvalidArgument) print_error("InvalidArgument", e.what());
+    if (e.kind() == moe_ep::ErrorKind::kTimeout) throw;
+    return 2;
+  }
+  if (line.action == CommandLine::Action::kPrint) {
+    if (rank == 0) std::fputs(line.text.c_str(), stdout);
+    return 0;
+  }
+  return -1;
+}
+
+int run(const CommandLine& line) {
+  try {
+    return line.action == CommandLine::Action::kRun ? moe_ep_tool::run_command(line.run)
+                                                    : moe_ep_tool::bench_command(line.bench);
+  } catch (const moe_ep::Error& e) {
+    const moe_ep::ErrorKind k = e.kind();
+    return fail(moe_ep::error_kind_name(k), e.what(), k == moe_ep::ErrorKind::kRemote,
+                k == moe_ep::ErrorKind::kInvalidArgument || k == moe_ep::ErrorKind::kUnsupported ||
+                    k == moe_ep::ErrorKind::kRemote);
+  } catch (const std::bad_alloc&) {
+    return fail("System", "out of memory (std::bad_alloc); use fewer --tokens or a smaller --ffn",
+                false, false);
+  } catch (const std::exception& e) {
+    return fail("Internal", e.what(), false, false);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -442,80 +114,14 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_dup(MPI_COMM_WORLD, &g_fail_comm);
 
-  CLI::App app{"moe-ep: mixture-of-experts expert parallelism over MPI"};
-  app.require_subcommand(1);
-  RunOptions options;
-  CLI::App* run = app.add_subcommand(
-      "run",
-      "Forward of one MoE layer across the MPI ranks: router -> dispatch_v2 -> local experts -> "
-      "combine_v2, checked against a single-process dense reference on rank 0. Run it under "
-      "mpirun; prints the configuration, load balance, time per phase, bandwidth and PASS/FAIL.");
-  add_run_options(run, options);
-  BenchOptions bench_options;
-  CLI::App* bench = app.add_subcommand(
-      "bench",
-      "Benchmark of dispatch_v2 / combine_v2 under mpirun: verifies against the SPEC first, then "
-      "times each op (p50/p99 of the max over ranks) and, with --compare, the bare "
-      "MPI_Alltoallv and the textbook pipeline on the same rows, printing the ratios. Defaults: "
-      "bf16, H 7168, top-8 of 64 experts (olmoe), real OLMoE routing, 512 tokens per rank.");
-  std::string bench_tokens;  // --tokens as given; checked by integer_list
-  add_bench_options(bench, bench_options, bench_tokens);
+  const CommandLine line = moe_ep_tool::parse_command_line(argc, argv);
+  int code = -1;
   try {
-    // CLI11 says only "A subcommand is required" for a word that is not one.
-    if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "run" &&
-        std::string(argv[1]) != "bench") {
-      throw CLI::ValidationError(std::string("unknown subcommand '") + argv[1] +
-                                 "' (expected run or bench)");
-    }
-    app.parse(argc, argv);
-    if (run->parsed()) {
-      options.dtype_given = run->count("--dtype") > 0;
-      options.tokens_given = run->count("--tokens") > 0;
-      options.seed_given = run->count("--seed") > 0;
-      validate(*run, options);
-    } else {
-      bench_options.preset_given = bench->count("--preset") > 0;
-      check_real_routing_flags(*bench, bench_options.routing);
-      if (bench->count("--tokens") > 0) {
-        bench_options.tokens.clear();
-        for (const std::string& piece : split_commas(bench_tokens))
-          bench_options.tokens.push_back(std::stoll(piece));
-      }
-    }
-  } catch (const CLI::ParseError& parse_error) {
-    // Every rank parsed the same argv; rank 0 speaks for all.
-    auto report = [&](const CLI::ParseError& e) {
-      if (rank == 0) return app.exit(e);
-      std::ostringstream sink;
-      return app.exit(e, sink, sink);
-    };
-    // A repeated option: CLI11 says "--tokens: At Most 1 required but received 2".
-    const std::string what = parse_error.what(), cli11 = "At Most 1 required but received ";
-    const std::string::size_type at = what.find(cli11);
-    const int code = at == std::string::npos
-                         ? report(parse_error)
-                         : report(CLI::ArgumentMismatch(what.substr(0, at) + "given " +
-                                                        what.substr(at + cli11.size()) +
-                                                        " times; it takes one value"));
-    MPI_Finalize();
-    return code;
+    code = finish_command_line(line, rank);
+  } catch (const moe_ep::Error& e) {  // the agreement timed out: a rank is missing
+    fail(moe_ep::error_kind_name(e.kind()), e.what(), false, false);
   }
-
-  int code = 0;
-  try {
-    code = run->parsed() ? moe_ep_tool::run_command(options)
-                         : moe_ep_tool::bench_command(bench_options);
-  } catch (const moe_ep::Error& e) {
-    const moe_ep::ErrorKind k = e.kind();
-    code = fail(moe_ep::error_kind_name(k), e.what(), k == moe_ep::ErrorKind::kRemote,
-                k == moe_ep::ErrorKind::kInvalidArgument || k == moe_ep::ErrorKind::kUnsupported ||
-                    k == moe_ep::ErrorKind::kRemote);
-  } catch (const std::bad_alloc&) {
-    fail("System", "out of memory (std::bad_alloc); use fewer --tokens or a smaller --ffn", false,
-         false);
-  } catch (const std::exception& e) {
-    fail("Internal", e.what(), false, false);
-  }
+  if (code < 0) code = run(line);
   if (g_fail_comm != MPI_COMM_NULL) MPI_Comm_free(&g_fail_comm);
   MPI_Finalize();
   return code;

@@ -2,6 +2,8 @@
 
 #include <sstream>
 
+#include "moe_ep/error.h"
+
 namespace moe_ep_tool {
 
 const std::vector<Preset>& presets() {
@@ -34,6 +36,21 @@ std::string describe_scoring(const Preset& preset) {
   s << (preset.normalise_top_k ? ", normalised over the top-k" : ", not normalised over the top-k");
   if (preset.scaling != 1.0) s << ", x" << preset.scaling;
   return s.str();
+}
+
+Preset layer_of(const std::string& command, const std::string& name, const LayerOverrides& o) {
+  const Preset* p = find_preset(name);
+  if (p == nullptr) {
+    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                        command + ": unknown preset '" + name + "'");
+  }
+  Preset layer = *p;
+  layer.hidden = o.hidden.value_or(layer.hidden);
+  layer.experts = o.experts.value_or(layer.experts);
+  layer.top_k = o.top_k.value_or(layer.top_k);
+  layer.ffn = o.ffn.value_or(layer.ffn);
+  layer.shared_experts = o.shared_experts.value_or(layer.shared_experts);
+  return layer;
 }
 
 }  // namespace moe_ep_tool

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,12 @@ struct Preset {
 const std::vector<Preset>& presets();
 // Null when there is no preset of that name.
 const Preset* find_preset(const std::string& name);
+// The layer of `command` ("moe-ep run"): preset `name` with the given H, E and K (nullopt: the
+// preset's). Throws moe_ep::Error(kInvalidArgument) "<command>: unknown preset '<name>'".
+struct LayerOverrides {
+  std::optional<int64_t> hidden, experts, top_k, ffn, shared_experts;
+};
+Preset layer_of(const std::string& command, const std::string& name, const LayerOverrides& o);
 // "softmax over all experts, not normalised over the top-k", "sigmoid, normalised over the
 // top-k, x2.5", ...
 std::string describe_scoring(const Preset& preset);

@@ -4,9 +4,11 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <string>
 
 #include "moe_ep/error.h"
-#include "numeric.h"
+#include "moe_ep/tensor.h"
 
 namespace moe_ep_tool {
 
@@ -20,6 +22,101 @@ double half_subnormal(moe_ep::DType dtype) {
   return dtype == moe_ep::DType::kBF16  ? 0x1p-134
          : dtype == moe_ep::DType::kF16 ? 0x1p-25
                                         : 0x1p-150;
+}
+
+// Whether entry (i, k) of the batch is active: a routed id (not -1) the mask allows.
+bool active_entry(const Batch& b, int64_t i, int64_t k) {
+  const int64_t K = b.top_k;
+  if (b.expert_ids[i * K + k] == -1) return false;
+  if (b.mask_dims == 1) return b.x_active_mask[i] != 0;
+  if (b.mask_dims == 2) return b.x_active_mask[i * K + k] != 0;
+  return true;
+}
+
+// Per expert (routed e, shared E + s): the result slots it computes (i (K + Ns) + k for entry k,
+// i (K + Ns) + K + s for shared expert s), increasing; token_active[i]: whether token i has an
+// active entry (only those get the shared experts). Ids in [E, id_end) are special experts.
+std::vector<std::vector<int64_t>> expert_slots(const Batch& b, int64_t E, int64_t Ns,
+                                               int64_t id_end, std::vector<char>& token_active) {
+  const int64_t N = b.tokens, K = b.top_k, KS = K + Ns;
+  token_active.assign(static_cast<size_t>(N), 0);
+  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(E + Ns));
+  for (int64_t i = 0; i < N; ++i) {
+    for (int64_t k = 0; k < K; ++k) {
+      if (!active_entry(b, i, k)) continue;
+      token_active[i] = 1;
+      const int32_t e = b.expert_ids[i * K + k];
+      if (e < 0 || e >= id_end) {
+        throw moe_ep::Error(moe_ep::ErrorKind::kInternal,
+                            "reference: expert_ids[" + std::to_string(i) + "," + std::to_string(k) +
+                                "] = " + std::to_string(e) +
+                                " passed dispatch_v2 but is outside [0, " + std::to_string(id_end) +
+                                ")");
+      }
+      if (e < E) slots[e].push_back(i * KS + k);
+    }
+    if (!token_active[i]) continue;
+    for (int64_t s = 0; s < Ns; ++s) slots[E + s].push_back(i * KS + K + s);
+  }
+  return slots;
+}
+
+// How the reference of a quantised swiglu run was computed.
+std::string reference_note(bool emulate_in, bool emulate_out) {
+  return std::string("; the reference quantises like the run (SPEC §1.5: ") +
+         (emulate_in ? "each expert input row" : "") + (emulate_in && emulate_out ? ", " : "") +
+         (emulate_out ? "each expert output row sent back" : "") +
+         "), so swiglu's tolerance still applies";
+}
+
+// The per-element bound of a quantised scale/identity run, in words.
+std::string bound_rule(const LayerSpec& sp, moe_ep::DType dt) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "u = %s (%s)",
+                dt == moe_ep::DType::kBF16  ? "2^-8"
+                : dt == moe_ep::DType::kF16 ? "2^-11"
+                                            : "2^-24",
+                moe_ep::dtype_name(dt));
+  return std::string("per element |out - ref| <= (1 + 2^-20) sum_t |w_t| (") +
+         (sp.quant ? "1.01 (c_t amax|x_i| / 254 (1 + u) + 2u |y_t|)" : "") +
+         (sp.quant && sp.comm_quant ? " + " : "") +
+         (sp.comm_quant ? "(amax|y_t| + its dispatch error) / 254" : "") +
+         ") + 2 (K + Ns + 1) 2^-24 sum_t |w_t y_t| + 2.02 u |ref|, " + buf +
+         ", against the unquantised reference (the int8 bound amax/254 of SPEC §1.5 carried "
+         "through the expert; " +
+         (sp.quant ? "--quant: c_t = the expert's factor (scale 1 + e/E, identity 1)" : "") +
+         (sp.quant && sp.comm_quant ? "; " : "") +
+         (sp.comm_quant ? "--comm-quant: rows return as int8" : "") +
+         "); t over the token's routed entries (w = expert_scales) and shared experts (w = 1); "
+         "special experts are not quantised; inactive tokens exactly 0";
+}
+
+// Every expert's rows as one batch: y[slot] (dtype rows, KS slots per token) for each slot of
+// `slots[e]`; the input is x, or the dequantised fp32 rows `xdeq` for the experts `deq_in` says.
+void expert_outputs(const Batch& b, const std::vector<std::vector<int64_t>>& slots, int64_t KS,
+                    const std::vector<float>& xdeq, const std::function<bool(int64_t)>& deq_in,
+                    ExpertBank& bank, std::vector<std::byte>& y) {
+  const int64_t H = b.hidden;
+  const moe_ep::DType dt = b.dtype;
+  const size_t row_bytes = static_cast<size_t>(H) * moe_ep::dtype_size(dt);
+  std::vector<std::byte> in, out;
+  for (int64_t e = 0; e < static_cast<int64_t>(slots.size()); ++e) {
+    const auto& list = slots[e];
+    if (list.empty()) continue;
+    const bool deq = deq_in(e);
+    const moe_ep::DType in_dt = deq ? moe_ep::DType::kF32 : dt;
+    const size_t in_row = static_cast<size_t>(H) * moe_ep::dtype_size(in_dt);
+    const std::byte* in_base = deq ? reinterpret_cast<const std::byte*>(xdeq.data()) : b.x.data();
+    in.resize(list.size() * in_row);
+    out.resize(list.size() * row_bytes);
+    for (size_t r = 0; r < list.size(); ++r) {
+      std::memcpy(in.data() + r * in_row, in_base + (list[r] / KS) * in_row, in_row);
+    }
+    bank.forward(e, in.data(), in_dt, out.data(), dt, static_cast<int64_t>(list.size()));
+    for (size_t r = 0; r < list.size(); ++r) {
+      std::memcpy(y.data() + list[r] * row_bytes, out.data() + r * row_bytes, row_bytes);
+    }
+  }
 }
 
 }  // namespace
@@ -52,32 +149,9 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
   const bool emulate_out = fn == ExpertFn::kSwiglu && sp.comm_quant;
   const bool bounded = fn != ExpertFn::kSwiglu && (sp.quant || sp.comm_quant);
 
-  auto entry_active = [&](int64_t i, int64_t k) {
-    if (b.expert_ids[i * K + k] == -1) return false;
-    if (b.mask_dims == 1) return b.x_active_mask[i] != 0;
-    if (b.mask_dims == 2) return b.x_active_mask[i * K + k] != 0;
-    return true;
-  };
-  std::vector<char> token_active(static_cast<size_t>(N), 0);
-  // Per expert (routed e, shared E + s): the result slots it computes, increasing.
-  std::vector<std::vector<int64_t>> slots(static_cast<size_t>(E + Ns));
-  for (int64_t i = 0; i < N; ++i) {
-    for (int64_t k = 0; k < K; ++k) {
-      if (!entry_active(i, k)) continue;
-      token_active[i] = 1;
-      const int32_t e = b.expert_ids[i * K + k];
-      if (e < 0 || e >= id_end) {
-        throw moe_ep::Error(moe_ep::ErrorKind::kInternal,
-                            "reference: expert_ids[" + std::to_string(i) + "," + std::to_string(k) +
-                                "] = " + std::to_string(e) +
-                                " passed dispatch_v2 but is outside [0, " + std::to_string(id_end) +
-                                ")");
-      }
-      if (e < E) slots[e].push_back(i * KS + k);
-    }
-    if (!token_active[i]) continue;
-    for (int64_t s = 0; s < Ns; ++s) slots[E + s].push_back(i * KS + K + s);
-  }
+  auto entry_active = [&](int64_t i, int64_t k) { return active_entry(b, i, k); };
+  std::vector<char> token_active;
+  const std::vector<std::vector<int64_t>> slots = expert_slots(b, E, Ns, id_end, token_active);
 
   // Expert inputs: x in the dtype, or (quantised swiglu) the dequantised fp32 rows.
   std::vector<float> xdeq;
@@ -85,7 +159,7 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
     xdeq.resize(static_cast<size_t>(N * H));
     std::vector<float> xf(static_cast<size_t>(H));
     for (int64_t i = 0; i < N; ++i) {
-      for (int64_t h = 0; h < H; ++h) xf[h] = load(dt, b.x.data(), i * H + h);
+      for (int64_t h = 0; h < H; ++h) xf[h] = moe_ep::load_float(dt, b.x.data(), i * H + h);
       quantize_dequantize_row(xf.data(), H, xdeq.data() + i * H);
     }
   }
@@ -93,25 +167,8 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
 
   // Every slot's expert output, in the dtype (what a rank hands to combine).
   std::vector<std::byte> y(static_cast<size_t>(N * KS) * row_bytes);
-  std::vector<std::byte> in, out;
-  for (int64_t e = 0; e < E + Ns; ++e) {
-    const auto& list = slots[e];
-    if (list.empty()) continue;
-    const bool deq_in = emulate_in && quantised(e);
-    const moe_ep::DType in_dt = deq_in ? moe_ep::DType::kF32 : dt;
-    const size_t in_row = static_cast<size_t>(H) * moe_ep::dtype_size(in_dt);
-    const std::byte* in_base =
-        deq_in ? reinterpret_cast<const std::byte*>(xdeq.data()) : b.x.data();
-    in.resize(list.size() * in_row);
-    out.resize(list.size() * row_bytes);
-    for (size_t r = 0; r < list.size(); ++r) {
-      std::memcpy(in.data() + r * in_row, in_base + (list[r] / KS) * in_row, in_row);
-    }
-    bank.forward(e, in.data(), in_dt, out.data(), dt, static_cast<int64_t>(list.size()));
-    for (size_t r = 0; r < list.size(); ++r) {
-      std::memcpy(y.data() + list[r] * row_bytes, out.data() + r * row_bytes, row_bytes);
-    }
-  }
+  expert_outputs(
+      b, slots, KS, xdeq, [&](int64_t e) { return emulate_in && quantised(e); }, bank, y);
 
   Reference ref;
   ref.out.resize(static_cast<size_t>(N) * row_bytes);
@@ -122,7 +179,7 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
   for (int64_t i = 0; i < N; ++i) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     if (!token_active[i]) {
-      for (int64_t h = 0; h < H; ++h) store(dt, ref.out.data(), i * H + h, 0.0f);
+      for (int64_t h = 0; h < H; ++h) moe_ep::store_float(dt, ref.out.data(), i * H + h, 0.0f);
       continue;
     }
     const std::byte* xi = b.x.data() + i * row_bytes;
@@ -130,12 +187,13 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
     if (bounded) {
       std::fill(err.begin(), err.end(), 0.0);
       std::fill(mag.begin(), mag.end(), 0.0);
-      for (int64_t h = 0; h < H; ++h) amax_x = std::max(amax_x, std::fabs(double(load(dt, xi, h))));
+      for (int64_t h = 0; h < H; ++h)
+        amax_x = std::max(amax_x, std::fabs(double(moe_ep::load_float(dt, xi, h))));
     }
     const double dx = sp.quant ? amax_x / 254 * (1 + 0x1p-14) + 0x1p-143 : 0;
     // One expert output row (routed or shared) with weight w (factor c of scale/identity).
     auto add_expert = [&](const std::byte* row, float w, bool weighted, float c, bool q) {
-      for (int64_t h = 0; h < H; ++h) yf[h] = load(dt, row, h);
+      for (int64_t h = 0; h < H; ++h) yf[h] = moe_ep::load_float(dt, row, h);
       const float* v = yf.data();
       if (emulate_out && q) {
         quantize_dequantize_row(yf.data(), H, deq.data());
@@ -176,7 +234,7 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
         // zero expert: contributes 0
       } else if (e < const_begin) {
         for (int64_t h = 0; h < H; ++h) {
-          const float p = w * load(dt, xi, h);
+          const float p = w * moe_ep::load_float(dt, xi, h);
           acc[h] = acc[h] + p;
           if (bounded) mag[h] += std::fabs(double(p));
         }
@@ -186,8 +244,8 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
         const std::byte* a2 = sp.alpha_2.data() + q * row_bytes;
         const std::byte* v = sp.const_v.data() + q * row_bytes;
         for (int64_t h = 0; h < H; ++h) {
-          const float t1 = load(dt, a1, h) * load(dt, xi, h);
-          const float t2 = load(dt, a2, h) * load(dt, v, h);
+          const float t1 = moe_ep::load_float(dt, a1, h) * moe_ep::load_float(dt, xi, h);
+          const float t2 = moe_ep::load_float(dt, a2, h) * moe_ep::load_float(dt, v, h);
           const float t = t1 + t2;
           const float p = w * t;
           acc[h] = acc[h] + p;
@@ -199,44 +257,18 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
       add_expert(y.data() + (i * KS + K + s) * row_bytes, 1.0f, false, bank.factor(E + s),
                  quantised(E + s));
     }
-    for (int64_t h = 0; h < H; ++h) store(dt, ref.out.data(), i * H + h, acc[h]);
+    for (int64_t h = 0; h < H; ++h) moe_ep::store_float(dt, ref.out.data(), i * H + h, acc[h]);
     if (bounded) {
       const double gamma = 2.0 * static_cast<double>(K + Ns + 1) * 0x1p-24;
       for (int64_t h = 0; h < H; ++h) {
         const double eacc = err[h] + gamma * mag[h];
-        const double r = std::fabs(double(load(dt, ref.out.data(), i * H + h)));
+        const double r = std::fabs(double(moe_ep::load_float(dt, ref.out.data(), i * H + h)));
         ref.bound[i * H + h] = eacc * (1 + u) + 2.02 * u * r + 2 * tiny;
       }
     }
   }
-  if (emulate_in || emulate_out) {
-    ref.note = std::string("; the reference quantises like the run (SPEC §1.5: ") +
-               (emulate_in ? "each expert input row" : "") +
-               (emulate_in && emulate_out ? ", " : "") +
-               (emulate_out ? "each expert output row sent back" : "") +
-               "), so swiglu's tolerance still applies";
-  }
-  if (bounded) {
-    char buf[96];
-    std::snprintf(buf, sizeof buf, "u = %s (%s)",
-                  dt == moe_ep::DType::kBF16  ? "2^-8"
-                  : dt == moe_ep::DType::kF16 ? "2^-11"
-                                              : "2^-24",
-                  moe_ep::dtype_name(dt));
-    ref.bound_rule =
-        std::string("per element |out - ref| <= (1 + 2^-20) sum_t |w_t| (") +
-        (sp.quant ? "1.01 (c_t amax|x_i| / 254 (1 + u) + 2u |y_t|)" : "") +
-        (sp.quant && sp.comm_quant ? " + " : "") +
-        (sp.comm_quant ? "(amax|y_t| + its dispatch error) / 254" : "") +
-        ") + 2 (K + Ns + 1) 2^-24 sum_t |w_t y_t| + 2.02 u |ref|, " + buf +
-        ", against the unquantised reference (the int8 bound amax/254 of SPEC §1.5 carried "
-        "through the expert; " +
-        (sp.quant ? "--quant: c_t = the expert's factor (scale 1 + e/E, identity 1)" : "") +
-        (sp.quant && sp.comm_quant ? "; " : "") +
-        (sp.comm_quant ? "--comm-quant: rows return as int8" : "") +
-        "); t over the token's routed entries (w = expert_scales) and shared experts (w = 1); "
-        "special experts are not quantised; inactive tokens exactly 0";
-  }
+  if (emulate_in || emulate_out) ref.note = reference_note(emulate_in, emulate_out);
+  if (bounded) ref.bound_rule = bound_rule(sp, dt);
   return ref;
 }
 
@@ -253,7 +285,8 @@ CheckResult compare_outputs(const std::vector<std::byte>& out, const Reference& 
     c.mismatches = n;
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      const double o = load(dtype, out.data(), i), r = load(dtype, ref.data(), i);
+      const double o = moe_ep::load_float(dtype, out.data(), i),
+                   r = moe_ep::load_float(dtype, ref.data(), i);
       const bool nan = std::isnan(o) || std::isnan(r);
       if (nan) ++c.nans;
       if (nan || std::memcmp(out.data() + i * es, ref.data() + i * es, es) != 0) ++c.mismatches;

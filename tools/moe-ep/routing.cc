@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "moe_ep/error.h"
-#include "numeric.h"
+#include "moe_ep/tensor.h"
 #include "rng.h"
 
 namespace moe_ep_tool {
@@ -143,6 +143,15 @@ std::map<int64_t, double> read_counts(const RealRoutingSource& source) {
 
 }  // namespace
 
+std::string default_routing_file() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const auto dir = ec ? std::filesystem::path(".") : exe.parent_path();
+  return (dir / ".." / "share" / "moe-ep" / "real-routing" / "expert_counts.csv")
+      .lexically_normal()
+      .string();
+}
+
 int64_t real_data_experts(const RealRoutingSource& source) {
   return static_cast<int64_t>(read_counts(with_domain(source)).size());
 }
@@ -198,7 +207,8 @@ std::vector<std::byte> make_tokens(uint64_t seed, int64_t first, int64_t count, 
   std::vector<std::byte> x(static_cast<size_t>(count * hidden) * moe_ep::dtype_size(dtype));
   for (int64_t i = 0; i < count; ++i) {
     const Counter c(seed, Stream::kTokenX, static_cast<uint64_t>(first + i));
-    for (int64_t h = 0; h < hidden; ++h) store(dtype, x.data(), i * hidden + h, c.uniform(h));
+    for (int64_t h = 0; h < hidden; ++h)
+      moe_ep::store_float(dtype, x.data(), i * hidden + h, c.uniform(h));
   }
   return x;
 }
@@ -277,7 +287,7 @@ void Router::route(int64_t first, int64_t count, const void* x, moe_ep::DType dt
     if (kind_ == RoutingKind::kGate) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t h = 0; h < H; ++h) {
-        const float xv = load(dtype, x, i * H + h);
+        const float xv = moe_ep::load_float(dtype, x, i * H + h);
         const float* row = router_.data() + h * E;
         for (int64_t e = 0; e < E; ++e) acc[e] += xv * row[e];
       }

@@ -31,6 +31,10 @@ struct RealRoutingSource {
   int64_t layer = 7;
 };
 
+// <dir of /proc/self/exe>/../share/moe-ep/real-routing/expert_counts.csv: the statistics installed
+// beside the tool (the default of --routing-file).
+std::string default_routing_file();
+
 // Per-expert selection probabilities over the preset's E experts.
 struct ExpertDistribution {
   std::vector<double> p;

@@ -1,6 +1,7 @@
 // moe-ep tool: `moe-ep run`, the forward of one MoE layer across the MPI ranks
 // (router -> dispatch_v2 -> each rank's local experts -> combine_v2) checked against a
-// single-process dense reference on rank 0.
+// single-process dense reference on rank 0. Its parts: run_plan.h (what runs where),
+// run_layer.h (the layer on one rank), run_report.h (what rank 0 prints).
 #pragma once
 
 #include <cstdint>
@@ -40,17 +41,13 @@ struct RunOptions {
   // R >= 0 with (E + R) % (W_ep - S) == 0.
   std::optional<int64_t> redundant_experts;
   bool debug_omit_ori_x = false;  // test hook: combine_v2 without ori_x
+  // Repeats of dispatch_v2 + combine_v2 after the verified call, timed warm (0: none).
+  int64_t warm_repeats = 5;
+  std::string progress = "auto";  // progress lines on stderr: auto, on, off (progress.h)
 };
 
 // Collective over MPI_COMM_WORLD. Returns 0 on PASS, 1 on FAIL (the same on every rank); throws
 // moe_ep::Error or std::exception on errors (the caller aborts the job).
 int run_command(const RunOptions& options);
-
-// <dir of /proc/self/exe>/../share/moe-ep/real-routing/expert_counts.csv
-std::string default_routing_file();
-
-// Prints "  threads: N per rank ..." (moe_ep::num_threads() of this rank, and where it comes
-// from) for the header of run and bench; call after the job's Communicators exist.
-void print_threads_line();
 
 }  // namespace moe_ep_tool

@@ -1,0 +1,259 @@
+#include "bench_timing.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "bench_baselines.h"
+#include "common.h"
+#include "moe_ep/dispatch.h"
+
+namespace moe_ep_tool::bench {
+
+using moe_ep::Tensor;
+
+namespace {
+
+// Nearest-rank percentile of sorted values.
+double percentile(const std::vector<double>& sorted, double q) {
+  const size_t n = sorted.size();
+  const size_t i = static_cast<size_t>(std::ceil(q * static_cast<double>(n)));
+  return sorted[std::min(n, std::max<size_t>(i, 1)) - 1];
+}
+
+// The timed iterations of one point on this rank: times[op * iters + i] (NaN for ops not run).
+class Iterations {
+ public:
+  Iterations(const BenchOptions& o, const Point& p, moe_ep::Communicator& comm, bool compare,
+             bool quant, Watchdog& dog);
+
+  bool enabled(int op) const { return enabled_[op]; }
+  // Runs warm-up + iters iterations of every enabled group, the first group rotating.
+  const std::vector<double>& run();
+
+ private:
+  template <typename F>
+  void timed(Op op, bool guard, F&& fn);
+  void moe_group();
+  void a2a_group();
+  void tb_group();
+  void copy_group();
+
+  const BenchOptions& o_;
+  const Point& p_;
+  const moe_ep::EpConfig cfg_;
+  const bool compare_, quant_;
+  Watchdog& dog_;
+  bool enabled_[kOps] = {};
+  RowType row_;
+  std::optional<Textbook> tb_;
+  std::optional<Alltoallv> a2a_, a2a8_;
+  std::vector<std::byte> copy_src_, copy_dst_;
+  moe_ep::DispatchInputs din_, din8_;
+  std::vector<double> times_;
+  int64_t it_ = 0;
+};
+
+Iterations::Iterations(const BenchOptions& o, const Point& p, moe_ep::Communicator& comm,
+                       bool compare, bool quant, Watchdog& dog)
+    : o_(o),
+      p_(p),
+      cfg_(make_ep_config(o, comm, p.E)),
+      compare_(compare),
+      quant_(quant),
+      dog_(dog),
+      row_(p.row_bytes),
+      din_(p.dispatch_inputs()),
+      times_(static_cast<size_t>(kOps * o.iters), kNaN) {
+  enabled_[kMoeDispatch] = enabled_[kMoeCombine] = true;
+  enabled_[kMoeDispatchInt8] = quant;
+  enabled_[kA2aDispatch] = enabled_[kA2aCombine] = enabled_[kTbDispatch] = enabled_[kTbCombine] =
+      enabled_[kMemcpy] = compare;
+  enabled_[kA2aDispatchInt8] = compare && quant;
+  if (compare) {
+    tb_.emplace(p, row_.get());
+    a2a_.emplace(p, p.row_bytes);
+    if (quant) a2a8_.emplace(p, p.H + 4);
+    copy_src_.assign(static_cast<size_t>(p.other_send * p.row_bytes), std::byte{1});
+    copy_dst_.assign(copy_src_.size(), std::byte{0});
+  }
+  din8_ = din_;
+  din8_.quant_mode = 2;
+}
+
+template <typename F>
+void Iterations::timed(Op op, bool guard, F&& fn) {
+  guarded(dog_, "a barrier between timed ops", [] { MPI_Barrier(MPI_COMM_WORLD); });
+  if (guard) dog_.arm("a baseline's MPI collective");
+  const double t0 = now_s();
+  fn();
+  const double t = now_s() - t0;
+  if (guard) dog_.disarm();
+  if (it_ >= o_.warmup) times_[op * o_.iters + (it_ - o_.warmup)] = t;
+}
+
+// A group: ops that run together (a dispatch before its combine).
+void Iterations::moe_group() {
+  moe_ep::DispatchOutputs d;
+  timed(kMoeDispatch, false, [&] { d = moe_ep::dispatch_v2(din_, cfg_); });
+  // Identity experts: the rows go back as they came.
+  const moe_ep::CombineInputs cin = combine_inputs(din_, d, d.expand_x);
+  Tensor out;
+  timed(kMoeCombine, false, [&] { out = moe_ep::combine_v2(cin, cfg_); });
+  if (quant_) {
+    moe_ep::DispatchOutputs d8;
+    timed(kMoeDispatchInt8, false, [&] { d8 = moe_ep::dispatch_v2(din8_, cfg_); });
+  }
+}
+
+void Iterations::a2a_group() {
+  timed(kA2aDispatch, true, [&] { a2a_->dispatch(); });
+  timed(kA2aCombine, true, [&] { a2a_->combine(); });
+  if (quant_) timed(kA2aDispatchInt8, true, [&] { a2a8_->dispatch(); });
+}
+
+void Iterations::tb_group() {
+  timed(kTbDispatch, true, [&] { tb_->dispatch(din_.x, din_.expert_ids); });
+  Tensor out;
+  timed(kTbCombine, true, [&] { out = tb_->combine(tb_->expand(), *din_.expert_scales); });
+}
+
+void Iterations::copy_group() {
+  timed(kMemcpy, false, [&] { std::memcpy(copy_dst_.data(), copy_src_.data(), copy_src_.size()); });
+}
+
+const std::vector<double>& Iterations::run() {
+  const int groups = compare_ ? 4 : 1;
+  for (it_ = 0; it_ < o_.warmup + o_.iters; ++it_) {
+    for (int g = 0; g < groups; ++g) {
+      switch ((g + it_) % groups) {
+        case 0:
+          moe_group();
+          break;
+        case 1:
+          a2a_group();
+          break;
+        case 2:
+          tb_group();
+          break;
+        default:
+          copy_group();
+          break;
+      }
+    }
+  }
+  return times_;
+}
+
+// Rows sent to other ranks: the sum, min and max over ranks; and the sum of the rows received
+// from other ranks (combine sends them back).
+struct RowCounts {
+  int64_t sent[3];  // sum, min, max
+  int64_t back;
+};
+
+RowCounts reduce_row_counts(const Point& p, Watchdog& dog) {
+  RowCounts c{{p.other_send, p.other_send, p.other_send}, p.other_recv};
+  guarded(dog, "the reduction of the row counts", [&] {
+    MPI_Allreduce(MPI_IN_PLACE, &c.sent[0], 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &c.sent[1], 1, MPI_INT64_T, MPI_MIN, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &c.sent[2], 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &c.back, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+  });
+  return c;
+}
+
+// Per op: per iteration the max over ranks, then the percentiles over iterations. `all`: every
+// rank's times (rank-major).
+void summarise_ops(const Point& p, const Iterations& its, const std::vector<double>& all,
+                   int64_t iters, double back_rows, PointResult& pr, double p50[kOps]) {
+  const double row_b = static_cast<double>(p.row_bytes), row8 = static_cast<double>(p.H + 4);
+  const double send_b = pr.rows_other_mean * row_b, back_b = back_rows * row_b;
+  const size_t per_rank = static_cast<size_t>(kOps * iters);
+  for (int op = 0; op < kOps; ++op) {
+    if (!its.enabled(op)) continue;
+    std::vector<double> worst(static_cast<size_t>(iters), 0.0);
+    for (int64_t r = 0; r < p.W; ++r) {
+      for (int64_t i = 0; i < iters; ++i) {
+        worst[i] = std::max(worst[i], all[r * per_rank + op * iters + i]);
+      }
+    }
+    std::sort(worst.begin(), worst.end());
+    Result res;
+    res.tokens = p.BS;
+    res.op = static_cast<Op>(op);
+    res.bytes = op == kMoeCombine || op == kA2aCombine || op == kTbCombine ? back_b
+                : op == kMoeDispatchInt8 || op == kA2aDispatchInt8 ? pr.rows_other_mean * row8
+                                                                   : send_b;
+    res.p50_s = p50[op] = percentile(worst, 0.50);
+    res.p99_s = percentile(worst, 0.99);
+    res.gbps = res.p50_s > 0 ? res.bytes / res.p50_s / 1e9 : kNaN;
+    pr.results.push_back(res);
+  }
+}
+
+// The ratios against the baselines, int8's against bf16's, and the targets.
+void compare_ops(const Point& p, bool compare, bool quant, const double p50[kOps],
+                 PointResult& pr) {
+  for (Result& r : pr.results) {
+    if (!compare) break;
+    if (r.op == kMoeDispatch) {
+      r.vs_alltoallv = p50[kA2aDispatch] / r.p50_s;
+      r.vs_textbook = p50[kTbDispatch] / r.p50_s;
+    } else if (r.op == kMoeCombine) {
+      r.vs_alltoallv = p50[kA2aCombine] / r.p50_s;
+      r.vs_textbook = p50[kTbCombine] / r.p50_s;
+    } else if (r.op == kMoeDispatchInt8 && quant) {
+      r.vs_alltoallv = p50[kA2aDispatchInt8] / r.p50_s;
+    }
+  }
+  const double row_b = static_cast<double>(p.row_bytes), row8 = static_cast<double>(p.H + 4);
+  if (quant) {
+    pr.int8_bytes_ratio = row8 / row_b;
+    pr.int8_traffic_ratio =
+        (row_b + static_cast<double>(p.K) * row8) / (row_b + static_cast<double>(p.K) * row_b);
+    pr.int8_time_ratio = p50[kMoeDispatchInt8] / p50[kMoeDispatch];
+  }
+  if (!compare) return;
+  for (const Result& r : pr.results) {
+    if (r.op != kMoeDispatch && r.op != kMoeCombine) continue;
+    const std::string op = kOpNames[r.op].op;
+    pr.targets.push_back({p.BS, op + " moe-ep/alltoallv", r.vs_alltoallv, kTargetVsAlltoallv, true,
+                          r.vs_alltoallv >= kTargetVsAlltoallv});
+    pr.targets.push_back({p.BS, op + " moe-ep/textbook", r.vs_textbook, kTargetVsTextbook, true,
+                          r.vs_textbook >= kTargetVsTextbook});
+  }
+  if (quant) {
+    pr.targets.push_back({p.BS, "dispatch int8/bf16 time", pr.int8_time_ratio, kTargetInt8Time,
+                          false, pr.int8_time_ratio <= kTargetInt8Time});
+  }
+}
+
+}  // namespace
+
+PointResult time_point(const BenchOptions& o, const Point& p, moe_ep::Communicator& comm,
+                       bool compare, bool quant, Watchdog& dog) {
+  Iterations its(o, p, comm, compare, quant, dog);
+  const std::vector<double>& times = its.run();
+  std::vector<double> all(p.rank == 0 ? static_cast<size_t>(p.W) * times.size() : 0);
+  guarded(dog, "the gather of the timings", [&] {
+    MPI_Gather(times.data(), static_cast<int>(times.size()), MPI_DOUBLE, all.data(),
+               static_cast<int>(times.size()), MPI_DOUBLE, 0, MPI_COMM_WORLD);
+  });
+  const RowCounts rows = reduce_row_counts(p, dog);
+  PointResult pr;
+  if (p.rank != 0) return pr;
+  const double Wd = static_cast<double>(p.W);
+  pr.rows_other_mean = static_cast<double>(rows.sent[0]) / Wd;
+  pr.rows_other_min = static_cast<double>(rows.sent[1]);
+  pr.rows_other_max = static_cast<double>(rows.sent[2]);
+  double p50[kOps] = {};
+  summarise_ops(p, its, all, o.iters, static_cast<double>(rows.back) / Wd, pr, p50);
+  compare_ops(p, compare, quant, p50, pr);
+  return pr;
+}
+
+}  // namespace moe_ep_tool::bench
