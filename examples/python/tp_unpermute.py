@@ -3,7 +3,7 @@ backward on hidden-dimension shards, checked against the same op in one process.
 
 Run (CPU, gloo; the moe_ep package installed):
 
-    torchrun --nproc-per-node 2 examples/python/tp_unpermute.py
+    torchrun --standalone --nproc-per-node 2 examples/python/tp_unpermute.py
     mpirun -n 2 python examples/python/tp_unpermute.py
     python examples/python/tp_unpermute.py --hidden 7      # one process: a 1-rank mesh
 
