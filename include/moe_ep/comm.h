@@ -53,11 +53,11 @@ class MOE_EP_API Communicator {
   // shm_window_bytes.
   static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});
 
-  // Frees the duplicate (if MPI is not finalised yet); never throws. When the shared-memory
-  // transport was used (EpConfig::transport), this also releases its node communicator and
-  // windows: collective over the ranks of this machine (like MPI_Comm_free), bounded by
-  // timeout_s(); windows that a live dispatch_v2 output still uses on any rank of the machine
-  // stay mapped until the process exits (docs/design.md, "Shared-memory transport").
+  // Frees the duplicate (if MPI is not finalised yet); local, never blocks, never throws. When
+  // the shared-memory transport was used (EpConfig::transport), its node communicator and windows
+  // stay mapped until the process exits: freeing them is collective over the machine, and
+  // destructors run at different moments on different ranks (docs/design.md, "Shared-memory
+  // transport"), so create communicators once per process rather than per step.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;

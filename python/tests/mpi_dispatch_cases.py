@@ -887,21 +887,14 @@ def tp_round_trip(ctx, grouping: str, seed: int, bs: Tuple[int, int], global_bs_
                       (y, mine.ids, assist, recv, mine.w, gid_ep, w, ep_rank, w),
                       dict(tpkw, group_tp=gid_tp, tp_send_counts=tp_recv))
 
-    # SPEC §7: a cached dispatch with the handle, and combine with the handle (neither
-    # assist_info_for_combine nor ep_send_counts read): the same bits.
-    cached = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, handle=out.handle,
-                            **kw)
-    y_c = run_experts(spec, world, rank, cached[0], cached[3], etn_type,
-                      cached[1] if quant else None)
-    got_h = mt.combine_v2(y_c, mine.ids, None, None, mine.w, ctx.comm, moe_expert_num=spec.e,
-                          handle=cached.handle, **ckw)
+    # SPEC §7 with TP: combine with the handle (no assist_info_for_combine, ep_send_counts or
+    # tp_send_counts read): the same bits.
+    got_h = mt.combine_v2(y, mine.ids, None, None, mine.w, ep, moe_expert_num=w, group_tp=tp,
+                          handle=out.handle, **tpkw)
 
     def checks():
         check_fake("dispatch_v2", fake_d, (*out, out.handle))
         check_fake("combine_v2", fake_c, (got,))
-        check(cached.handle.shape == (1,) and cached.handle.dtype == torch.int64,
-              "dispatch_v2's handle is not a (1,) int64 tensor")
-        check_dispatch(spec, world, rank, all_in, cached, etn_type, quant, smooth)
         check_bitwise("combine_v2 output with the handle", got_h, got)
         a = capacity(spec, w, ep_rank)
         check(a == capacity(peer_spec, w, ep_rank), "the TP pair's A differ")

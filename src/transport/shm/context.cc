@@ -2,11 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
-#include <thread>
 
 #include "base/check.h"
 #include "transport/mpi/context.h"
@@ -36,7 +34,6 @@ struct SlotRelease {
 std::shared_ptr<ShmContext> ShmContext::create(const Communicator& comm, const char* op,
                                                int ranks_per_node) {
   std::shared_ptr<ShmContext> ctx(new ShmContext());
-  ctx->timeout_s_ = comm.timeout_s();
   MPI_Comm machine = MPI_COMM_NULL;
   check_mpi(MPI_Comm_split_type(comm.mpi_comm(), MPI_COMM_TYPE_SHARED, comm.rank(), MPI_INFO_NULL,
                                 &machine),
@@ -76,42 +73,13 @@ std::shared_ptr<ShmContext> ShmContext::create(const Communicator& comm, const c
   return ctx;
 }
 
-ShmContext::~ShmContext() {
-  int finalized = 1;
-  MPI_Finalized(&finalized);
-  if (finalized || node_ == MPI_COMM_NULL) return;
-  // Free only when no rank of the node still has a slot in use (a window is freed by all of the
-  // node's ranks together); the agreement has a deadline, so a rank that never destroys its
-  // communicator costs the others at most timeout_s.
-  int* vote = new int[2];
-  vote[0] = 1;
-  for (const auto& w : windows_) {
-    std::lock_guard<std::mutex> lock(w->mu);
-    if (!w->live.empty() || w.use_count() > 1) vote[0] = 0;
-  }
-  vote[1] = 0;
-  MPI_Request req = MPI_REQUEST_NULL;
-  if (MPI_Iallreduce(&vote[0], &vote[1], 1, MPI_INT, MPI_MIN, node_, &req) != MPI_SUCCESS) return;
-  using Clock = std::chrono::steady_clock;
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s_));
-  int done = 0;
-  while (!done) {
-    if (MPI_Test(&req, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) return;  // leak: MPI broken
-    if (!done) {
-      if (Clock::now() >= deadline) return;  // leak `vote`: the request may still write it
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
-  const bool free_all = vote[1] == 1;
-  delete[] vote;
-  if (!free_all) return;  // some slot is still in use on the node: keep everything mapped
-  for (const auto& w : windows_) {
-    MPI_Win_unlock_all(w->win);
-    MPI_Win_free(&w->win);
-  }
-  MPI_Comm_free(&node_);
-}
+// Local, never blocking: the windows and the node communicator are left mapped until the
+// process exits. Freeing them is collective over the node (MPI_Win_free has a barrier), and a
+// destructor runs when the last reference goes, which differs across ranks (Python's garbage
+// collector, an exception's traceback keeping a communicator alive on one rank only): a rank in
+// MPI_Win_free, or in an agreement to call it, would wait for peers that are elsewhere, up to
+// forever. Live tensors in the windows stay valid either way.
+ShmContext::~ShmContext() = default;
 
 int64_t ShmContext::capacity() const {
   return windows_.empty() ? 0 : windows_.back()->bytes[node_rank_];

@@ -61,9 +61,8 @@ class ShmContext {
   // Throws Error(kSystem) if MPI fails.
   static std::shared_ptr<ShmContext> create(const Communicator& comm, const char* op,
                                             int ranks_per_node);
-  // Releases the windows and the node communicator when no rank of the node still uses a slot
-  // (an MPI_Iallreduce over the node bounded by the communicator's deadline); otherwise they stay
-  // mapped until the process exits. Never throws.
+  // Local: leaves the windows and the node communicator mapped until the process exits (freeing
+  // them is collective; see context.cc). Never throws.
   ~ShmContext();
   ShmContext(const ShmContext&) = delete;
   ShmContext& operator=(const ShmContext&) = delete;
@@ -118,7 +117,6 @@ class ShmContext {
   ShmContext() = default;
   MPI_Comm node_ = MPI_COMM_NULL;
   int node_rank_ = 0;
-  double timeout_s_ = 300;
   int64_t largest_request_ = 0;
   int64_t slots_allocated_ = 0;
   std::vector<int> group_to_node_;
