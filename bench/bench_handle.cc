@@ -3,8 +3,9 @@
 // against with the handle (no "layout back" round, no per-row checks), in the same job,
 // interleaved: rounds of `--calls` calls of one variant then the other, so that drift of this
 // shared machine hits both alike. Each round's time is the max over ranks of its mean per call;
-// the table gives the median over rounds, in microseconds, and the ratio plain / handle. The
-// results are checked equal (bitwise) before timing.
+// the table gives the median over rounds, in microseconds, and the ratio plain / handle (a
+// round's mean already smooths single slow calls, so no p99 is given). The cached dispatch and
+// the combine with the handle are checked equal (bitwise) to the plain ones before timing.
 //   mpirun -n 2 build/bin/moe-ep-bench-handle [--tokens 1,16,128] [--hidden 7168] [--experts 64]
 //       [--top-k 8] [--rounds 15] [--calls 200] [--transport shm|mpi]
 #include <mpi.h>
@@ -184,6 +185,16 @@ int main(int argc, char** argv) {
       with.handle = &d.handle;
       with.assist_info_for_combine = {};
       with.ep_send_counts = {};
+      {  // the cached dispatch's valid rows and layout are the first call's
+        const moe_ep::DispatchOutputs dc = moe_ep::dispatch_v2(cached, cfg);
+        const int64_t valid = d.tp_recv_counts.ptr<int32_t>()[0];
+        if (std::memcmp(dc.expand_x.data(), d.expand_x.data(), valid * o.hidden * 2) != 0 ||
+            std::memcmp(dc.ep_recv_counts.data(), d.ep_recv_counts.data(),
+                        d.ep_recv_counts.nbytes()) != 0) {
+          std::fprintf(stderr, "rank %d: the cached dispatch_v2 differs from the first\n", rank);
+          MPI_Abort(MPI_COMM_WORLD, 1);
+        }
+      }
       const moe_ep::Tensor x1 = moe_ep::combine_v2(plain, cfg), x2 = moe_ep::combine_v2(with, cfg);
       if (std::memcmp(x1.data(), x2.data(), x1.nbytes()) != 0) {
         std::fprintf(stderr, "rank %d: combine_v2 with the handle differs from without\n", rank);

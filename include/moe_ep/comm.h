@@ -83,6 +83,9 @@ class MOE_EP_API Communicator {
   mutable std::shared_ptr<std::vector<std::unique_ptr<detail::MessageLink>>> links_;
   // dispatch_v2 calls so far: the id of each one's plan (DispatchHandle, dispatch.h).
   mutable uint64_t plans_ = 0;
+  // Unique in the process: a plan names its communicator by it, not by its address (which a
+  // later communicator may reuse).
+  uint64_t serial_ = 0;
 };
 
 // Reads moe-ep's environment variables as from_mpi(comm, comm_options) and ops with

@@ -168,8 +168,9 @@ class MOE_EP_API DispatchHandle {
 // gets the rows through the usual path (with shared memory: a slot of the window, then one
 // copy of the valid rows). The serving-loop pattern: keep the first call's outputs as the
 // buffers, `DispatchBuffers b = buffers_of(first);` then `in.out = &b;` on every call.
-// Errors: kInvalidArgument "dispatch_v2: out.expand_scales is fp32[8] but this call writes
-// fp32[12]", or a non-contiguous view.
+// The views must not overlap an input (x, expert_ids, expert_scales, scales, x_active_mask) or
+// each other. Errors: kInvalidArgument "dispatch_v2: out.expand_scales is fp32[8] but this call
+// writes fp32[12]", a non-contiguous view, an overlap, dynamic_scales with quant_mode 0.
 struct DispatchBuffers {
   std::optional<TensorView> expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums,
       ep_recv_counts, tp_recv_counts, expand_scales;
@@ -213,9 +214,11 @@ struct DispatchInputs {
   // leaving and its peers waiting until their deadline. The other fields may be unset.
   std::optional<Error> caller_error;
   // [in] optional, SPEC §7: the handle of an earlier dispatch_v2 with the same expert_ids and
-  // x_active_mask (a cached dispatch: no counts phase). With quant_mode 2 the earlier call must
-  // have had the same quant_mode and smoothing scales given or not. Not owned; read during the
-  // call only. The outputs are those of an uncached call, bit for bit.
+  // x_active_mask (a cached dispatch: no counts phase). H, dtype, expert_scales, quant_mode and
+  // scales may differ, except that a handle whose dispatch sent some tokens once per MPI
+  // destination is refused with quant_mode 2 smoothing scales or H = 0 (kInvalidArgument: each
+  // copy then has its own bytes). Not owned; read during the call only. The outputs are those of
+  // an uncached call, bit for bit.
   const DispatchHandle* handle = nullptr;
   // [out] optional: where to write the outputs (see DispatchBuffers). Not owned.
   const DispatchBuffers* out = nullptr;
@@ -225,7 +228,8 @@ struct DispatchInputs {
 // rank, with G = global_bs, or BS * W when global_bs is 0; L = local experts of this rank
 // (E / (W - S) on a MoE rank, 1 on a shared-expert rank). On a shared-expert rank the rows form
 // one block per source rank, in rank order, holding that sender's active tokens in order.
-// All outputs are contiguous and owned by the returned Tensors (they live as long as any copy).
+// All outputs are contiguous and owned by the returned Tensors (they live as long as any copy),
+// except those written into the caller's memory (DispatchInputs::out), which they only view.
 // expand_x may be a reused slot of the shared-memory window and the others reused blocks of
 // Tensor::empty's cache, so what lies past the valid rows is left over from earlier calls.
 struct DispatchOutputs {
@@ -272,14 +276,14 @@ struct CombineInputs {
                                        //      (other ids: Error(kInvalidArgument) on this rank)
   TensorView assist_info_for_combine;  // [in] from dispatch_v2, (max(BS*K, A*128),) int32; the
                                        //      source rank of each valid row is checked
-  TensorView ep_send_counts;           // [in] dispatch_v2's ep_recv_counts, (W*L,) int32
+  TensorView ep_send_counts;           // [in] dispatch_v2's ep_recv_counts, (W*L*max(1,T),) int32
   TensorView expert_scales;            // [in] (BS, K) fp32 top-K weights, any strides
   // [in] T == 2: dispatch_v2's tp_recv_counts, checked against ep_send_counts when given;
   // T < 2: Unsupported
   std::optional<TensorView> tp_send_counts;
   std::optional<TensorView> x_active_mask;  // [in] the one given to dispatch_v2 (a different
                                             //      mask: kInvalidArgument when rows mismatch)
-  std::optional<TensorView> expand_scales;  // [in] accepted and ignored (hierarchy only)
+  std::optional<TensorView> expand_scales;  // [in] fp32 1-D, checked, not read (hierarchy only)
   // [in] expand_x's dtype, (BS, H) or (a, b, H) with a*b = BS; rows may be strided, the last
   // stride must be 1. Added unweighted to every ACTIVE token after the K terms and the hosted
   // shared experts (SPEC §2.3). kInvalidArgument for a wrong shape or dtype.
@@ -309,13 +313,15 @@ struct CombineInputs {
   // leaving and its peers waiting until their deadline. The other fields may be unset.
   std::optional<Error> caller_error;
   // [in] optional, SPEC §7: the handle dispatch_v2 returned with these rows. Then only the rows
-  // travel (no "layout back" round, no per-row metadata), assist_info_for_combine and
-  // ep_send_counts are not read (they may be left empty), and expert_ids / x_active_mask must be
+  // travel (no "layout back" round, no per-row metadata), assist_info_for_combine,
+  // ep_send_counts and tp_send_counts are not read (they may be left empty; with T == 2 the TP
+  // peer's row count comes from the pair's handshake), and expert_ids / x_active_mask must be
   // that dispatch's (checked element by element). The result is the same bits. Not owned.
   const DispatchHandle* handle = nullptr;
   // [out] optional: the caller's (BS, H) contiguous tensor of expand_x's dtype, which combine_v2
-  // writes and returns a (non-owning) view of, instead of allocating one. kInvalidArgument for
-  // another shape, dtype or layout.
+  // writes and returns a (non-owning) view of, instead of allocating one. It must not overlap
+  // an input (peers may still read expand_x while it is written). kInvalidArgument for another
+  // shape, dtype or layout, or an overlap.
   std::optional<TensorView> out;
 };
 
@@ -351,13 +357,14 @@ struct DispatchWorkspace {
   // shm_stage_bytes: what a combine_v2 holds during the call when its expand_x is not such a slot
   // (the experts wrote their outputs elsewhere) or comm_quant_mode is 2: its valid rows staged, at
   // most A rows of H x x's element size (the experts' outputs in x's dtype), or with
-  // comm_quant_mode 2 A int8 rows of H bytes, rounded up to 64, then A fp32 scales. A window of n x shm_slot_bytes + shm_stage_bytes (CommOptions::shm_window_bytes)
-  // holds n live dispatch_v2 outputs and the combine_v2 of any of them without growing. A call
-  // that finds no room in a window big enough for it grows the window (a new generation) while
-  // this rank's windows together map less than 4 times its largest request; beyond that it uses
-  // MPI for that call (slower, same bits), so holding many outputs does not grow this rank's
-  // memory without bound. (Every rank of the machine adds a segment when one asks, so a rank
-  // that holds nothing can still gain a generation per request of a peer.)
+  // comm_quant_mode 2 A int8 rows of H bytes, rounded up to 64, then A fp32 scales. A window of n x
+  // shm_slot_bytes + shm_stage_bytes (CommOptions::shm_window_bytes) holds n live dispatch_v2
+  // outputs and the combine_v2 of any of them without growing. A call that finds no room in a
+  // window big enough for it grows the window (a new generation) while this rank's windows together
+  // map less than 4 times its largest request; beyond that it uses MPI for that call (slower, same
+  // bits), so holding many outputs does not grow this rank's memory without bound. (Every rank of
+  // the machine adds a segment when one asks, so a rank that holds nothing can still gain a
+  // generation per request of a peer.)
   int64_t shm_slot_bytes = 0;
   int64_t shm_stage_bytes = 0;
   int64_t combine_output_bytes = 0;  // combine_v2's x: BS x H x x's element size

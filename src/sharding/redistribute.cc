@@ -8,7 +8,7 @@
 #include "base/check.h"
 #include "kernels/cpu/convert.h"
 #include "sharding/internal.h"
-#include "transport/mpi/context.h"
+#include "transport/exchange.h"
 #include "transport/tags.h"
 
 namespace moe_ep {

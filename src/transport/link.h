@@ -8,7 +8,7 @@
 //     nothing. A count message (announce / expect_announce, then acquire) orders the stores
 //     before the loads.
 // Small control messages (headers, counts, "done") travel the same way on every link: post /
-// expect. Everything posted goes into an Exchange (transport/mpi/context.h), whose wait() has the
+// expect. Everything posted goes into an Exchange (transport/exchange.h), whose wait() has the
 // communicator's deadline and names the peers still pending when it expires.
 #pragma once
 
@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "transport/mpi/context.h"
+#include "transport/exchange.h"
 
 namespace moe_ep::detail {
 

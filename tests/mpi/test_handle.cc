@@ -15,7 +15,8 @@
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
 #include "mpi/common.h"
-#include "transport/mpi/context.h"
+#include "transport/communicator.h"
+#include "transport/exchange.h"
 #include "transport/shm/context.h"
 
 namespace moe_ep {
@@ -326,6 +327,84 @@ TEST(Outputs, WrongBuffersAreRefused) {
   if (rank == 0) cin.out = TensorView::contiguous(x.data(), DType::kF16, {b.BS, b.H});
   expect_collective_error([&] { combine_v2(cin, config(b)); }, rank, 0, ErrorKind::kInvalidArgument,
                           {"combine_v2: out is fp16["});
+}
+
+TEST(Outputs, OverlapsAndLayoutsAreRefused) {
+  Batch b = make_batch(11);
+  const int rank = comm()->rank();
+  const DispatchOutputs d = dispatch_v2(dispatch_inputs(b), config(b));
+  // combine_v2 writing into its own expand_x (peers may still read it).
+  CombineInputs cin = combine_inputs(b, d, true);
+  if (rank == 0) cin.out = TensorView::contiguous(d.expand_x.data(), DType::kBF16, {b.BS, b.H});
+  expect_collective_error([&] { combine_v2(cin, config(b)); }, rank, 0, ErrorKind::kInvalidArgument,
+                          {"combine_v2: out shares memory with expand_x"});
+  // A dispatch buffer over x, two buffers over one another, a strided one, dynamic_scales
+  // without quant_mode 2.
+  std::vector<float> scales_mem(static_cast<std::size_t>(2 * d.expand_scales.numel()));
+  std::vector<DispatchBuffers> bad(4);
+  bad[0].expand_x = TensorView::contiguous(b.x.data(), DType::kBF16, {0, b.H});
+  bad[0].expand_x->shape[0] = d.expand_x.size(0);  // the right shape, over x
+  bad[1].expand_scales =
+      TensorView::contiguous(scales_mem.data(), DType::kF32, {d.expand_scales.numel()});
+  bad[1].assist_info_for_combine = d.assist_info_for_combine.view();
+  bad[1].ep_recv_counts =
+      TensorView::contiguous(scales_mem.data() + 1, DType::kI32, {d.ep_recv_counts.numel()});
+  bad[2].expand_scales =
+      TensorView::contiguous(scales_mem.data(), DType::kF32, {d.expand_scales.numel()});
+  bad[2].expand_scales->strides[0] = 2;
+  bad[3].dynamic_scales = bad[1].expand_scales;
+  const char* want[] = {"out.expand_x shares memory with x",
+                        "out.expand_scales shares memory with out.ep_recv_counts",
+                        "out.expand_scales (fp32[",
+                        "out.dynamic_scales is given but quant_mode = 0"};
+  for (int i = 0; i < 4; ++i) {
+    SCOPED_TRACE(want[i]);
+    DispatchInputs in = dispatch_inputs(b);
+    if (rank == 0) in.out = &bad[i];
+    expect_collective_error([&] { dispatch_v2(in, config(b)); }, rank, 0,
+                            ErrorKind::kInvalidArgument, {want[i]});
+  }
+}
+
+TEST(Handle, MergedTokensRefuseSmoothingScales) {
+  if (comm()->size() < 2) GTEST_SKIP() << "needs two ranks (merges are for other ranks)";
+  Batch b = make_batch(12);
+  EpConfig cfg = config(b);
+  cfg.transport = "mpi";  // merges happen over MPI only
+  const DispatchOutputs d = dispatch_v2(dispatch_inputs(b), cfg);
+  std::vector<float> smooth(static_cast<std::size_t>(b.E * b.H), 1.0f);
+  DispatchInputs in = dispatch_inputs(b);
+  in.handle = &d.handle;
+  in.quant_mode = 2;
+  in.scales = TensorView::contiguous(smooth.data(), DType::kF32, {b.E, b.H});
+  // Whether this rank's plan merged any token depends on its routing: then it refuses, and the
+  // others name it; ranks without merges accept. Every rank sees the same outcome.
+  try {
+    dispatch_v2(in, cfg);
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_TRUE(msg.find("sent some tokens once per destination, which quant_mode 2 with "
+                         "smoothing scales") != std::string::npos ||
+                e.kind() == ErrorKind::kRemote)
+        << msg;
+    return;
+  }
+  ADD_FAILURE() << "no rank merged a token: the test's routing does not exercise the check";
+}
+
+TEST(Handle, ADestroyedCommunicatorsHandleIsRefused) {
+  Batch b = make_batch(13);
+  DispatchHandle stale;
+  {
+    auto old = Communicator::from_mpi(MPI_COMM_WORLD);
+    stale = dispatch_v2(dispatch_inputs(b), config(b, old.get())).handle;
+  }
+  auto fresh = Communicator::from_mpi(MPI_COMM_WORLD);
+  const DispatchOutputs d = dispatch_v2(dispatch_inputs(b), config(b, fresh.get()));
+  CombineInputs cin = combine_inputs(b, d, true);
+  cin.handle = &stale;
+  expect_collective_error([&] { combine_v2(cin, config(b, fresh.get())); }, comm()->rank(), -1,
+                          ErrorKind::kInvalidArgument, {"belongs to another communicator"});
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "moe_ep/error.h"
 #include "mpi/common.h"
 #include "ref/numeric.h"
+#include "transport/communicator.h"
 #include "transport/shm/context.h"
 
 namespace moe_ep {

@@ -15,6 +15,7 @@
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
 #include "mpi/common.h"
+#include "transport/communicator.h"
 #include "transport/shm/context.h"
 
 namespace moe_ep {

@@ -460,7 +460,8 @@ class DispatchResult(DispatchOutputs):
     """DispatchOutputs with the handle of the call (SPEC §7) as .handle: a (1,) int64 tensor to
     pass as combine_v2(..., handle=d.handle) (then only the rows travel back) or as
     dispatch_v2(..., handle=d.handle) with the same routing (a cached dispatch). The plan lives as
-    long as that tensor."""
+    long as that tensor (pass it itself: a copy names no plan). Tuple operations (_replace,
+    pickling, pytree flattening) keep the 7 outputs only."""
 
     handle: Tensor
 

@@ -38,7 +38,8 @@
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
 #include "moe_ep/dispatch.h"
-#include "transport/mpi/link.h"
+#include "transport/communicator.h"
+#include "transport/mpi/context.h"
 #include "transport/shm/context.h"
 #include "transport/tags.h"
 
@@ -191,6 +192,13 @@ void plan_from_tensors(Combine& c) {
   c.back = &c.own_back;
 }
 
+// expand_x must hold the valid rows (TP: this rank's, then its peer's).
+void check_rows(const Combine& c, int64_t rows) {
+  if (c.in.expand_x.shape[0] < rows)
+    invalid(c.op, ": expand_x.shape[0] = ", c.in.expand_x.shape[0],
+            " is less than the valid rows of the handle's dispatch_v2, ", rows);
+}
+
 // Step 1b with a handle: the plan dispatch_v2 made.
 void plan_from_handle(Combine& c) {
   if (!c.in.handle->defined()) invalid(c.op, ": handle is given but not defined (default-made)");
@@ -198,11 +206,9 @@ void plan_from_handle(Combine& c) {
   check_plan(c.op, *c.plan, c.cfg, c.in.expert_ids, c.mask, c.hdr.transport, c.world.hash);
   c.blocks = &c.plan->recv;
   c.back = &c.plan->send;
-  c.tp_peer_rows = c.plan->tp_peer_rows;
-  const int64_t rows = c.blocks->valid + c.tp_peer_rows;
-  if (c.in.expand_x.shape[0] < rows)
-    invalid(c.op, ": expand_x.shape[0] = ", c.in.expand_x.shape[0],
-            " is less than the valid rows of the handle's dispatch_v2, ", rows);
+  // With TP the peer's rows come from the TP handshake (the peer's group may route anew).
+  c.tp_peer_rows = c.cfg.tp_world_size == 2 ? -1 : 0;
+  check_rows(c, c.blocks->valid);
   c.hdr.plan = c.plan->id;
 }
 
@@ -256,6 +262,21 @@ void check_out(const Combine& c) {
             " (BS, H) of expand_x's dtype");
   expect_memory(c.op, "out", v);
   if (!v.is_contiguous()) invalid(c.op, ": out (", v.describe(), ") is not contiguous");
+  // Peers may still read expand_x, and the sum reads the rest, while out is written.
+  const CombineInputs& in = c.in;
+  const std::pair<const char*, const TensorView*> inputs[] = {
+      {"expand_x", &in.expand_x},
+      {"expert_ids", &in.expert_ids},
+      {"expert_scales", &in.expert_scales},
+      {"x_active_mask", in.x_active_mask ? &*in.x_active_mask : nullptr},
+      {"shared_expert_x", in.shared_expert_x ? &*in.shared_expert_x : nullptr},
+      {"ori_x", in.ori_x ? &*in.ori_x : nullptr},
+      {"const_expert_alpha_1", in.const_expert_alpha_1 ? &*in.const_expert_alpha_1 : nullptr},
+      {"const_expert_alpha_2", in.const_expert_alpha_2 ? &*in.const_expert_alpha_2 : nullptr},
+      {"const_expert_v", in.const_expert_v ? &*in.const_expert_v : nullptr}};
+  for (const auto& [name, t] : inputs)
+    if (t && overlap(v, *t))
+      invalid(c.op, ": out shares memory with ", name, " (the output must not overlap an input)");
 }
 
 // Step 1c: what the call holds, allocated before the header exchange (see dispatch.cc). With
@@ -347,7 +368,16 @@ bool agree(Combine& c) {
     // SPEC §2: rs_out = ReduceScatterV_TP(expand_x), before the EP header agreement so that a
     // failure within the pair reaches both EP groups.
     const int64_t own = c.blocks ? c.blocks->valid : 0;  // 0 when validation failed before
-    tp_handshake(c.op, c.cfg, c.hdr, c.local, tp_header(c.cfg, c.sh, own, c.tp_peer_rows));
+    const int64_t peer =
+        tp_handshake(c.op, c.cfg, c.hdr, c.local, tp_header(c.cfg, c.sh, own, c.tp_peer_rows));
+    if (!c.local && c.plan)
+      capture(c.hdr, c.local, [&] {
+        c.tp_peer_rows = peer;
+        check_rows(c, own + peer);
+        if (peer > c.sh.A)
+          invalid(c.op, ": the TP peer has ", peer,
+                  " rows, more than the receive capacity A = ", c.sh.A);
+      });
     if (!c.local)
       capture(c.hdr, c.local, [&] {
         c.rs_out = tp_reduce_scatter(c.op, c.cfg, c.in, c.sh, c.blocks->valid, c.tp_peer_rows);
@@ -556,6 +586,7 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
   const int64_t stride = direct ? c.src_stride() : c.wire_row;
   if (c.rs_out) ex.keep_alive(c.rs_out);
   if (c.qback) ex.keep_alive(c.qback);
+  if (c.stage) ex.keep_alive(c.stage->token);  // MPI may read it until the wait ends
   for (int s = 0; s < c.W; ++s) {
     if (s == c.me) continue;
     const Link& to = *messages[c.peers()[s]];
@@ -641,7 +672,7 @@ void finish_reading(Combine& c) {
   auto flag = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(c.W), 0);
   ex.keep_alive(flag);
   for (int q = 0; q < c.W; ++q) {
-    if (q == c.me) continue;
+    if (q == c.me || !(c.provide[q] || c.read[q])) continue;  // only peers on this machine
     const Link& link = *c.shm->link(c.peers()[q]);
     if (c.provide[q]) link.expect(ex, flag->data() + q, 1, MPI_INT32_T, kTagShmDone);
     if (c.read[q]) link.post(ex, flag->data() + c.me, 1, MPI_INT32_T, kTagShmDone);
@@ -653,9 +684,9 @@ void finish_reading(Combine& c) {
 void move_rows(Combine& c) {
   Exchange ex(c.comm, c.op, "rows");
   RowsBack rx(c);
-  post_receives(c, ex, rx);
-  post_sends(c, ex, rx);
   try {
+    post_receives(c, ex, rx);
+    post_sends(c, ex, rx);
     ex.wait();
     if (c.perf) ex.add_recv_wait_us(c.perf);
     if (c.mismatch) throw *c.mismatch;  // every row announced is taken; now the error
@@ -682,17 +713,19 @@ namespace moe_ep {
 Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   using namespace detail;
   Combine c(in, cfg, require_comm(Combine::op, cfg));
-  c.hdr = base_header(kOpCombine, cfg);
-  c.hdr.BS = in.expert_ids.ndim >= 1 ? in.expert_ids.shape[0] : -1;
-  c.hdr.H = in.expand_x.ndim == 2 ? in.expand_x.shape[1] : -1;
-  c.hdr.K = in.expert_ids.ndim == 2 ? in.expert_ids.shape[1] : -1;
-  c.hdr.dtype = static_cast<int64_t>(in.expand_x.dtype);
-  c.hdr.quant_mode = static_cast<int32_t>(in.comm_quant_mode);
+  c.hdr =
+      base_header(kOpCombine, cfg, in.expert_ids, in.expand_x, in.expert_ids, in.comm_quant_mode);
   capture(c.hdr, c.local, [&] {
     check_arguments(c);
     if (!c.world.removed) allocate(c);
   });
-  if (!agree(c)) return Tensor::zeros(c.sh.dtype, {c.sh.BS, c.sh.H});  // SPEC §1.7: no part
+  if (!agree(c)) {  // removed by a scale-in (SPEC §1.7): no part, zeros
+    if (!in.out) return Tensor::zeros(c.sh.dtype, {c.sh.BS, c.sh.H});
+    check_out(c);
+    Tensor out = TensorInternals::view(*in.out);
+    if (out.nbytes() > 0) std::memset(out.data(), 0, out.nbytes());
+    return out;
+  }
   plan_layout(c);
   move_rows(c);
   CombineSum sum;

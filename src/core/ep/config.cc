@@ -7,7 +7,7 @@
 #include "base/check.h"
 #include "base/env.h"
 #include "core/validate.h"
-#include "transport/mpi/context.h"
+#include "transport/communicator.h"
 
 namespace moe_ep::detail {
 
@@ -287,6 +287,19 @@ EpShape local_shape(const EpConfig& cfg, const World& w, int64_t BS, int64_t H, 
   sh.H = H;
   sh.dtype = dtype;
   return sh;
+}
+
+bool overlap(const TensorView& a, const TensorView& b) {
+  auto extent = [](const TensorView& t, const char*& lo, const char*& hi) {
+    if (t.numel() == 0 || t.data == nullptr) return false;
+    int64_t last = 0;
+    for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.strides[d];
+    lo = static_cast<const char*>(t.data);
+    hi = lo + (last + 1) * static_cast<int64_t>(dtype_size(t.dtype));
+    return true;
+  };
+  const char *alo, *ahi, *blo, *bhi;
+  return extent(a, alo, ahi) && extent(b, blo, bhi) && alo < bhi && blo < ahi;
 }
 
 int to_int(int64_t v) {

@@ -85,6 +85,10 @@ enum TransportCode : int64_t { kTransportMpi = 1, kTransportShm = 2 };
 // EpConfig::transport, or $MOE_EP_TRANSPORT when it is "" (default "shm").
 int64_t resolve_transport(const char* op, const EpConfig& cfg);
 
+// Whether the bytes two views address (non-negative strides) share any: a caller's output must
+// not be one of the op's inputs.
+bool overlap(const TensorView& a, const TensorView& b);
+
 // v as an int (0 <= v <= INT_MAX: an MPI count; kInternal otherwise).
 int to_int(int64_t v);
 

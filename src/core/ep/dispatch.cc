@@ -36,7 +36,8 @@
 #include "core/validate.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
-#include "transport/mpi/link.h"
+#include "transport/communicator.h"
+#include "transport/mpi/context.h"
 #include "transport/shm/context.h"
 #include "transport/tags.h"
 
@@ -79,8 +80,9 @@ struct Dispatch {
   int W = 0, L = 0, me = 0;
   std::vector<Where> where;  // per world rank: its slot (this machine only)
   // 3. counts (or the cached plan)
-  const EpPlan* p = nullptr;  // plan or cached
-  int64_t out_row_bytes = 0;  // of expand_x (int8 with quant_mode 2)
+  const EpPlan* p = nullptr;            // plan or cached
+  std::vector<int32_t> distinct_count;  // new plan: per destination, the rows on the wire
+  int64_t out_row_bytes = 0;            // of expand_x (int8 with quant_mode 2)
   // 4. rows: per destination, the link its rows take (null: this rank itself).
   std::vector<const Link*> to;
   std::vector<char> window_from;  // per source: its rows land in this rank's window
@@ -149,12 +151,15 @@ void check_arguments(Dispatch& c) {
     c.cached = HandleInternals::plan(*in.handle).get();
     check_plan(op, *c.cached, c.cfg, in.expert_ids, in.x_active_mask ? &*in.x_active_mask : nullptr,
                c.hdr.transport, c.world.hash);
-    const bool may_merge = sh.H > 0 && !(c.quant && in.scales);
-    if (may_merge != c.cached->may_merge)
-      invalid(op, ": handle: its dispatch_v2 had ",
-              c.cached->may_merge ? "no int8 smoothing scales" : "int8 smoothing scales",
-              ", this one has ", may_merge ? "none" : "them",
-              " (tokens travel differently; pass the same quant_mode and scales)");
+    // A plan whose tokens travel once per MPI destination needs rows that are the same for every
+    // copy; a plan without such merges suits any call.
+    const bool merges = std::any_of(c.cached->distinct.begin(), c.cached->distinct.end(),
+                                    [](const auto& u) { return !u.empty(); });
+    if (merges && !(sh.H > 0 && !(c.quant && in.scales)))
+      invalid(op, ": handle: its dispatch_v2 sent some tokens once per destination, which ",
+              sh.H == 0 ? "H = 0 (x.shape[1])"
+                        : "quant_mode 2 with smoothing scales (each copy has its own bytes)",
+              " does not allow; dispatch without the handle");
     c.hdr.plan = c.cached->id;
   }
 }
@@ -209,6 +214,41 @@ void allocate_expand_x(Dispatch& c, DType dtype, int64_t rows) {
     c.out.expand_x = output("expand_x", given, dtype, {rows, c.sh.H}, false);
 }
 
+// The caller's buffers (DispatchInputs::out) must not overlap an input or each other: peers
+// store into expand_x while this rank still reads x.
+void check_buffers(const Dispatch& c) {
+  const DispatchInputs& in = c.in;
+  const DispatchBuffers& b = *in.out;
+  if (b.dynamic_scales && !c.quant)
+    invalid(c.op, ": out.dynamic_scales is given but quant_mode = ", in.quant_mode,
+            " has no dynamic_scales");
+  const std::pair<const char*, const std::optional<TensorView>*> bufs[] = {
+      {"expand_x", &b.expand_x},
+      {"dynamic_scales", &b.dynamic_scales},
+      {"assist_info_for_combine", &b.assist_info_for_combine},
+      {"expert_token_nums", &b.expert_token_nums},
+      {"ep_recv_counts", &b.ep_recv_counts},
+      {"tp_recv_counts", &b.tp_recv_counts},
+      {"expand_scales", &b.expand_scales}};
+  const std::pair<const char*, const TensorView*> inputs[] = {
+      {"x", &in.x},
+      {"expert_ids", &in.expert_ids},
+      {"expert_scales", in.expert_scales ? &*in.expert_scales : nullptr},
+      {"scales", in.scales ? &*in.scales : nullptr},
+      {"x_active_mask", in.x_active_mask ? &*in.x_active_mask : nullptr}};
+  for (std::size_t i = 0; i < std::size(bufs); ++i) {
+    if (!bufs[i].second->has_value()) continue;
+    const TensorView& v = **bufs[i].second;
+    for (const auto& [name, t] : inputs)
+      if (t && overlap(v, *t))
+        invalid(c.op, ": out.", bufs[i].first, " shares memory with ", name,
+                " (an output must not overlap an input)");
+    for (std::size_t j = 0; j < i; ++j)
+      if (bufs[j].second->has_value() && overlap(v, **bufs[j].second))
+        invalid(c.op, ": out.", bufs[i].first, " shares memory with out.", bufs[j].first);
+  }
+}
+
 // Step 1b: the send plan and the outputs, allocated before the header exchange, so that an
 // allocation failure on one rank is reported to every rank instead of leaving them waiting.
 void allocate(Dispatch& c) {
@@ -224,6 +264,7 @@ void allocate(Dispatch& c) {
   c.expand_bytes = rows * sh.H * static_cast<int64_t>(dtype_size(out_dtype));
   c.slot_need = dispatch_slot_need(c.expand_bytes, rows);
   c.shm_want = shm_applies(c.hdr.transport, c.cfg, c.world);
+  if (c.in.out) check_buffers(c);
   allocate_expand_x(c, out_dtype, rows);
   const DispatchBuffers* b = c.in.out;
   if (c.quant) {
@@ -311,11 +352,11 @@ void plan_merges(Dispatch& c) {
   const EpShape& sh = c.sh;
   p.may_merge = sh.H > 0 && !(c.quant && c.in.scales);
   p.distinct.assign(c.W, {});
-  p.distinct_count.assign(c.W, 0);
+  c.distinct_count.assign(c.W, 0);
   std::vector<int32_t> seen(p.may_merge ? static_cast<std::size_t>(sh.BS) : 0, -1);
   for (int d = 0; d < c.W; ++d) {
     const int64_t first = p.send.rank_offset[d], n = p.send.rank_offset[d + 1] - first;
-    p.distinct_count[d] = static_cast<int32_t>(n);
+    c.distinct_count[d] = static_cast<int32_t>(n);
     if (!p.may_merge || d == c.me || (c.shm && c.shm->node_of(c.peers()[d]) >= 0)) continue;
     std::vector<int64_t>& u = p.distinct[d];
     for (int64_t j = first; j < first + n; ++j) {
@@ -326,7 +367,7 @@ void plan_merges(Dispatch& c) {
       u.clear();  // too little to merge for the receiver's extra copy of every row
       continue;
     }
-    p.distinct_count[d] = static_cast<int32_t>(u.size());
+    c.distinct_count[d] = static_cast<int32_t>(u.size());
   }
 }
 
@@ -399,18 +440,19 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
   EpPlan& p = *c.plan;
   const int W = c.W, L = c.L;
   auto counts_out = std::make_shared<std::vector<int32_t>>();
-  auto counts_in = std::make_shared<std::vector<int32_t>>(W * (L + 1), 0);
+  const int64_t per = int64_t{L} + 1;  // a source's message: L counts, then its distinct tokens
+  auto counts_in = std::make_shared<std::vector<int32_t>>(W * per, 0);
   for (int d = 0; d < W; ++d) {
     const auto* n = p.send.counts.data() + c.sh.pl.block_base(d);
     counts_out->insert(counts_out->end(), n, n + c.sh.pl.local_experts(d));
-    counts_out->push_back(p.distinct_count[d]);
+    counts_out->push_back(c.distinct_count[d]);
   }
   {
     Exchange ex(c.comm, c.op, "counts");
     ex.keep_alive(counts_out);
     ex.keep_alive(counts_in);
     for (int q = 0; q < W; ++q)
-      ex.irecv(counts_in->data() + q * (L + 1), L + 1, MPI_INT32_T, c.peers()[q], kTagCounts);
+      ex.irecv(counts_in->data() + q * per, to_int(per), MPI_INT32_T, c.peers()[q], kTagCounts);
     for (int d = 0, at = 0; d < W; ++d) {
       const int n = to_int(c.sh.pl.local_experts(d)) + 1;
       ex.isend(counts_out->data() + at, n, MPI_INT32_T, c.peers()[d], kTagCounts);
@@ -421,8 +463,8 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
   }
   p.distinct_from.assign(W, 0);
   for (int q = 0; q < W; ++q) {
-    std::copy_n(counts_in->data() + q * (L + 1), L, from_source.data() + q * L);
-    p.distinct_from[q] = (*counts_in)[q * (L + 1) + L];
+    std::copy_n(counts_in->data() + q * per, L, from_source.data() + int64_t{q} * L);
+    p.distinct_from[q] = (*counts_in)[q * per + L];
   }
 }
 
@@ -884,15 +926,13 @@ void finish(Dispatch& c) {
     return;
   }
   EpPlan& p = *c.plan;
-  p.comm = &c.comm;
+  p.comm_serial = CommInternals::serial(c.comm);
+  p.tp_serial = c.cfg.group_tp ? CommInternals::serial(*c.cfg.group_tp) : 0;
   p.cfg = c.cfg;
   p.world_hash = c.world.hash;
   p.transport = c.headers[0].transport;
-  p.shm = c.shm != nullptr;
   p.sh = c.sh;
   keep_routing(p, c.in.expert_ids, c.in.x_active_mask ? &*c.in.x_active_mask : nullptr);
-  if (c.cfg.tp_world_size == 2)
-    p.tp_peer_rows = c.out.tp_recv_counts.ptr<int32_t>()[1 - c.cfg.tp_rank_id];
   c.out.handle = HandleInternals::make(c.plan);
 }
 
@@ -921,12 +961,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   using namespace detail;
   Dispatch c(in, cfg, require_comm(Dispatch::op, cfg));
   const uint64_t id = next_plan_id(c.comm);
-  c.hdr = base_header(kOpDispatch, cfg);
-  c.hdr.BS = in.x.ndim >= 1 ? in.x.shape[0] : -1;
-  c.hdr.H = in.x.ndim == 2 ? in.x.shape[1] : -1;
-  c.hdr.K = in.expert_ids.ndim == 2 ? in.expert_ids.shape[1] : -1;
-  c.hdr.dtype = static_cast<int64_t>(in.x.dtype);
-  c.hdr.quant_mode = static_cast<int32_t>(in.quant_mode);
+  c.hdr = base_header(kOpDispatch, cfg, in.x, in.x, in.expert_ids, in.quant_mode);
   capture(c.hdr, c.local, [&] {
     check_arguments(c);
     if (!c.world.removed) allocate(c);

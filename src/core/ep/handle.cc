@@ -2,7 +2,7 @@
 
 #include "base/check.h"
 #include "base/numeric.h"
-#include "transport/mpi/context.h"
+#include "transport/communicator.h"
 
 namespace moe_ep::detail {
 
@@ -28,7 +28,7 @@ namespace {
 
 // The arguments a handle's calls must repeat, as (name, value in the plan, value now).
 void check_config(const char* op, const EpPlan& p, const EpConfig& cfg) {
-  if (cfg.group_ep != p.comm)
+  if (CommInternals::serial(*cfg.group_ep) != p.comm_serial)
     invalid(op, ": the dispatch handle belongs to another communicator (group_ep)");
   const std::pair<const char*, std::pair<int64_t, int64_t>> same[] = {
       {"ep_world_size", {p.cfg.ep_world_size, cfg.ep_world_size}},
@@ -45,8 +45,10 @@ void check_config(const char* op, const EpPlan& p, const EpConfig& cfg) {
     if (v.first != v.second)
       invalid(op, ": ", name, " = ", v.second, " differs from the ", v.first,
               " of the dispatch_v2 that made the handle");
-  if (cfg.group_tp != p.cfg.group_tp)
-    invalid(op, ": group_tp differs from the dispatch_v2 that made the handle");
+  const bool tp_same =
+      (cfg.group_tp == nullptr) == (p.cfg.group_tp == nullptr) &&
+      (cfg.group_tp == nullptr || CommInternals::serial(*cfg.group_tp) == p.tp_serial);
+  if (!tp_same) invalid(op, ": group_tp differs from the dispatch_v2 that made the handle");
 }
 
 }  // namespace

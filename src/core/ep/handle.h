@@ -16,12 +16,12 @@ namespace moe_ep::detail {
 
 struct EpPlan {
   uint64_t id = 0;  // the dispatch_v2 call that made it, counted per communicator (1, 2, ...)
-  const Communicator* comm = nullptr;
+  uint64_t comm_serial = 0;  // its communicators (CommInternals::serial; tp: 0 without group_tp)
+  uint64_t tp_serial = 0;
   // What it is bound to: later calls must pass the same (check_plan).
   EpConfig cfg;  // group_ep, group_tp and the arguments every rank must agree on
   int64_t world_hash = 0;
   int64_t transport = 0;            // TransportCode
-  bool shm = false;                 // the call used the shared-memory transport
   bool may_merge = false;           // tokens may travel once per MPI destination (dispatch.cc)
   std::vector<int32_t> expert_ids;  // (BS, K) row-major copy
   int mask_ndim = 0;                // 0: no x_active_mask
@@ -34,12 +34,10 @@ struct EpPlan {
   // Over MPI a token travels once per destination d when distinct[d] is not empty: the
   // send-order entries of each token's first copy to d (dispatch.cc, "merges").
   std::vector<std::vector<int64_t>> distinct;
-  std::vector<int32_t> distinct_count;  // per destination: rows on the wire
-  std::vector<int32_t> distinct_from;   // per source: rows on the wire
+  std::vector<int32_t> distinct_from;  // per source: rows on the wire
   // For each rank d of this machine (world order; empty for others): the first row, in d's
   // expand_x, of each block this rank sends d (one per local expert of d).
   std::vector<std::vector<int64_t>> block_row;
-  int64_t tp_peer_rows = 0;  // tp_world_size 2: the TP peer's rows appended to expand_x
 };
 
 struct HandleInternals {

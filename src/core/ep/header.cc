@@ -7,7 +7,7 @@
 
 #include "base/check.h"
 #include "core/ep/config.h"
-#include "transport/mpi/context.h"
+#include "transport/exchange.h"
 #include "transport/tags.h"
 
 namespace moe_ep::detail {
@@ -20,7 +20,8 @@ const char* op_name(int32_t op) {
 
 }  // namespace
 
-OpHeader base_header(int32_t op, const EpConfig& cfg) {
+OpHeader base_header(int32_t op, const EpConfig& cfg, const TensorView& bs_of,
+                     const TensorView& rows, const TensorView& expert_ids, int64_t quant_mode) {
   OpHeader h;
   h.op = op;
   h.ep_world_size = cfg.ep_world_size;
@@ -36,6 +37,11 @@ OpHeader base_header(int32_t op, const EpConfig& cfg) {
   h.comm_alg = (cfg.comm_alg.empty() || cfg.comm_alg == "fullmesh") ? 0
                : cfg.comm_alg == "hierarchy"                        ? 1
                                                                     : 2;
+  h.BS = bs_of.ndim >= 1 ? bs_of.shape[0] : -1;
+  h.H = rows.ndim == 2 ? rows.shape[1] : -1;
+  h.K = expert_ids.ndim == 2 ? expert_ids.shape[1] : -1;
+  h.dtype = static_cast<int64_t>(rows.dtype);
+  h.quant_mode = static_cast<int32_t>(quant_mode);
   return h;
 }
 

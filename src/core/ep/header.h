@@ -44,7 +44,6 @@ struct OpHeader {
   int32_t quant_mode = 0;  // dispatch_v2: quant_mode; combine_v2: comm_quant_mode (the op checks)
   int64_t transport = 0;   // TransportCode, must be equal on all ranks
   int32_t shm_grow = 0;    // shm: this rank's window segment is too small (or there is none yet)
-  int32_t shm_rows = 0;    // combine_v2, shm: this rank's rows can be read from its window
   int32_t shm_node_ranks = 0;  // $MOE_EP_SHM_NODE_RANKS (0: unset), must be equal on all ranks
   int32_t pad = 0;
   uint64_t plan = 0;       // the DispatchHandle's plan this call uses (0: none), equal on all ranks
@@ -52,8 +51,11 @@ struct OpHeader {
   char message[400] = {};  // the local error, truncated
 };
 
-// The header of `op` with cfg's arguments (the op fills in the rest).
-OpHeader base_header(int32_t op, const EpConfig& cfg);
+// The header of `op` with cfg's arguments and its tensors' sizes: BS = bs_of.shape[0], H =
+// rows.shape[1], K = expert_ids.shape[1] (-1 where a tensor has too few dims: its own check
+// reports that), rows' dtype, and quant_mode (dispatch_v2's, or combine_v2's comm_quant_mode).
+OpHeader base_header(int32_t op, const EpConfig& cfg, const TensorView& bs_of,
+                     const TensorView& rows, const TensorView& expert_ids, int64_t quant_mode);
 
 // Runs the local validation `f`; a failure is recorded in h and `local` (not thrown) until the
 // headers are agreed. std::bad_alloc becomes Error(kSystem).

@@ -9,7 +9,7 @@
 #include "base/numeric.h"
 #include "core/validate.h"
 #include "kernels/cpu/convert.h"
-#include "transport/mpi/context.h"
+#include "transport/exchange.h"
 #include "transport/tags.h"
 
 namespace moe_ep::detail {
@@ -44,8 +44,8 @@ TpHeader tp_header(const EpConfig& cfg, const EpShape& sh, int64_t own_rows, int
   return t;
 }
 
-void tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr, std::optional<Error>& local,
-                  TpHeader mine) {
+int64_t tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr,
+                     std::optional<Error>& local, TpHeader mine) {
   const Communicator& tp = *cfg.group_tp;
   const int peer = 1 - tp.rank();
   mine.op = hdr.op;
@@ -63,7 +63,7 @@ void tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr, std::optio
     ex.isend(sent.get(), static_cast<int>(sizeof(TpHeader)), MPI_BYTE, peer, kTagTpHeader);
     ex.wait();
   }
-  if (local) return;  // this rank's own error comes first
+  if (local) return -1;  // this rank's own error comes first
   theirs->message[sizeof(theirs->message) - 1] = '\0';
   const TpHeader& t = *theirs;
   capture(hdr, local, [&] {
@@ -86,12 +86,16 @@ void tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr, std::optio
         invalid(op, ": ", name, " differs within the TP pair: group_tp rank ", tp.rank(), " has ",
                 mine.*field, ", rank ", peer, " has ", t.*field,
                 " (the ranks of a TP pair hold the same expert of the same EP rank)");
-    if (mine.own_rows != t.peer_rows || mine.peer_rows != t.own_rows)
+    // A rank with a handle does not know its peer's rows (-1): it takes them from here.
+    const bool own_differ = t.peer_rows >= 0 && mine.own_rows != t.peer_rows;
+    const bool peer_differ = mine.peer_rows >= 0 && mine.peer_rows != t.own_rows;
+    if (own_differ || peer_differ)
       invalid(op, ": ep_send_counts disagree within the TP pair: group_tp rank ", tp.rank(),
               " has ", mine.own_rows, " own rows and ", mine.peer_rows, " of its peer, rank ", peer,
               " has ", t.own_rows, " own rows and ", t.peer_rows,
               " of its peer (pass dispatch_v2's ep_recv_counts and rows)");
   });
+  return local ? -1 : t.own_rows;
 }
 
 void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64_t own,

@@ -42,9 +42,11 @@ TpHeader tp_header(const EpConfig& cfg, const EpShape& sh, int64_t own_rows, int
 // Exchanges TpHeaders with the TP peer (phase "tp header", the communicator's deadline). A
 // failure on either rank, or a disagreement within the pair, becomes a local failure of both
 // ranks (kRemote naming the peer's message, or kInvalidArgument), so the EP header agreement that
-// follows carries it to both EP groups: no rank is left waiting for data.
-void tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr, std::optional<Error>& local,
-                  TpHeader mine);
+// follows carries it to both EP groups: no rank is left waiting for data. mine.peer_rows -1: this
+// rank does not know its peer's rows (combine_v2 with a handle) and takes them from the peer.
+// Returns the peer's own rows (-1 after a failure).
+int64_t tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr,
+                     std::optional<Error>& local, TpHeader mine);
 
 // dispatch_v2's TP all-gather (SPEC §1.1 step 3), after the EP exchange: this rank's `own` valid
 // rows with their ep_recv_counts, assist triples, expand_scales (and dynamic_scales when defined)

@@ -3,7 +3,8 @@
 #include <algorithm>
 #include <memory>
 
-#include "transport/mpi/context.h"
+#include "transport/communicator.h"
+#include "transport/exchange.h"
 #include "transport/tags.h"
 
 namespace moe_ep::detail {

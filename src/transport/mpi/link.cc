@@ -3,7 +3,6 @@
 #include <climits>
 
 #include "base/check.h"
-#include "transport/mpi/context.h"
 
 namespace moe_ep::detail {
 
@@ -22,15 +21,6 @@ void MessageLink::get_block(Exchange& ex, void* data, int64_t rows, const MpiTyp
                             int tag) const {
   MOE_EP_CHECK(rows >= 0 && rows <= INT_MAX);
   ex.irecv(data, static_cast<int>(rows), type.get(), peer(), tag);
-}
-
-const std::vector<std::unique_ptr<MessageLink>>& message_links(const Communicator& comm) {
-  auto& links = CommInternals::links(comm);
-  if (!links) {
-    links = std::make_shared<std::vector<std::unique_ptr<MessageLink>>>();
-    for (int p = 0; p < comm.size(); ++p) links->push_back(std::make_unique<MessageLink>(p));
-  }
-  return *links;
 }
 
 }  // namespace moe_ep::detail

@@ -24,8 +24,4 @@ class MessageLink final : public Link {
   void expect_announce(Exchange&, int64_t*, int) const override {}
 };
 
-// The message links of `comm`, one per rank (itself included), created on first use and kept
-// with the communicator.
-const std::vector<std::unique_ptr<MessageLink>>& message_links(const Communicator& comm);
-
 }  // namespace moe_ep::detail

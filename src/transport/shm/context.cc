@@ -7,7 +7,7 @@
 #include <cstdlib>
 
 #include "base/check.h"
-#include "transport/mpi/context.h"
+#include "transport/exchange.h"
 
 namespace moe_ep::detail {
 

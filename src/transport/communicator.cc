@@ -1,0 +1,112 @@
+#include "transport/communicator.h"
+
+#include <mpi.h>
+#include <sched.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+
+#include "base/check.h"
+#include "base/env.h"
+#include "base/threads.h"
+#include "transport/exchange.h"
+#include "transport/mpi/link.h"
+#include "transport/shm/context.h"
+
+namespace moe_ep::detail {
+
+// Environment variables fill only the fields the caller left unset (STYLE.md "API"). `op` names
+// the caller in messages.
+double resolve_timeout(const CommOptions& options, const char* op) {
+  if (options.timeout_s) {
+    const double t = *options.timeout_s;
+    if (!(t > 0) || !std::isfinite(t))
+      invalid(op, ": timeout_s = ", t, " must be a finite number > 0");
+    return t;
+  }
+  return env_timeout_s(op).value_or(300.0);
+}
+
+}  // namespace moe_ep::detail
+
+namespace moe_ep {
+
+namespace {
+
+// Tells the automatic thread count (moe_ep/threads.h) how many ranks share this machine and on
+// how many CPUs: the ranks of `comm` on it and the union of their affinity masks (collective over
+// comm), or, when larger, the launcher's count of all of the job's ranks on it (OpenMPI's
+// $OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's $MPI_LOCALNRANKS): they all compete for those CPUs, also
+// when `comm` is a subgroup.
+void note_this_machine(MPI_Comm comm) {
+  MPI_Comm node = MPI_COMM_NULL;
+  detail::check_mpi(MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+                    "Communicator", "MPI_Comm_split_type");
+  int ranks = 1;
+  MPI_Comm_size(node, &ranks);
+  cpu_set_t mine, all;
+  CPU_ZERO(&mine);
+  CPU_ZERO(&all);
+  if (sched_getaffinity(0, sizeof(mine), &mine) != 0) CPU_ZERO(&mine);  // unknown: adds nothing
+  const int rc =
+      MPI_Allreduce(&mine, &all, static_cast<int>(sizeof(cpu_set_t)), MPI_BYTE, MPI_BOR, node);
+  MPI_Comm_free(&node);
+  detail::check_mpi(rc, "Communicator", "MPI_Allreduce");
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
+    char* end = nullptr;
+    errno = 0;
+    const long n = std::strtol(v, &end, 10);
+    if (errno == 0 && *end == '\0' && n > ranks && n < (1L << 20)) ranks = static_cast<int>(n);
+  }
+  detail::note_node(ranks, CPU_COUNT(&all));
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
+  const double timeout = detail::resolve_timeout(options, "Communicator");
+  if (options.shm_window_bytes < 0)
+    detail::invalid("Communicator: shm_window_bytes = ", options.shm_window_bytes,
+                    " must be >= 0 (0: sized by the first op)");
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized)
+    detail::invalid("Communicator: MPI is not initialised (call MPI_Init first)");
+  if (comm == MPI_COMM_NULL) detail::invalid("Communicator: comm is MPI_COMM_NULL");
+  MPI_Comm dup = MPI_COMM_NULL;
+  detail::check_mpi(MPI_Comm_dup(comm, &dup), "Communicator", "MPI_Comm_dup");
+  // Errors come back as codes that moe-ep turns into Error(kSystem), not as aborts.
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  int rank = 0, size = 0;
+  MPI_Comm_rank(dup, &rank);
+  MPI_Comm_size(dup, &size);
+  std::shared_ptr<Communicator> made(
+      new Communicator(dup, rank, size, timeout, options.shm_window_bytes));
+  note_this_machine(dup);
+  return made;
+}
+
+Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s,
+                           int64_t shm_window_bytes)
+    : comm_(dup),
+      rank_(rank),
+      size_(size),
+      timeout_s_(timeout_s),
+      shm_window_bytes_(shm_window_bytes) {
+  static std::atomic<uint64_t> serials{0};
+  serial_ = ++serials;
+}
+
+Communicator::~Communicator() {
+  shm_.reset();  // before the communicator it was split from
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+}  // namespace moe_ep

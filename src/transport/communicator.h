@@ -1,0 +1,31 @@
+// Internal: the Communicator's implementation side: the state the transports keep with it, and
+// its deadline.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moe_ep/comm.h"
+
+namespace moe_ep::detail {
+
+class ShmContext;
+class MessageLink;
+
+// The private members of Communicator that the transports keep there.
+struct CommInternals {
+  static std::shared_ptr<ShmContext>& shm(const Communicator& comm) { return comm.shm_; }
+  static std::shared_ptr<std::vector<std::unique_ptr<MessageLink>>>& links(
+      const Communicator& comm) {
+    return comm.links_;
+  }
+  static uint64_t& plans(const Communicator& comm) { return comm.plans_; }
+  static uint64_t serial(const Communicator& comm) { return comm.serial_; }
+};
+
+// The deadline from_mpi uses: options.timeout_s (finite, > 0), else $MOE_EP_TIMEOUT_S, else
+// 300 s. Error(kInvalidArgument) "<op>: ..." for a bad value.
+double resolve_timeout(const CommOptions& options, const char* op);
+
+}  // namespace moe_ep::detail

@@ -1,0 +1,223 @@
+#include "transport/exchange.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "base/check.h"
+#include "base/threads.h"
+#include "moe_ep/tensor.h"
+
+namespace moe_ep::detail {
+
+namespace {
+
+std::string mpi_error_string(int rc) {
+  char msg[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) return cat("MPI error code ", rc);
+  return std::string(msg, len);
+}
+
+// Buffers of abandoned requests: never freed (MPI may still write into them).
+void bury(std::pmr::vector<std::shared_ptr<const void>>& buffers) {
+  static std::mutex mu;
+  static auto* graveyard = new std::vector<std::shared_ptr<const void>>();  // leaked on purpose
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& b : buffers) graveyard->push_back(std::move(b));
+}
+
+}  // namespace
+
+void check_mpi(int rc, const char* op, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  fail(ErrorKind::kSystem, op, ": ", what, " failed: ", mpi_error_string(rc));
+}
+
+MpiType::MpiType(int64_t bytes, const char* op) : op_(op) {
+  MOE_EP_CHECK(bytes >= 0 && bytes <= INT_MAX);
+  bytes_ = static_cast<int>(bytes);
+}
+
+MpiType::~MpiType() {
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  if (t_ != MPI_DATATYPE_NULL && !finalized) MPI_Type_free(&t_);
+}
+
+MPI_Datatype MpiType::get() const {
+  if (t_ != MPI_DATATYPE_NULL) return t_;
+  MPI_Datatype t;
+  check_mpi(MPI_Type_contiguous(bytes_, MPI_BYTE, &t), op_, "MPI_Type_contiguous");
+  const int rc = MPI_Type_commit(&t);
+  if (rc != MPI_SUCCESS) MPI_Type_free(&t);
+  check_mpi(rc, op_, "MPI_Type_commit");
+  return t_ = t;
+}
+
+thread_local std::vector<std::string>* phase_trace = nullptr;
+
+Exchange::Exchange(const Communicator& comm, const char* op, const char* phase)
+    : comm_(comm), op_(op), phase_(phase) {
+  if (phase_trace) phase_trace->push_back(phase);
+  // A send and a receive per peer is the common phase; reserved at once, since the arena never
+  // reuses what a growing vector gives back.
+  const std::size_t expect = 2 * static_cast<std::size_t>(comm.size());
+  reqs_.reserve(expect);
+  posted_.reserve(expect);
+  keep_.reserve(4);
+}
+
+Exchange::~Exchange() {
+  bool abandoned = false;
+  for (std::size_t i = 0; i < reqs_.size(); ++i) {
+    if (reqs_[i] == MPI_REQUEST_NULL) continue;
+    abandoned = true;
+    if (posted_[i].recv) MPI_Cancel(&reqs_[i]);
+    MPI_Request_free(&reqs_[i]);
+  }
+  if (abandoned) bury(keep_);
+}
+
+void Exchange::make_room() {
+  if (reqs_.size() < reqs_.capacity() && posted_.size() < posted_.capacity()) return;
+  const std::size_t n = 2 * reqs_.size() + 8;
+  reqs_.reserve(n);
+  posted_.reserve(n);
+}
+
+void Exchange::isend(const void* buf, int count, MPI_Datatype type, int peer, int tag) {
+  make_room();  // a posted request is always recorded (nothing can throw after MPI_Isend)
+  MPI_Request r = MPI_REQUEST_NULL;
+  check_mpi(MPI_Isend(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Isend");
+  reqs_.push_back(r);
+  posted_.push_back({peer, false, 0, {}});
+}
+
+void Exchange::irecv(void* buf, int count, MPI_Datatype type, int peer, int tag) {
+  make_room();
+  MPI_Request r = MPI_REQUEST_NULL;
+  check_mpi(MPI_Irecv(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Irecv");
+  reqs_.push_back(r);
+  posted_.push_back({peer, true, 0, {}});
+}
+
+const MPI_Status& Exchange::recv_status(int i) const {
+  for (const Posted& p : posted_)
+    if (p.recv && i-- == 0) return p.status;
+  fail(ErrorKind::kInternal, op_, ": no receive ", i, " in phase '", phase_, "'");
+}
+
+void Exchange::wait() {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  // Capped at 10^9 s (~31 years): larger values mean "no deadline" to the caller, and would
+  // overflow the clock's 64-bit nanoseconds (a deadline in the past: an immediate timeout).
+  const double timeout_s = std::min(comm_.timeout_s(), 1e9);
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const int n = static_cast<int>(reqs_.size());
+  std::pmr::vector<MPI_Status> got(static_cast<std::size_t>(n), &pool_);
+  std::pmr::vector<int> idx(static_cast<std::size_t>(n), &pool_);
+  std::string mpi_failure;
+  bool truncated = false;
+  int idle = 0;
+  auto idle_since = start;
+  const bool poll = cpus_for_every_rank();
+  for (;;) {
+    int outcount = 0;
+    const int rc = MPI_Testsome(n, reqs_.data(), &outcount, idx.data(), got.data());
+    if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) check_mpi(rc, op_, "MPI_Testsome");
+    if (outcount == MPI_UNDEFINED) break;  // every request is complete
+    const int64_t now_us =
+        outcount > 0
+            ? std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start).count()
+            : 0;
+    for (int j = 0; j < outcount; ++j) {
+      Posted& done = posted_[idx[j]];
+      done.status = got[j];
+      done.done_us = now_us;
+      if (rc == MPI_ERR_IN_STATUS && got[j].MPI_ERROR != MPI_SUCCESS && mpi_failure.empty()) {
+        int cls = 0;
+        MPI_Error_class(got[j].MPI_ERROR, &cls);
+        truncated = cls == MPI_ERR_TRUNCATE;
+        mpi_failure = cat((done.recv ? "receive from rank " : "send to rank "), done.peer, ": ",
+                          mpi_error_string(got[j].MPI_ERROR));
+      }
+    }
+    if (outcount > 0) {
+      idle = 0;
+      idle_since = Clock::now();
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      std::vector<int> late;
+      int pending = 0;
+      for (int i = 0; i < n; ++i)
+        if (reqs_[i] != MPI_REQUEST_NULL) {
+          ++pending;
+          late.push_back(posted_[i].peer);
+        }
+      std::sort(late.begin(), late.end());
+      late.erase(std::unique(late.begin(), late.end()), late.end());
+      std::ostringstream peers;
+      for (std::size_t i = 0; i < late.size(); ++i) peers << (i ? ", " : "") << late[i];
+      fail(ErrorKind::kTimeout, op_, ": rank ", comm_.rank(), " timed out after ",
+           comm_.timeout_s(), " s in phase '", phase_, "' waiting for rank(s) ", peers.str(), " (",
+           pending, " of ", n, " requests pending; a rank may not have called ", op_,
+           " or may have failed)");
+    }
+    // Backoff: oversubscribed ranks (more ranks than cores) must leave the CPU to their peers.
+    // When every rank of this machine has a CPU, poll without yielding for the first kPoll
+    // after the last completion: a peer a few microseconds behind is then seen at once (a
+    // round of small messages took 3.6 us with the yield below, 1.2-1.4 us with this; docs/
+    // performance.md, "Small batches"). Then sched_yield until kSpin (cheap when nobody else
+    // is runnable; a peer a fraction of a millisecond behind is then seen at once, where a
+    // sleep cost up to 0.3 ms: measured in dispatch_v2), then sleeps of 20 us doubling to
+    // 200 us.
+    constexpr auto kPoll = std::chrono::microseconds(20);
+    constexpr auto kSpin = std::chrono::milliseconds(2);
+    const auto idle_for = now - idle_since;
+    if (poll && idle_for < kPoll) continue;
+    if (idle_for < kSpin) {
+      sched_yield();
+    } else {
+      const int us = std::min(200, 20 << std::min(idle++, 4));
+      std::this_thread::sleep_for(std::chrono::microseconds(us));
+    }
+  }
+  if (truncated)
+    fail(ErrorKind::kInternal, op_, ": rank ", comm_.rank(),
+         " received more data than posted for in phase '", phase_, "' (", mpi_failure,
+         "); every receive is sized from what its sender announced, so "
+         "this is a bug (please report it)");
+  if (!mpi_failure.empty())
+    fail(ErrorKind::kSystem, op_, ": MPI failed in phase '", phase_, "' on rank ", comm_.rank(),
+         ": ", mpi_failure);
+}
+
+void Exchange::add_recv_wait_us(int64_t* per_peer) const {
+  std::vector<std::pair<int, int64_t>> last;  // (peer, latest completion)
+  for (const Posted& p : posted_) {
+    if (!p.recv) continue;
+    auto it =
+        std::find_if(last.begin(), last.end(), [&](const auto& pr) { return pr.first == p.peer; });
+    if (it == last.end())
+      last.emplace_back(p.peer, p.done_us);
+    else
+      it->second = std::max(it->second, p.done_us);
+  }
+  for (const auto& [peer, us] : last) per_peer[peer] += us;
+}
+
+}  // namespace moe_ep::detail
