@@ -243,4 +243,70 @@ std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRa
   return combine_reference(ranks, w, expert, expert);
 }
 
+std::vector<std::vector<unsigned char>> combine_reference_hierarchy(
+    const std::vector<EpRankInput>& ranks, const EpWorld& world, const ExpertFn& expert,
+    const ExpertFn& shared, int64_t G) {
+  std::vector<std::vector<unsigned char>> out;
+  const int64_t W = static_cast<int64_t>(ranks.size()), E = world.E, Z = world.Z, C = world.C;
+  const int64_t S = world.S, Ns = world.Ns, per_rank = E / (W - S);
+  for (int64_t rank = 0; rank < W; ++rank) {
+    const EpRankInput& r = ranks[rank];
+    const DType dtype = r.x.dtype;
+    const int64_t BS = r.x.shape[0], H = r.x.shape[1], K = r.expert_ids.shape[1];
+    const int64_t row_bytes = H * element_bytes(dtype);
+    std::vector<unsigned char> result(BS * row_bytes, 0);
+    std::vector<unsigned char> y(row_bytes);
+    for (int64_t i = 0; i < BS; ++i) {
+      if (!token_active(r, i)) continue;
+      std::vector<float> acc(H, 0.0f);
+      for (int64_t node = 0; node < W / G; ++node) {
+        std::vector<float> p(H, 0.0f);
+        bool any = false;
+        for (int64_t k = 0; k < K; ++k) {
+          if (!entry_active(r, i, k)) continue;
+          const auto e = static_cast<int64_t>(at(r.expert_ids, i, k));
+          const int64_t host_node = e < E ? (S + e / per_rank) / G : rank / G;
+          if (host_node != node) continue;
+          any = true;
+          const auto w = static_cast<float>(at(*r.expert_scales, i, k));
+          if (e >= E && e < E + Z) continue;  // zero expert
+          if (e < E) expert(e, dtype, row_of(r.x, i), y.data(), H);
+          for (int64_t h = 0; h < H; ++h) {
+            float value;
+            if (e < E) {
+              value = load(dtype, y.data(), h);
+            } else if (e < E + Z + C) {
+              value = load(dtype, row_of(*r.ori_x, i), h);
+            } else {
+              const int64_t q = e - (E + Z + C);
+              const float t1 =
+                  load(dtype, row_of(*world.alpha_1, q), h) * load(dtype, row_of(*r.ori_x, i), h);
+              const float t2 =
+                  load(dtype, row_of(*world.alpha_2, q), h) * load(dtype, row_of(*world.v, q), h);
+              value = t1 + t2;
+            }
+            const float product = w * value;
+            p[h] = p[h] + product;
+          }
+        }
+        for (int64_t s = 0; s < Ns; ++s) {
+          const int64_t host = rank % (S / Ns) + s * (S / Ns);
+          if (host / G != node) continue;
+          any = true;
+          shared(-1 - s, dtype, row_of(r.x, i), y.data(), H);
+          for (int64_t h = 0; h < H; ++h) p[h] = p[h] + load(dtype, y.data(), h);
+        }
+        if (any)
+          for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + p[h];
+      }
+      if (r.shared_expert_x)
+        for (int64_t h = 0; h < H; ++h)
+          acc[h] = acc[h] + load(dtype, row_of(*r.shared_expert_x, i), h);
+      for (int64_t h = 0; h < H; ++h) store(dtype, result.data() + i * row_bytes, h, acc[h]);
+    }
+    out.push_back(std::move(result));
+  }
+  return out;
+}
+
 }  // namespace moe_ep::ref

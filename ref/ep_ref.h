@@ -94,4 +94,15 @@ std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRa
 std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRankInput>& ranks,
                                                           const ExpertFn& expert);
 
+// SPEC §3, combine_v2 with comm_alg "hierarchy" on nodes of G ranks (rank r on node r / G): per
+// active token of rank r, acc = 0; for each node n in increasing order that holds any of the
+// token's terms: p = 0; p += each term on node n in §2.3's order (the MoE experts hosted there,
+// and the special experts when n is r's own node, k ascending; then the shared experts r sends
+// to a rank there, s ascending); acc += p. Then acc += shared_expert_x[i]; one rounding. MoE
+// expert e lives on rank S + e / (E / (W - S)); rank r's shared expert s on rank
+// r % (S / Ns) + s * (S / Ns) (SPEC §1.2).
+std::vector<std::vector<unsigned char>> combine_reference_hierarchy(
+    const std::vector<EpRankInput>& ranks, const EpWorld& world, const ExpertFn& expert,
+    const ExpertFn& shared, int64_t G);
+
 }  // namespace moe_ep::ref

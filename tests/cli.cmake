@@ -494,14 +494,15 @@ cli_expect_error_once(mask_file_not_prefix
                       "--load-routing '[^']*cli_mask_prefix.safetensors': on 1 rank, rank 0 takes file rows \\[0, 8\\), where its 1-D x_active_mask has a True after a False \\(SPEC §1.3: all Trues before all Falses on each rank\\); it was saved on 2 ranks, where it fits"
                       "${_mpi} -n 1 ${_exe} run --expert-fn scale --hidden 64 --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_prefix.safetensors"
                       FIXTURES_REQUIRED cli_mask_file)
-# A 2-D mask with inactive entries saved at 2 ranks of 5 tokens: 4 ranks split them 3, 3, 2, 2.
+# A 1-D mask with inactive tokens saved at 2 ranks of 5 tokens: 4 ranks split them 3, 3, 2, 2.
+# (A 2-D mask whose rows each keep a True leaves every token active: no error.)
 add_test(NAME cli.mask_file.setup_entries
-         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} run --mask entries --tokens 5 --hidden 64
+         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} run --mask prefix --tokens 5 --hidden 64
                  --expert-fn scale --save-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_entries.safetensors)
 set_tests_properties(cli.mask_file.setup_entries PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
                                                             TIMEOUT 120 FIXTURES_SETUP cli_mask_file)
 cli_expect_error_once(mask_file_uneven
-                      "--load-routing '[^']*cli_mask_entries.safetensors': on 4 ranks the 10 tokens split unevenly \\(3, 3, 2, 2\\), and rank [0-3]'s file rows \\[[0-9]+, [0-9]+\\) have an inactive x_active_mask entry \\(SPEC §1.3: when BS differs across ranks every token must be active\\); it was saved on 2 ranks, where it fits"
+                      "--load-routing '[^']*cli_mask_entries.safetensors': on 4 ranks the 10 tokens split unevenly \\(3, 3, 2, 2\\), and rank [0-3]'s file rows \\[[0-9]+, [0-9]+\\) have a token that x_active_mask leaves inactive \\(SPEC §1.3: when BS differs across ranks every token must be active\\); it was saved on 2 ranks, where it fits"
                       "${_mpi} -n 4 --oversubscribe ${_exe} run --expert-fn scale --hidden 64 --load-routing ${CMAKE_CURRENT_BINARY_DIR}/cli_mask_entries.safetensors"
                       FIXTURES_REQUIRED cli_mask_file)
 cli_expect_error(load_with_mask

@@ -83,6 +83,10 @@ class MOE_EP_API Communicator {
   mutable std::shared_ptr<std::vector<std::unique_ptr<detail::MessageLink>>> links_;
   // dispatch_v2 calls so far: the id of each one's plan (DispatchHandle, dispatch.h).
   mutable uint64_t plans_ = 0;
+  // comm_alg "hierarchy": the ranks per node, found by the first op that needs them, and the
+  // $MOE_EP_SHM_NODE_RANKS they were found with (-1: not yet).
+  mutable int node_ranks_ = 0;
+  mutable int node_ranks_env_ = -1;
   // Unique in the process: a plan names its communicator by it, not by its address (which a
   // later communicator may reuse).
   uint64_t serial_ = 0;

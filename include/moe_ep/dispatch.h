@@ -4,8 +4,9 @@
 // Supported in this build (everything else raises Error(kUnsupported) naming the argument, never a
 // wrong answer): tp_world_size 0, 1 or 2 (see "Tensor parallelism"); shared-expert ranks (S, Ns);
 // x_active_mask 1-D or 2-D; zero/copy/const experts; elastic_info scale-in; performance_info;
-// quant_mode 0, 2 (int8, with optional smoothing scales) and comm_quant_mode 0, 2; comm_alg "" or
-// "fullmesh"; expert_shard_type 0; expert id -1 = inactive entry; global_bs 0 (BS equal on all
+// quant_mode 0, 2 (int8, with optional smoothing scales) and comm_quant_mode 0, 2; comm_alg "",
+// "fullmesh" or "hierarchy" (not with tp_world_size 2, elastic_info or performance_info);
+// expert_shard_type 0; expert id -1 = inactive entry; global_bs 0 (BS equal on all
 // ranks) or global_bs = W * m with m >= max BS (BS may differ, BS = 0 allowed; then every token
 // must be active); expert_token_nums_type 0, 1.
 //
@@ -118,7 +119,16 @@ struct EpConfig {
   int64_t shared_expert_rank_num = 0;  // S
   int64_t global_bs = 0;  // 0 (BS equal on all ranks) or W * m, m >= max BS over ranks (BS may
                           // then differ across ranks, and be 0)
-  std::string comm_alg;   // "" or "fullmesh" ("hierarchy": unsupported)
+  // "" or "fullmesh": every rank sends every other its rows. "hierarchy" (SPEC §3): across
+  // nodes (the ranks sharing memory, or runs of $MOE_EP_SHM_NODE_RANKS; equal in size and
+  // numbered node-major, else kInvalidArgument on every rank), a token crosses once per
+  // destination node, to the source's relay there (the rank of that node with the source's local
+  // index), which copies it to the node's ranks; combine_v2's relays send back one partial sum
+  // per (token, node). dispatch_v2's outputs are fullmesh's bit for bit; combine_v2 differs only
+  // by SPEC §3's re-association (deterministic). smoothing `scales` must then be the same on every
+  // rank (the relay quantises the copies it makes with its own). On one node: fullmesh.
+  // kUnsupported with tp_world_size 2, elastic_info or performance_info.
+  std::string comm_alg;
   // How rows move between ranks on the same machine (not a SPEC argument; results are bitwise
   // the same either way). "mpi": MPI point-to-point for every peer. "shm": ranks that share
   // memory (MPI_Comm_split_type SHARED) write dispatch_v2's rows straight into the receiver's
@@ -283,7 +293,8 @@ struct CombineInputs {
   std::optional<TensorView> tp_send_counts;
   std::optional<TensorView> x_active_mask;  // [in] the one given to dispatch_v2 (a different
                                             //      mask: kInvalidArgument when rows mismatch)
-  std::optional<TensorView> expand_scales;  // [in] fp32 1-D, checked, not read (hierarchy only)
+  std::optional<TensorView> expand_scales;  // [in] fp32 1-D, checked, not read (the weights are
+                                            //      expert_scales, also with "hierarchy")
   // [in] expand_x's dtype, (BS, H) or (a, b, H) with a*b = BS; rows may be strided, the last
   // stride must be 1. Added unweighted to every ACTIVE token after the K terms and the hosted
   // shared experts (SPEC §2.3). kInvalidArgument for a wrong shape or dtype.

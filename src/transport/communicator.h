@@ -22,6 +22,8 @@ struct CommInternals {
   }
   static uint64_t& plans(const Communicator& comm) { return comm.plans_; }
   static uint64_t serial(const Communicator& comm) { return comm.serial_; }
+  static int& node_ranks(const Communicator& comm) { return comm.node_ranks_; }
+  static int& node_ranks_env(const Communicator& comm) { return comm.node_ranks_env_; }
 };
 
 // The deadline from_mpi uses: options.timeout_s (finite, > 0), else $MOE_EP_TIMEOUT_S, else

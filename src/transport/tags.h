@@ -18,6 +18,14 @@ enum Tag : int {
   kTagShmReady = 0x4d0a,       // every rank passed the header before a collective shm call
   kTagWhere = 0x4d0b,          // where a rank's rows lie, when its window grew in this call
   kTagCombineScales = 0x4d0c,  // combine_v2 with comm_quant_mode 2: each row's int8 scale
+  // comm_alg "hierarchy" (src/core/ep/relay_*.cc): a source and its relay on another node
+  kTagRelayRows = 0x4d11,     // dispatch_v2: a source's tokens to its relay, the relay's copies on
+  kTagRelayMeta = 0x4d12,     // dispatch_v2: their routing / the copies' RowMeta
+  kTagRelayWeights = 0x4d13,  // combine_v2: a source's weights for a relay's node
+  kTagRelayCounts = 0x4d14,   // combine_v2: an owner's rows for each source a relay serves
+  kTagRelayBack = 0x4d15,     // combine_v2: an owner's rows (and their checks) to the relay
+  kTagRelayPartial = 0x4d16,  // combine_v2: a relay's partial sums to the source
+  kTagRelayStatus = 0x4d17,   // combine_v2: the tokens of the partials, or what disagreed
   // Sharded ops (src/sharding)
   kTagShardHeader = 0x4d21,
   kTagShardData = 0x4d22,

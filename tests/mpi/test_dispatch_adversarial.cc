@@ -809,10 +809,14 @@ std::vector<DispatchCase> dispatch_cases() {
        [](In&, Cfg& c, S&) { c.comm_alg = "FullMesh"; },
        kI,
        {"dispatch_v2: comm_alg = \"FullMesh\" is not one of"}},
-      {"comm_alg_hierarchy",
-       [](In&, Cfg& c, S&) { c.comm_alg = "hierarchy"; },
+      {"comm_alg_hierarchy_performance_info",
+       [W](In& in, Cfg& c, S& s) {
+         c.comm_alg = "hierarchy";
+         s.assign(static_cast<std::size_t>(8 * W), 0);
+         in.performance_info = TensorView::contiguous(s.data(), DType::kI64, {W});
+       },
        kU,
-       {"dispatch_v2: comm_alg = \"hierarchy\" is not supported"}},
+       {"dispatch_v2: performance_info is not supported with comm_alg = \"hierarchy\""}},
       {"zero_expert_num_neg",
        [](In&, Cfg& c, S&) { c.zero_expert_num = -1; },
        kI,

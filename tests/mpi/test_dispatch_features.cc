@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -126,6 +128,8 @@ Batch make_batch(const Spec& spec, int W) {
         if (spec.mask == Mask::kTwoD)
           b.mask[r][i * K + k] = (g % 4 == 1 || rng.below(5) == 0) ? 0 : 1;
       }
+      // With BS differing, every token must be active (SPEC §1.3): one True per row at least.
+      if (spec.mask == Mask::kTwoD && spec.uneven) b.mask[r][i * K + g % K] = 1;
       if (spec.mask == Mask::kOneD) b.mask[r][i] = i < BS - BS / 3 ? 1 : 0;
       for (int64_t h = 0; h < H; ++h) {
         ref::store(spec.dtype, b.x[r].data() + i * H * es, h, rng.uniform(-2, 2));
@@ -184,8 +188,21 @@ std::vector<ref::EpRankInput> ref_inputs(const Batch& b) {
   return v;
 }
 
+// $MOE_EP_TEST_COMM_ALG (ctest mpi_tests_hierarchy.*) runs the grid with that comm_alg; with
+// "hierarchy", combine_v2 is checked against SPEC §3's sum on nodes of $MOE_EP_SHM_NODE_RANKS
+// ranks (all ranks one node when unset).
+std::string comm_alg() {
+  const char* v = std::getenv("MOE_EP_TEST_COMM_ALG");
+  return v ? v : "";
+}
+int64_t node_ranks(int W) {
+  const char* v = std::getenv("MOE_EP_SHM_NODE_RANKS");
+  return v && *v ? std::min<int64_t>(W, std::atoi(v)) : W;
+}
+
 EpConfig config(const Batch& b, Communicator* group = nullptr) {
   EpConfig c;
+  c.comm_alg = comm_alg();
   c.group_ep = group ? group : comm();
   c.ep_world_size = b.W;
   c.ep_rank_id = c.group_ep->rank();
@@ -330,7 +347,11 @@ void round_trip(const Batch& b) {
   const Tensor y = run_experts(b, out, rank, b.W, b.spec.S, b.spec.Ns, b.spec.E);
   const Tensor x = combine_v2(combine_inputs(b, rank, out, y), config(b));
   const auto combined =
-      ref::combine_reference(ref_inputs(b), b.world, ref::scale_expert(b.spec.E), shared_expert());
+      comm_alg() == "hierarchy"
+          ? ref::combine_reference_hierarchy(ref_inputs(b), b.world, ref::scale_expert(b.spec.E),
+                                             shared_expert(), node_ranks(b.W))
+          : ref::combine_reference(ref_inputs(b), b.world, ref::scale_expert(b.spec.E),
+                                   shared_expert());
   ASSERT_EQ(x.size(0), b.bs[rank]);
   ASSERT_EQ(x.nbytes(), combined[rank].size());
   EXPECT_TRUE(same_bytes(x.data(), combined[rank].data(), x.nbytes()))
@@ -390,6 +411,11 @@ std::vector<Spec> grid() {
   add("shared_expert_x_2d", [](Spec& s) { s.shared_x = true; });
   add("shared_expert_x_3d_with_S1",
       [](Spec& s) { s.shared_x = true, s.shared_x_3d = true, s.S = 1; });
+  // SPEC §3's acceptance case at W = 6 as 3 nodes x 2 ranks (and at W = 4, 3): shared-expert
+  // ranks, a 2-D mask, -1 ids, the last rank without tokens.
+  add("shared_S2_mask_2d_inactive_uneven", [](Spec& s) {
+    s.S = 2, s.Ns = 1, s.E = 8, s.mask = Mask::kTwoD, s.inactive = 0.2, s.uneven = true;
+  });
   add("everything_uneven",
       [](Spec& s) { s.Z = 1, s.C = 1, s.Q = 1, s.S = 1, s.shared_x = true, s.uneven = true; });
   return v;
@@ -560,7 +586,7 @@ TEST_F(Features, MaskFalseWhileBatchSizesDiffer) {
   Batch b = make_batch(s, world_size());
   expect_error([&] { dispatch_v2(dispatch_inputs(b, world_rank()), config(b)); }, -1,
                ErrorKind::kInvalidArgument,
-               {"dispatch_v2: x_active_mask on rank 0 has a False entry while BS differs",
+               {"dispatch_v2: x_active_mask on rank 0 makes a token inactive", "while BS differs",
                 "every token must be active"});
 }
 
@@ -870,6 +896,217 @@ TEST_F(Features, ElasticTableInconsistentOnOneRank) {
   expect_error([&] { dispatch_v2(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
                {"dispatch_v2: elastic_info[" + std::to_string(4 + W) + "] = ",
                 "(old rank of new rank 0) must be 0"});
+}
+
+// ---------------------------------------------------------------------------------------------
+// comm_alg "hierarchy" (SPEC §3) beside fullmesh on the same batch: dispatch bitwise equal,
+// combine within SPEC §3's bound and deterministic. Nodes are runs of $MOE_EP_SHM_NODE_RANKS
+// ranks (ctest mpi_tests_hierarchy.*, mpi_tests_two_nodes); without it every rank is on one node
+// and the two algorithms must agree bit for bit.
+
+class Hierarchy : public Features {};
+
+EpConfig with_alg(EpConfig c, const char* alg) {
+  c.comm_alg = alg;
+  return c;
+}
+
+Spec hierarchy_spec(DType dtype) {
+  Spec s;
+  s.name = "hierarchy";
+  s.dtype = dtype;
+  s.tokens = 48;  // W = 1..6 divide it
+  s.H = 32;
+  s.K = 4;
+  s.E = 12;
+  s.seed = 11;
+  return s;
+}
+
+void expect_same_dispatch(const DispatchOutputs& f, const DispatchOutputs& h) {
+  const int64_t valid = f.tp_recv_counts.ptr<int32_t>()[0];
+  ASSERT_EQ(h.tp_recv_counts.ptr<int32_t>()[0], valid);
+  const int64_t row = f.expand_x.nbytes() / std::max<int64_t>(1, f.expand_x.size(0));
+  EXPECT_TRUE(same_bytes(f.expand_x.data(), h.expand_x.data(), valid * row)) << "expand_x";
+  EXPECT_EQ(values<int32_t>(f.ep_recv_counts), values<int32_t>(h.ep_recv_counts));
+  EXPECT_EQ(values<int64_t>(f.expert_token_nums), values<int64_t>(h.expert_token_nums));
+  EXPECT_EQ(values<int32_t>(f.assist_info_for_combine, 3 * valid),
+            values<int32_t>(h.assist_info_for_combine, 3 * valid));
+  EXPECT_EQ(values<float>(f.expand_scales, valid), values<float>(h.expand_scales, valid));
+  if (f.dynamic_scales.defined()) {
+    EXPECT_EQ(values<float>(f.dynamic_scales, valid), values<float>(h.dynamic_scales, valid));
+  }
+}
+
+// dispatch_v2's valid outputs are those of fullmesh, bit for bit (SPEC §3), with shared experts,
+// and quant_mode 2 with and without smoothing scales (the int8 row crosses once, or the relay
+// quantises each copy).
+TEST_F(Hierarchy, DispatchIsBitwiseFullmesh) {
+  const int W = world_size(), rank = world_rank();
+  if (W % node_ranks(W) != 0) GTEST_SKIP() << "nodes of unequal size";
+  for (int quant : {0, 2, 3}) {  // 3: quant_mode 2 with smoothing scales
+    for (int64_t S : {0, 1}) {
+      Spec s = hierarchy_spec(DType::kBF16);
+      s.S = S;
+      if (!runnable(s, W)) continue;
+      SCOPED_TRACE("quant " + std::to_string(quant) + ", S " + std::to_string(S));
+      Batch b = make_batch(s, W);
+      DispatchInputs in = dispatch_inputs(b, rank);
+      std::vector<float> smooth(static_cast<std::size_t>((S > 0 ? 1 : 0) + s.E) * s.H);
+      for (std::size_t j = 0; j < smooth.size(); ++j) smooth[j] = 0.5f + float(j % 7) * 0.25f;
+      if (quant >= 2) in.quant_mode = 2;
+      if (quant == 3)
+        in.scales = TensorView::contiguous(smooth.data(), DType::kF32,
+                                           {static_cast<int64_t>(smooth.size()) / s.H, s.H});
+      const DispatchOutputs f = dispatch_v2(in, with_alg(config(b), "fullmesh"));
+      const DispatchOutputs h = dispatch_v2(in, with_alg(config(b), "hierarchy"));
+      expect_same_dispatch(f, h);
+      in.handle = &h.handle;  // a cached dispatch takes the relays too
+      expect_same_dispatch(f, dispatch_v2(in, with_alg(config(b), "hierarchy")));
+    }
+  }
+}
+
+// fp32: |acc_h - acc_f| <= (K + Ns) * 2^-24 * sum |terms| (SPEC §3); two runs give the same bits;
+// with two nodes or more the sums differ somewhere (the relays' partials are in use), on one node
+// nowhere. comm_quant_mode 2: the partials cross as int8, within the int8 steps of the rows.
+TEST_F(Hierarchy, CombineWithinSpecBoundAndDeterministic) {
+  const int W = world_size(), rank = world_rank();
+  if (W % node_ranks(W) != 0) GTEST_SKIP() << "nodes of unequal size";
+  const bool several = W / node_ranks(W) >= 2;
+  Spec s = hierarchy_spec(DType::kF32);
+  s.S = W >= 2 && 12 % (W - 1) == 0 ? 1 : 0;  // a shared-expert rank where the placement allows
+  Batch b = make_batch(s, W);
+  const DispatchOutputs out =
+      dispatch_v2(dispatch_inputs(b, rank), with_alg(config(b), "fullmesh"));
+  const Tensor y = run_experts(b, out, rank, W, s.S, s.Ns, s.E);
+  for (int64_t cq : {0, 2}) {
+    SCOPED_TRACE("comm_quant_mode " + std::to_string(cq));
+    CombineInputs cin = combine_inputs(b, rank, out, y);
+    cin.comm_quant_mode = cq;
+    const Tensor f = combine_v2(cin, with_alg(config(b), "fullmesh"));
+    const Tensor h = combine_v2(cin, with_alg(config(b), "hierarchy"));
+    const Tensor h2 = combine_v2(cin, with_alg(config(b), "hierarchy"));
+    ASSERT_TRUE(same_bytes(h.data(), h2.data(), h.nbytes())) << "not deterministic";
+    const std::vector<float> vf = values<float>(f), vh = values<float>(h);
+    const float* x = reinterpret_cast<const float*>(b.x[rank].data());
+    const int32_t* ids = b.ids[rank].data();
+    const float* w = b.scales[rank].data();
+    int64_t differ = 0;
+    for (int64_t i = 0; i < b.bs[rank]; ++i)
+      for (int64_t j = 0; j < s.H; ++j) {
+        double terms = 0;  // sum |w * y| + the shared expert (2 x) of the token's terms
+        for (int64_t k = 0; k < s.K; ++k)
+          terms += std::fabs(double(w[i * s.K + k]) * x[i * s.H + j] *
+                             (1.0 + double(ids[i * s.K + k]) / s.E));
+        terms += s.S > 0 ? 2.0 * std::fabs(x[i * s.H + j]) : 0.0;
+        const double bound =
+            cq == 0 ? (s.K + 1) * std::ldexp(1.0, -24) * terms * 1.001 : 4.0 * terms / 127.0;
+        const double d = std::fabs(double(vh[i * s.H + j]) - vf[i * s.H + j]);
+        EXPECT_LE(d, bound) << "token " << i << ", h " << j;
+        differ += d > 0;
+      }
+    if (cq == 0) {
+      int64_t all = differ;
+      MPI_Allreduce(MPI_IN_PLACE, &all, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+      // (Two partials of a token re-associate nothing when one is a lone term: a shared expert.)
+      if (several && s.S == 0) {
+        EXPECT_GT(all, 0) << "no sum re-associated: the relays' partials were not used";
+      }
+      if (!several) {
+        EXPECT_EQ(all, 0) << "one node: hierarchy must be fullmesh";
+      }
+    }
+  }
+}
+
+// SPEC §3's scope: elastic_info and performance_info are refused naming "hierarchy", on every
+// rank.
+TEST_F(Hierarchy, ElasticAndPerformanceInfoAreUnsupported) {
+  const int W = world_size(), rank = world_rank();
+  Batch b = make_batch(small_spec(), W);
+  std::vector<int32_t> table(4 + 2 * W, 0);
+  std::vector<int64_t> perf(W, 0);
+  DispatchInputs in = dispatch_inputs(b, rank);
+  in.elastic_info = TensorView::contiguous(table.data(), DType::kI32, {4 + 2 * W});
+  expect_error([&] { dispatch_v2(in, with_alg(config(b), "hierarchy")); }, -1,
+               ErrorKind::kUnsupported,
+               {"dispatch_v2: elastic_info is not supported with comm_alg = \"hierarchy\""});
+  in.elastic_info.reset();
+  in.performance_info = TensorView::contiguous(perf.data(), DType::kI64, {W});
+  expect_error([&] { dispatch_v2(in, with_alg(config(b), "hierarchy")); }, -1,
+               ErrorKind::kUnsupported,
+               {"dispatch_v2: performance_info is not supported with comm_alg = \"hierarchy\""});
+}
+
+// A relay quantises with its own smoothing scales: ranks passing different ones are refused on
+// every rank (across nodes only; on one node hierarchy is fullmesh, where each source uses its
+// own).
+TEST_F(Hierarchy, DifferentSmoothingScalesAreRefused) {
+  const int W = world_size(), rank = world_rank();
+  if (W % node_ranks(W) != 0 || W / node_ranks(W) < 2) GTEST_SKIP() << "needs two nodes";
+  Spec s = hierarchy_spec(DType::kBF16);
+  Batch b = make_batch(s, W);
+  std::vector<float> smooth(static_cast<std::size_t>(s.E * s.H), 1.0f);
+  if (rank == W - 1) smooth[5] = 2.0f;
+  DispatchInputs in = dispatch_inputs(b, rank);
+  in.quant_mode = 2;
+  in.scales = TensorView::contiguous(smooth.data(), DType::kF32, {s.E, s.H});
+  expect_error([&] { dispatch_v2(in, with_alg(config(b), "hierarchy")); }, -1,
+               ErrorKind::kInvalidArgument,
+               {"dispatch_v2: scales (smoothing factors) differ between rank 0 and rank " +
+                std::to_string(W - 1)});
+}
+
+// Nodes of unequal size (W = 3 as runs of 2 ranks) are refused on every rank.
+TEST_F(Hierarchy, UnequalNodesAreRefused) {
+  const int W = world_size(), rank = world_rank();
+  if (W % node_ranks(W) == 0) GTEST_SKIP() << "nodes of equal size";
+  Batch b = make_batch(small_spec(), W);
+  expect_error([&] { dispatch_v2(dispatch_inputs(b, rank), with_alg(config(b), "hierarchy")); }, -1,
+               ErrorKind::kInvalidArgument,
+               {"dispatch_v2: comm_alg \"hierarchy\" needs nodes of equal size"});
+}
+
+// A handle carries its algorithm: combine_v2 with the other one is refused on every rank.
+TEST_F(Hierarchy, HandleOfTheOtherAlgorithmIsRefused) {
+  const int W = world_size(), rank = world_rank();
+  Batch b = make_batch(small_spec(), W);
+  const DispatchOutputs out = dispatch_v2(dispatch_inputs(b, rank), with_alg(config(b), ""));
+  CombineInputs cin = combine_inputs(b, rank, out, out.expand_x);
+  cin.handle = &out.handle;
+  expect_error([&] { combine_v2(cin, with_alg(config(b), "hierarchy")); }, -1,
+               ErrorKind::kInvalidArgument,
+               {"combine_v2: comm_alg = \"hierarchy\" differs from the \"fullmesh\" of the "
+                "dispatch_v2 that made the handle"});
+}
+
+// expert_ids changed between dispatch and combine on one rank: that rank alone raises, naming
+// the mismatch (found by the relay of another node, or by the owners of its own); the others'
+// results stand.
+TEST_F(Hierarchy, CombineWithOtherExpertIdsIsAnErrorOnTheSourceOnly) {
+  const int W = world_size(), rank = world_rank();
+  if (W / node_ranks(W) < 2) GTEST_SKIP() << "needs two nodes";
+  Spec s = hierarchy_spec(DType::kF32);
+  Batch b = make_batch(s, W);
+  const DispatchOutputs out =
+      dispatch_v2(dispatch_inputs(b, rank), with_alg(config(b), "hierarchy"));
+  const Tensor y = run_experts(b, out, rank, W, s.S, s.Ns, s.E);
+  std::vector<int32_t> ids = b.ids[rank];
+  for (int64_t i = 0; rank == 0 && i < b.bs[0]; ++i)  // every id of rank 0 moved to a neighbour
+    for (int64_t k = 0; k < s.K; ++k) ids[i * s.K + k] = (ids[i * s.K + k] + 1) % s.E;
+  CombineInputs cin = combine_inputs(b, rank, out, y);
+  cin.expert_ids = TensorView::contiguous(ids.data(), DType::kI32, {b.bs[rank], s.K});
+  try {
+    combine_v2(cin, with_alg(config(b), "hierarchy"));
+    EXPECT_NE(rank, 0) << "rank 0 combined with other expert_ids";
+  } catch (const Error& e) {
+    EXPECT_EQ(rank, 0) << e.what();
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("must be those of the matching dispatch_v2"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

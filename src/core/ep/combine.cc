@@ -25,6 +25,7 @@
 #include "base/check.h"
 #include "base/env.h"
 #include "base/numeric.h"
+#include "core/ep/combine_call.h"
 #include "core/ep/combine_sum.h"
 #include "core/ep/config.h"
 #include "core/ep/handle.h"
@@ -46,75 +47,6 @@
 namespace moe_ep::detail {
 
 namespace {
-
-// What combine_v2 sends back with each row when there is no handle, so the source can check that
-// the row is the one its expert_ids expect at that position (a caller who reorders or edits
-// expert_ids between dispatch and combine gets an error, not a wrong sum).
-struct BackMeta {
-  int32_t token;
-  int32_t slot;
-  int32_t expert;
-};
-
-// One combine_v2 call: its arguments and what each step leaves for the next.
-struct Combine {
-  static constexpr const char* op = "combine_v2";
-  const CombineInputs& in;
-  const EpConfig& cfg;
-  const Communicator& comm;
-  const EpPlan* plan = nullptr;  // in.handle's
-  // 1. validate
-  OpHeader hdr;
-  std::optional<Error> local;
-  EpShape sh;
-  World world;
-  int64_t* perf = nullptr;
-  bool cq = false;  // comm_quant_mode 2
-  const TensorView* mask = nullptr;
-  SendPlan own_back;                 // without a handle: what this rank sent in dispatch
-  RecvPlan own_blocks;               // without a handle: what it holds now, from ep_send_counts
-  const SendPlan* back = nullptr;    // what comes back to this rank, in its send order
-  const RecvPlan* blocks = nullptr;  // what this rank holds for each source (own part with TP)
-  int64_t tp_peer_rows = 0;          // T == 2: rows of the TP peer in expand_x, after its own
-  Tensor out;
-  // 2. provide: the rows this rank sends back, in expand_x's row order, and where peers on this
-  // machine read them: expand_x in place (in_gen, in_off), or a staging slot.
-  std::shared_ptr<Tensor> rs_out;  // T == 2: the reduce-scattered rows (SPEC §2)
-  bool shm_want = false, in_place = false, stage_defer = false;
-  int in_gen = -1;
-  int64_t in_off = 0, stage_bytes = 0;
-  std::optional<ShmSlot> stage;
-  std::shared_ptr<Tensor> qback;  // comm_quant_mode 2 without a stage: the int8 rows
-  std::shared_ptr<std::vector<float>> qback_scale;
-  int8_t* qrows = nullptr;              // comm_quant_mode 2: the int8 rows (stage or qback)
-  float* qscales = nullptr;             // and their scales
-  int64_t row_bytes = 0, wire_row = 0;  // a row in expand_x's dtype; on the way back
-  // 3. agree
-  std::vector<OpHeader> headers;
-  ShmContext* shm = nullptr;
-  int W = 0, L = 0, me = 0;
-  std::vector<Where> where;        // per world rank: where its rows lie (this machine only)
-  std::vector<char> provide;       // per source: it reads this rank's rows in place
-  std::vector<char> read;          // per owner: this rank reads its rows in place
-  bool finished = false;           // phase "shm done" ran
-  std::shared_ptr<Tensor> y_keep;  // the rows received through MPI, read by the sum
-  // 4. layout: per owner, the first row (in its expand_x) and rows of each block it holds for
-  // this rank; agrees: they are what expert_ids route to it.
-  std::vector<std::vector<int64_t>> first_row, rows_of;
-  std::vector<int64_t> announced;
-  std::vector<char> agrees;
-  std::optional<Error> mismatch;
-  // 5. rows: yrow[i*KS + k]: the row holding y_ik; yscale its int8 scale.
-  std::vector<const char*> yrow;
-  std::vector<float> yscale;
-
-  Combine(const CombineInputs& i, const EpConfig& c, const Communicator& m)
-      : in(i), cfg(c), comm(m), world(whole_world(m)) {}
-  const std::vector<int>& peers() const { return world.peers; }
-  // The rows this rank serves: the TP sums, or expand_x.
-  const TensorView& rows_src() const { return rs_out ? rs_out->view() : in.expand_x; }
-  int64_t src_stride() const { return rows_src().strides[0] * int64_t(dtype_size(sh.dtype)); }
-};
 
 // A (rows, H) tensor of expand_x's dtype: ori_x, const_expert_alpha_1/2, const_expert_v.
 void check_rows_like(const char* op, const char* name, const TensorView& t, int64_t rows,
@@ -232,6 +164,7 @@ void check_arguments(Combine& c) {
   reject_tp_scale_in(op, c.comm, c.cfg, c.world);
   reject_given(op, {{"tp_send_counts", in.tp_send_counts.has_value() && c.cfg.tp_world_size != 2}});
   c.perf = perf_ptr(op, in.performance_info, c.cfg);
+  check_hierarchy_scope(op, c.cfg, in.elastic_info.has_value(), c.perf != nullptr);
   expect_rows(op, "expand_x", in.expand_x);
   expect_ndim(op, "expert_ids", in.expert_ids, 2);
   EpShape& sh = c.sh;
@@ -241,7 +174,7 @@ void check_arguments(Combine& c) {
   sh.KS = sh.K + sh.pl.Ns;
   if (c.mask) {
     check_active_mask(op, *c.mask, sh.BS, sh.K);
-    c.hdr.all_active = mask_all_true(*c.mask) ? 1 : 0;
+    c.hdr.all_active = mask_tokens_active(*c.mask) ? 1 : 0;
   }
   check_sum_inputs(c);
   if (c.world.removed) return;
@@ -394,6 +327,10 @@ bool agree(Combine& c) {
   c.where.assign(c.W, Where{});
   c.provide.assign(c.W, 0);
   c.read.assign(c.W, 0);
+  c.G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
+  if (c.plan && c.plan->G != c.G)
+    fail(ErrorKind::kInternal, c.op, ": the handle's plan has ", c.plan->G,
+         " ranks per node, this call ", c.G, " (please report this bug)");
   if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
   MOE_EP_CHECK(c.shm_want);
   c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.stage_bytes);
@@ -424,7 +361,7 @@ void layout_back(Combine& c) {
   std::vector<std::shared_ptr<std::vector<int64_t>>> got(W);
   Exchange ex(c.comm, c.op, "layout back");
   for (int d = 0; d < W; ++d) {
-    if (d == me) continue;
+    if (d == me || c.relayed(d)) continue;  // a relayed owner's rows go to the relay
     auto mine = std::make_shared<std::vector<int64_t>>(2 * L);
     for (int l = 0; l < L; ++l) {
       (*mine)[l] = c.blocks->block_offset[int64_t{l} * W + d];
@@ -441,7 +378,7 @@ void layout_back(Combine& c) {
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
   for (int d = 0; d < W; ++d) {
-    if (d == me) continue;
+    if (d == me || c.relayed(d)) continue;
     const int64_t ld = c.sh.pl.local_experts(d);
     c.first_row[d].assign(got[d]->begin(), got[d]->begin() + ld);
     c.rows_of[d].assign(got[d]->begin() + ld, got[d]->end());
@@ -464,6 +401,10 @@ void plan_layout(Combine& c) {
   c.agrees.assign(W, 1);
   for (int d = 0; d < W; ++d) {
     const int64_t ld = c.sh.pl.local_experts(d), base = c.sh.pl.block_base(d);
+    if (c.relayed(d)) {  // its rows reach this rank as its node's partial sums
+      c.rows_of[d].assign(static_cast<std::size_t>(ld), 0);
+      continue;
+    }
     if (c.plan || d == me) {
       c.rows_of[d].assign(c.back->counts.begin() + base, c.back->counts.begin() + base + ld);
       if (d == me)
@@ -572,7 +513,8 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
                      : c.stage ? static_cast<const char*>(c.stage->ptr)
                                : nullptr;
   bool any = false;
-  for (int s = 0; s < c.W; ++s) any |= s != c.me && !c.provide[s] && c.blocks->source_rows[s] > 0;
+  for (int s = 0; s < c.W; ++s)
+    any |= s != c.me && !c.provide[s] && !c.relayed(s) && c.blocks->source_rows[s] > 0;
   if (direct) base = static_cast<const char*>(c.rows_src().data);
   if (!base && any) {
     auto packed = std::make_shared<Tensor>(Tensor::empty(c.sh.dtype, {c.blocks->valid, c.sh.H}));
@@ -590,6 +532,7 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
   for (int s = 0; s < c.W; ++s) {
     if (s == c.me) continue;
     const Link& to = *messages[c.peers()[s]];
+    if (c.relayed(s)) continue;  // its rows go to its relay on this node
     if (!c.provide[s] && c.blocks->source_rows[s] > 0) {
       auto scales = std::make_shared<std::vector<float>>();
       for (int l = 0; l < c.L; ++l) {
@@ -620,6 +563,7 @@ void locate_rows(Combine& c, const RowsBack& rx) {
   c.yrow.assign(static_cast<std::size_t>(sh.BS * sh.KS), nullptr);
   if (c.cq) c.yscale.assign(static_cast<std::size_t>(sh.BS * sh.KS), 0.0f);
   for (int d = 0; d < c.W; ++d) {
+    if (c.relayed(d)) continue;  // in its node's partial sums
     const int64_t first = c.back->rank_offset[d];
     const int64_t n = c.back->rank_offset[d + 1] - first;
     std::shared_ptr<std::vector<BackMeta>> own;
@@ -680,28 +624,54 @@ void finish_reading(Combine& c) {
   ex.wait();
 }
 
+// After an error past the header agreement: the owners wait for this rank's "done" before they
+// return, so it is sent, best effort (after a timeout the communicator is unusable anyway).
+void abandon(Combine& c, const Error& e) {
+  if (e.kind() == ErrorKind::kTimeout) return;
+  try {
+    finish_reading(c);
+  } catch (...) {  // the first error is the one to report
+  }
+}
+
 // Step 5: the rows phase.
 void move_rows(Combine& c) {
   Exchange ex(c.comm, c.op, "rows");
   RowsBack rx(c);
-  try {
-    post_receives(c, ex, rx);
-    post_sends(c, ex, rx);
-    ex.wait();
-    if (c.perf) ex.add_recv_wait_us(c.perf);
-    if (c.mismatch) throw *c.mismatch;  // every row announced is taken; now the error
-    locate_rows(c, rx);
-  } catch (const Error& e) {
-    // The owners wait for this rank's "done" before they return; after a timeout the
-    // communicator is unusable anyway.
-    if (e.kind() != ErrorKind::kTimeout) try {
-        finish_reading(c);
-      } catch (...) {  // the first error is the one to report
-      }
-    throw;
-  }
+  post_receives(c, ex, rx);
+  post_sends(c, ex, rx);
+  ex.wait();
+  if (c.perf) ex.add_recv_wait_us(c.perf);
+  if (c.mismatch) throw *c.mismatch;  // every row announced is taken; now the error
+  locate_rows(c, rx);
   // y and the owners' rows must outlive the sum: y is kept by the caller of this function.
   c.y_keep = rx.y;
+}
+
+// Steps 5 and, across nodes, the relays' phases (relay_combine.cc). A mismatch of this rank's
+// own rows (its expert_ids are not those of the dispatch) is raised after the relay phases, in
+// which it still serves the other ranks, and after its "done" (which the readers of its rows on
+// this node send only at their end).
+void move_all_rows(Combine& c) {
+  std::optional<Error> source_error;
+  try {
+    move_rows(c);
+  } catch (const Error& e) {
+    if (c.G == 0 || e.kind() != ErrorKind::kInvalidArgument) {
+      abandon(c, e);
+      throw;
+    }
+    source_error = e;
+  }
+  if (c.G > 0) try {
+      relay_partials(c);
+    } catch (const Error& e) {
+      abandon(c, e);
+      if (!source_error || e.kind() != ErrorKind::kInvalidArgument) throw;
+    }
+  if (!source_error) return;
+  abandon(c, *source_error);
+  throw *source_error;
 }
 
 }  // namespace
@@ -727,7 +697,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     return out;
   }
   plan_layout(c);
-  move_rows(c);
+  move_all_rows(c);
   CombineSum sum;
   sum.in = &in;
   sum.mask = c.mask;
@@ -738,7 +708,21 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   sum.yrow = c.yrow.data();
   sum.yscale = c.cq ? c.yscale.data() : nullptr;
   sum.out = c.out.ptr<char>();
-  combine_sum(sum);
+  if (c.G > 0) {
+    NodePartials np;
+    np.G = c.G;
+    np.node = c.me / c.G;
+    np.int8 = c.cq;
+    np.rank = c.me;
+    for (int n = 0; n < c.W / c.G; ++n) {
+      np.tokens.push_back(&c.node_tokens[n]);
+      np.rows.push_back(c.partials[n] ? c.partials[n]->ptr<char>() : nullptr);
+      np.scales.push_back(c.partial_scales[n] ? c.partial_scales[n]->data() : nullptr);
+    }
+    combine_sum_nodes(sum, np);
+  } else {
+    combine_sum(sum);
+  }
   finish_reading(c);
   return c.out;
 }

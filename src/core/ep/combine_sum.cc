@@ -108,4 +108,115 @@ void combine_sum(const CombineSum& a) {
   });
 }
 
+void relay_partial(float* p, const PartialTerm* terms, int64_t n, DType dtype, bool int8,
+                   int64_t H) {
+  std::fill(p, p + H, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    const PartialTerm& x = terms[t];
+    if (int8)  // acc + fl(1 * y) == acc + y for a shared expert
+      axpy_row_int8(p, x.shared ? 1.0f : x.weight, reinterpret_cast<const int8_t*>(x.row), x.scale,
+                    H);
+    else if (x.shared)
+      add_row_f32(p, x.row, dtype, H);
+    else
+      axpy_row_f32(p, x.weight, x.row, dtype, H);
+  }
+}
+
+namespace {
+
+// Token i's partial for this rank's own node (see NodePartials): its terms on the node and the
+// special experts, added to p (which starts at 0).
+void own_node_partial(const CombineSum& a, const NodePartials& np, int64_t i, float* p, float* c) {
+  const EpShape& sh = *a.sh;
+  const CombineInputs& in = *a.in;
+  const Placement& pl = sh.pl;
+  const int64_t K = sh.K, KS = sh.KS, H = sh.H, E = sh.E, Z = a.zero, C = a.copy;
+  const Activity act{&in.expert_ids, a.mask};
+  const bool cq = a.yscale != nullptr;
+  const DType dtype = sh.dtype;
+  std::fill(p, p + H, 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    if (!act.entry(i, k)) continue;
+    const int64_t e = index_at(in.expert_ids, i, k);
+    const float w = float_at(in.expert_scales, i, k);
+    if (e < E) {
+      if ((pl.S + e / pl.L) / np.G != np.node) continue;  // another node's
+      if (cq)
+        axpy_row_int8(p, w, reinterpret_cast<const int8_t*>(a.yrow[i * KS + k]),
+                      a.yscale[i * KS + k], H);
+      else
+        axpy_row_f32(p, w, a.yrow[i * KS + k], dtype, H);
+    } else if (e < E + Z) {
+      // zero expert: contributes nothing
+    } else if (e < E + Z + C) {
+      axpy_row_f32(p, w, row_ptr(*in.ori_x, i), dtype, H);
+    } else {
+      const int64_t q = e - (E + Z + C);
+      const char* ox = row_ptr(*in.ori_x, i);
+      const char* a1 = row_ptr(*in.const_expert_alpha_1, q);
+      const char* a2 = row_ptr(*in.const_expert_alpha_2, q);
+      const char* v = row_ptr(*in.const_expert_v, q);
+      for (int64_t h = 0; h < H; ++h) {
+        const float t1 = load_f32(a1, dtype, h) * load_f32(ox, dtype, h);
+        const float t2 = load_f32(a2, dtype, h) * load_f32(v, dtype, h);
+        c[h] = t1 + t2;
+      }
+      axpy_row_f32(p, w, c, DType::kF32, H);
+    }
+  }
+  for (int64_t s = 0; s < pl.Ns; ++s) {
+    if (pl.shared_dest(np.rank, s) / np.G != np.node) continue;
+    if (cq)
+      axpy_row_int8(p, 1.0f, reinterpret_cast<const int8_t*>(a.yrow[i * KS + K + s]),
+                    a.yscale[i * KS + K + s], H);
+    else
+      add_row_f32(p, a.yrow[i * KS + K + s], dtype, H);
+  }
+}
+
+}  // namespace
+
+void combine_sum_nodes(const CombineSum& a, const NodePartials& np) {
+  const EpShape& sh = *a.sh;
+  const CombineInputs& in = *a.in;
+  const int64_t BS = sh.BS, H = sh.H, N = static_cast<int64_t>(np.tokens.size());
+  const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(sh.dtype));
+  const Activity act{&in.expert_ids, a.mask};
+  // where[n][i]: token i's partial among node n's, or -1.
+  std::vector<std::vector<int32_t>> where(static_cast<std::size_t>(N));
+  for (int64_t n = 0; n < N; ++n) {
+    if (n == np.node) continue;
+    where[n].assign(static_cast<std::size_t>(BS), -1);
+    const std::vector<int32_t>& t = *np.tokens[n];
+    for (std::size_t j = 0; j < t.size(); ++j) where[n][t[j]] = static_cast<int32_t>(j);
+  }
+  parallel(threads_if(BS * H > (1 << 16)), [&] {
+    std::vector<float> acc(static_cast<std::size_t>(H)), p(acc.size()), c(acc.size());
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < BS; ++i) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      if (act.token(i)) {
+        for (int64_t n = 0; n < N; ++n) {
+          if (n == np.node) {
+            own_node_partial(a, np, i, p.data(), c.data());
+            add_row_f32(acc.data(), p.data(), DType::kF32, H);
+            continue;
+          }
+          const int32_t j = where[n][i];
+          if (j < 0) continue;
+          if (np.int8)
+            axpy_row_int8(acc.data(), 1.0f, reinterpret_cast<const int8_t*>(np.rows[n]) + j * H,
+                          np.scales[n][j], H);
+          else
+            add_row_f32(acc.data(), np.rows[n] + int64_t{j} * H * 4, DType::kF32, H);
+        }
+        if (in.shared_expert_x)
+          add_row_f32(acc.data(), shared_row(*in.shared_expert_x, i), sh.dtype, H);
+      }
+      store_row_f32(a.out + i * row_bytes, sh.dtype, acc.data(), H);
+    }
+  });
+}
+
 }  // namespace moe_ep::detail

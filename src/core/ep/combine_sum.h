@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/ep/plan.h"
 #include "moe_ep/dispatch.h"
@@ -26,6 +27,33 @@ struct CombineSum {
   char* out = nullptr;            // (BS, H) contiguous, expand_x's dtype
 };
 void combine_sum(const CombineSum& a);
+
+// comm_alg "hierarchy" (SPEC §3) at the source: per active token, acc = 0; for each node n in
+// increasing order: this rank's own node adds its partial p = 0 + its terms there in §2.3's
+// order (the entries of experts on the node and the special experts, k ascending, then the
+// hosted shared experts on the node, s ascending); another node adds its relay's partial (fp32,
+// or int8 * scale) when the token has a term there. Then shared_expert_x; one rounding.
+struct NodePartials {
+  int64_t G = 0, node = 0, rank = 0;  // ranks per node, this rank's node and rank
+  bool int8 = false;                  // partials as int8 rows with scales
+  // Per node: its tokens with a term there, increasing, and their partials in that order.
+  std::vector<const std::vector<int32_t>*> tokens;
+  std::vector<const char*> rows;
+  std::vector<const float*> scales;
+};
+void combine_sum_nodes(const CombineSum& a, const NodePartials& np);
+
+// A relay's partial of one token of one source for its node (SPEC §3): p = 0, then for each of the
+// token's rows on the node in flat (slot) order, p += w * y (a MoE slot, slot < K) or p += y (a
+// shared expert). Rows are `dtype`, or int8 with `scale` (comm_quant_mode 2). p has H floats.
+struct PartialTerm {
+  const char* row;
+  float weight;  // unused for a shared expert
+  float scale;   // int8 rows only
+  bool shared;
+};
+void relay_partial(float* p, const PartialTerm* terms, int64_t n, DType dtype, bool int8,
+                   int64_t H);
 
 // Row i of shared_expert_x: 2-D (BS, H), or 3-D (a, b, H) with a*b = BS.
 const char* shared_row(const TensorView& t, int64_t i);

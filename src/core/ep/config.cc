@@ -8,6 +8,7 @@
 #include "base/env.h"
 #include "core/validate.h"
 #include "transport/communicator.h"
+#include "transport/nodes.h"
 
 namespace moe_ep::detail {
 
@@ -71,9 +72,9 @@ void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int com
             " local experts per MoE rank, but tp_world_size = 2 needs L = 1 (moe_expert_num = ",
             "ep_world_size - shared_expert_rank_num = ",
             cfg.ep_world_size - cfg.shared_expert_rank_num, ")");
-  if (cfg.comm_alg == "hierarchy")
-    unsupported(op, ": comm_alg = \"hierarchy\" is not supported by this build");
-  if (!cfg.comm_alg.empty() && cfg.comm_alg != "fullmesh")
+  if (cfg.comm_alg == "hierarchy" && cfg.tp_world_size == 2)
+    unsupported(op, ": comm_alg = \"hierarchy\" does not support tp_world_size = 2 (SPEC §3)");
+  if (!cfg.comm_alg.empty() && cfg.comm_alg != "fullmesh" && cfg.comm_alg != "hierarchy")
     invalid(op, ": comm_alg = \"", cfg.comm_alg,
             "\" is not one of {\"\", \"fullmesh\", \"hierarchy\"}");
   const std::pair<const char*, int64_t> special[] = {{"zero_expert_num", cfg.zero_expert_num},
@@ -141,11 +142,13 @@ void check_active_mask(const char* op, const TensorView& m, int64_t BS, int64_t 
   }
 }
 
-bool mask_all_true(const TensorView& m) {
+bool mask_tokens_active(const TensorView& m) {
   const int64_t rows = m.shape[0], cols = m.ndim == 2 ? m.shape[1] : 1;
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j)
-      if (!bool_at(m, i, j)) return false;
+  for (int64_t i = 0; i < rows; ++i) {
+    bool any = false;
+    for (int64_t j = 0; j < cols && !any; ++j) any = bool_at(m, i, j);
+    if (!any) return false;
+  }
   return true;
 }
 
@@ -195,6 +198,21 @@ const Communicator& require_comm(const char* op, const EpConfig& cfg) {
 void reject_given(const char* op, std::initializer_list<std::pair<const char*, bool>> given) {
   for (const auto& [name, is_given] : given)
     if (is_given) unsupported(op, ": ", name, " is not supported by this build");
+}
+
+void check_hierarchy_scope(const char* op, const EpConfig& cfg, bool elastic_info,
+                           bool performance_info) {
+  if (cfg.comm_alg != "hierarchy") return;
+  if (elastic_info)
+    unsupported(op, ": elastic_info is not supported with comm_alg = \"hierarchy\" (SPEC §3)");
+  if (performance_info)
+    unsupported(op, ": performance_info is not supported with comm_alg = \"hierarchy\" (SPEC §3)");
+}
+
+int relay_nodes(const Communicator& comm, const char* op, const EpConfig& cfg, int shm_node_ranks) {
+  if (cfg.comm_alg != "hierarchy") return 0;
+  const int G = ranks_per_node(comm, op, shm_node_ranks);
+  return G == comm.size() ? 0 : G;
 }
 
 World whole_world(const Communicator& comm) {

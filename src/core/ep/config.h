@@ -36,8 +36,9 @@ void check_expert_ids(const char* op, const TensorView& expert_ids, int64_t BS, 
 
 // x_active_mask: bool (BS,) with all Trues before all Falses, or bool (BS, K); any strides.
 void check_active_mask(const char* op, const TensorView& mask, int64_t BS, int64_t K);
-// True when every element of the mask is True.
-bool mask_all_true(const TensorView& mask);
+// True when the mask leaves every token active (SPEC §1.3): 1-D, every element True; 2-D, every
+// row with a True.
+bool mask_tokens_active(const TensorView& mask);
 
 // expert_scales: fp32 (BS, K), any non-negative strides.
 void check_expert_scales(const char* op, const TensorView& expert_scales, int64_t BS, int64_t K);
@@ -54,6 +55,16 @@ const Communicator& require_comm(const char* op, const EpConfig& cfg);
 
 // Optional arguments outside this build's slice: kUnsupported naming the first one given.
 void reject_given(const char* op, std::initializer_list<std::pair<const char*, bool>> given);
+
+// comm_alg "hierarchy" (SPEC §3) runs without elastic_info and performance_info: kUnsupported
+// naming the one given ("hierarchy" named). Nothing for fullmesh.
+void check_hierarchy_scope(const char* op, const EpConfig& cfg, bool elastic_info,
+                           bool performance_info);
+
+// The route of an op after its header agreement: comm_alg "hierarchy" across nodes gives G, the
+// ranks per node (transport/nodes.h: collective over group_ep, kInvalidArgument for unequal
+// nodes); fullmesh, or every rank on one node, gives 0 (the fullmesh route, SPEC §3).
+int relay_nodes(const Communicator& comm, const char* op, const EpConfig& cfg, int shm_node_ranks);
 
 // The ranks an op runs on: all of group_ep, or the survivors of a scale-in (SPEC §1.7).
 struct World {

@@ -26,6 +26,7 @@
 #include "base/env.h"
 #include "base/numeric.h"
 #include "core/ep/config.h"
+#include "core/ep/dispatch_call.h"
 #include "core/ep/handle.h"
 #include "core/ep/header.h"
 #include "core/ep/plan.h"
@@ -45,60 +46,6 @@ namespace moe_ep::detail {
 
 namespace {
 
-// One dispatch_v2 call: its arguments and what each step leaves for the next.
-struct Dispatch {
-  static constexpr const char* op = "dispatch_v2";
-  const DispatchInputs& in;
-  const EpConfig& cfg;
-  const Communicator& comm;
-  const EpPlan* cached = nullptr;  // in.handle's plan
-  // 1. validate
-  OpHeader hdr;
-  std::optional<Error> local;
-  EpShape sh;
-  World world;
-  int64_t* perf = nullptr;
-  bool quant = false;
-  std::shared_ptr<EpPlan> plan;  // being made (null for a cached dispatch)
-  DispatchOutputs out;
-  // quant_mode 2: the int8 rows in send order (SPEC §1.5) and their dynamic scales. A Tensor,
-  // not a std::vector: its zero fill cost a pass over fresh pages every call (the allocator's
-  // block cache reuses mapped pages and fills nothing).
-  std::shared_ptr<Tensor> qsend;
-  std::shared_ptr<std::vector<float>> qsend_scale;
-  // Shared-memory transport: expand_x's slot in this rank's window, or, when the window must
-  // first grow, its allocation deferred until after the header agreement.
-  bool shm_want = false, shm_defer = false;
-  std::optional<ShmSlot> slot;
-  // The caller's expand_x (DispatchInputs::out) when the rows land elsewhere first (a window
-  // slot): the valid rows are copied there at the end.
-  std::optional<TensorView> copy_to;
-  int64_t expand_bytes = 0, slot_need = 0, stream_min = 0;
-  // 2. agree
-  std::vector<OpHeader> headers;
-  ShmContext* shm = nullptr;
-  int W = 0, L = 0, me = 0;
-  std::vector<Where> where;  // per world rank: its slot (this machine only)
-  // 3. counts (or the cached plan)
-  const EpPlan* p = nullptr;            // plan or cached
-  std::vector<int32_t> distinct_count;  // new plan: per destination, the rows on the wire
-  int64_t out_row_bytes = 0;            // of expand_x (int8 with quant_mode 2)
-  // 4. rows: per destination, the link its rows take (null: this rank itself).
-  std::vector<const Link*> to;
-  std::vector<char> window_from;  // per source: its rows land in this rank's window
-  bool any_message_to = false;
-
-  Dispatch(const DispatchInputs& i, const EpConfig& c, const Communicator& m)
-      : in(i), cfg(c), comm(m), world(whole_world(m)) {}
-  const SendPlan& send() const { return p->send; }
-  const RecvPlan& recv() const { return p->recv; }
-  const std::vector<int>& peers() const { return world.peers; }
-  const char* x_row(int64_t token) const {
-    return in.x.ptr<char>() +
-           token * in.x.strides[0] * static_cast<int64_t>(dtype_size(in.x.dtype));
-  }
-};
-
 // scales (SPEC §1.3): fp32 (Ns + E, H) when shared-expert ranks host Ns experts, else (E, H),
 // contiguous; quant_mode 2 only. Row Ns + e smooths MoE expert e, row s shared expert s.
 void check_smooth_scales(const char* op, const TensorView& t, const EpShape& sh) {
@@ -109,6 +56,23 @@ void check_smooth_scales(const char* op, const TensorView& t, const EpShape& sh)
   if ((t.shape[1] > 1 && t.strides[1] != 1) || (t.shape[0] > 1 && t.strides[0] != t.shape[1]))
     invalid(op, ": scales must be contiguous (strides (", t.strides[0], ", ", t.strides[1],
             ") for shape (", t.shape[0], ", ", t.shape[1], "))");
+}
+
+// The bytes of contiguous smoothing scales, hashed: with comm_alg "hierarchy" a relay quantises
+// the copies it makes with its own scales, so every rank must hold the same (checked after the
+// header agreement; one pass over (Ns + E) * H floats).
+uint64_t smooth_hash(const TensorView& t) {
+  const auto* p = static_cast<const unsigned char*>(t.data);
+  const int64_t n = t.shape[0] * t.shape[1] * 4;
+  uint64_t h = 0x9e3779b97f4a7c15ull, word = 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    std::memcpy(&word, p + i, 8);
+    h = (h ^ word) * 0xff51afd7ed558ccdull;
+    h ^= h >> 29;
+  }
+  for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h | 1;  // never 0 (0: no scales)
 }
 
 // Step 1a: the arguments alone (no allocation).
@@ -132,6 +96,7 @@ void check_arguments(Dispatch& c) {
   if (in.expert_token_nums_type != 0 && in.expert_token_nums_type != 1)
     invalid(op, ": expert_token_nums_type = ", in.expert_token_nums_type, " is not one of {0, 1}");
   c.perf = perf_ptr(op, in.performance_info, c.cfg);
+  check_hierarchy_scope(op, c.cfg, in.elastic_info.has_value(), c.perf != nullptr);
   expect_rows(op, "x", in.x);
   EpShape& sh = c.sh;
   sh = local_shape(c.cfg, c.world, in.x.shape[0], in.x.shape[1], in.x.dtype);
@@ -140,10 +105,11 @@ void check_arguments(Dispatch& c) {
   sh.KS = sh.K + sh.pl.Ns;
   if (in.x_active_mask) {
     check_active_mask(op, *in.x_active_mask, sh.BS, sh.K);
-    c.hdr.all_active = mask_all_true(*in.x_active_mask) ? 1 : 0;
+    c.hdr.all_active = mask_tokens_active(*in.x_active_mask) ? 1 : 0;
   }
   if (in.expert_scales) check_expert_scales(op, *in.expert_scales, sh.BS, sh.K);
   if (in.scales) check_smooth_scales(op, *in.scales, sh);
+  if (in.scales && c.cfg.comm_alg == "hierarchy") c.hdr.smooth_hash = smooth_hash(*in.scales);
   if (c.world.removed) return;
   compute_capacity(op, c.cfg.global_bs, sh);
   if (in.handle != nullptr) {
@@ -326,6 +292,16 @@ bool agree(Dispatch& c) {
   check_quant_modes(c.op, c.headers, c.world.peers, "quant_mode");
   c.W = to_int(c.sh.W), c.L = to_int(c.sh.L), c.me = to_int(c.sh.rank);
   c.where.assign(c.W, Where{});
+  c.G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
+  for (int q = 1; c.G > 0 && q < c.W; ++q)
+    if (c.headers[q].smooth_hash != c.headers[0].smooth_hash)
+      invalid(c.op, ": scales (smoothing factors) differ between rank ", c.peers()[0], " and rank ",
+              c.peers()[q],
+              ": with comm_alg = \"hierarchy\" every rank must pass the same (a relay "
+              "quantises the copies it makes with its own)");
+  if (c.cached && c.cached->G != c.G)
+    fail(ErrorKind::kInternal, c.op, ": the handle's plan has ", c.cached->G,
+         " ranks per node, this call ", c.G, " (please report this bug)");
   if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
   MOE_EP_CHECK(c.shm_want);
   c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.slot_need);
@@ -357,7 +333,8 @@ void plan_merges(Dispatch& c) {
   for (int d = 0; d < c.W; ++d) {
     const int64_t first = p.send.rank_offset[d], n = p.send.rank_offset[d + 1] - first;
     c.distinct_count[d] = static_cast<int32_t>(n);
-    if (!p.may_merge || d == c.me || (c.shm && c.shm->node_of(c.peers()[d]) >= 0)) continue;
+    if (!p.may_merge || d == c.me || (c.shm && c.shm->node_of(c.peers()[d]) >= 0) || c.relayed(d))
+      continue;
     std::vector<int64_t>& u = p.distinct[d];
     for (int64_t j = first; j < first + n; ++j) {
       const int64_t i = p.send.order[j] / sh.KS;
@@ -440,12 +417,22 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
   EpPlan& p = *c.plan;
   const int W = c.W, L = c.L;
   auto counts_out = std::make_shared<std::vector<int32_t>>();
-  const int64_t per = int64_t{L} + 1;  // a source's message: L counts, then its distinct tokens
+  // A source's message: L counts, then its distinct tokens; with relays (comm_alg "hierarchy")
+  // then the tokens and copies it relays through the destination (0, 0 unless it is its relay).
+  const int extra = c.G > 0 ? 3 : 1;
+  const int64_t per = int64_t{L} + extra;
   auto counts_in = std::make_shared<std::vector<int32_t>>(W * per, 0);
   for (int d = 0; d < W; ++d) {
     const auto* n = p.send.counts.data() + c.sh.pl.block_base(d);
     counts_out->insert(counts_out->end(), n, n + c.sh.pl.local_experts(d));
     counts_out->push_back(c.distinct_count[d]);
+    if (c.G == 0) continue;
+    const int node = d / c.G;
+    const bool relay = d != c.me && c.relayed(d) && d == c.relay_on(node);
+    counts_out->push_back(relay ? static_cast<int32_t>(p.node_tokens[node].size()) : 0);
+    counts_out->push_back(relay ? static_cast<int32_t>(p.send.rank_offset[(node + 1) * c.G] -
+                                                       p.send.rank_offset[node * c.G])
+                                : 0);
   }
   {
     Exchange ex(c.comm, c.op, "counts");
@@ -454,7 +441,7 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
     for (int q = 0; q < W; ++q)
       ex.irecv(counts_in->data() + q * per, to_int(per), MPI_INT32_T, c.peers()[q], kTagCounts);
     for (int d = 0, at = 0; d < W; ++d) {
-      const int n = to_int(c.sh.pl.local_experts(d)) + 1;
+      const int n = to_int(c.sh.pl.local_experts(d)) + extra;
       ex.isend(counts_out->data() + at, n, MPI_INT32_T, c.peers()[d], kTagCounts);
       at += n;
     }
@@ -465,6 +452,18 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
   for (int q = 0; q < W; ++q) {
     std::copy_n(counts_in->data() + q * per, L, from_source.data() + int64_t{q} * L);
     p.distinct_from[q] = (*counts_in)[q * per + L];
+  }
+  if (c.G == 0) return;
+  p.relay_tokens.assign(W, 0);
+  p.relay_entries.assign(W, 0);
+  for (int q = 0; q < W; ++q) {
+    p.relay_tokens[q] = (*counts_in)[q * per + L + 1];
+    p.relay_entries[q] = (*counts_in)[q * per + L + 2];
+    if (p.relay_tokens[q] < 0 || p.relay_entries[q] < p.relay_tokens[q] ||
+        (p.relay_tokens[q] > 0 && !(c.relayed(q) && c.relay_of(q) == c.me)))
+      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[q], " relays ", p.relay_tokens[q],
+           " tokens (", p.relay_entries[q], " copies) through rank ", c.comm.rank(),
+           " (please report this bug)");
   }
 }
 
@@ -502,6 +501,7 @@ void plan_receives(Dispatch& c) {
   EpPlan& p = *c.plan;
   c.p = &p;
   plan_merges(c);
+  if (c.G > 0) plan_relay_sends(c);
   const bool one_node =
       c.shm != nullptr && std::all_of(c.peers().begin(), c.peers().end(),
                                       [&](int r) { return c.shm->node_of(r) >= 0; });
@@ -532,7 +532,7 @@ void choose_links(Dispatch& c) {
     const int g = c.peers()[d];
     const bool window = c.shm && c.shm->node_of(g) >= 0;
     if (window) c.window_from[d] = c.slot.has_value() && d != c.me;
-    if (d == c.me) continue;
+    if (d == c.me || c.relayed(d)) continue;  // a relayed rank: through its relay (SPEC §3)
     c.to[d] = window && c.where[d].gen >= 0 ? c.shm->link(g) : messages[g].get();
     c.any_message_to |= !c.to[d]->addressable();
   }
@@ -633,22 +633,6 @@ void quantise_for_messages(Dispatch& c, Quantiser& qz) {
   }
 }
 
-// The rows phase's buffers.
-struct RowsPhase {
-  explicit RowsPhase(const Dispatch& c)
-      : row(c.out_row_bytes, c.op),
-        meta_type(sizeof(RowMeta), c.op),
-        meta_in(c.W),
-        meta_out(c.W),
-        merged_in(c.W),
-        announced(std::make_shared<std::vector<int64_t>>(2 * c.W, 0)) {}
-  const MpiType row, meta_type;
-  std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in, meta_out;
-  // Rows of a merged source: its distinct tokens in the order of their first rows.
-  std::vector<std::shared_ptr<Tensor>> merged_in;
-  std::shared_ptr<std::vector<int64_t>> announced;  // rows announced by each source, then sent
-};
-
 // Step 4b: the receives. From a source through messages: one per non-empty block (l, s), straight
 // into place (messages of one sender with one tag arrive in the order sent), or its distinct
 // tokens into a buffer of their own, then its metadata; from a source writing into this rank's
@@ -657,7 +641,7 @@ void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const auto& messages = message_links(c.comm);
   const RecvPlan& recv = c.recv();
   for (int s = 0; s < c.W; ++s) {
-    if (s == c.me) continue;  // own rows are copied into place, own metadata read in place
+    if (s == c.me || c.relayed(s)) continue;  // own rows copied into place; relayed: below
     const Link& from = *messages[c.peers()[s]];
     if (c.window_from[s]) {
       c.shm->link(c.peers()[s])->expect_announce(ex, rx.announced->data() + s, kTagMeta);
@@ -741,7 +725,7 @@ void store_in_place(Dispatch& c, Quantiser& qz) {
   const int64_t rb = c.out_row_bytes;
   std::vector<RowCopy> copies;
   for (int d = 0; d < c.W; ++d) {
-    if (c.to[d] && !c.to[d]->addressable()) continue;
+    if ((c.to[d] && !c.to[d]->addressable()) || c.relayed(d)) continue;
     int64_t j = send.rank_offset[d];
     for (int64_t l = 0; l < c.sh.pl.local_experts(d); ++l) {
       const int64_t n = send.counts[c.sh.pl.block_base(d) + l];
@@ -771,6 +755,7 @@ void send_metadata(Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const SendPlan& send = c.send();
   const EpShape& sh = c.sh;
   for (int d = 0; d < c.W; ++d) {
+    if (c.relayed(d)) continue;  // its relay sends the copies' metadata
     const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
     rx.meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
     ex.keep_alive(rx.meta_out[d]);
@@ -877,13 +862,17 @@ void move_rows(Dispatch& c) {
   choose_links(c);
   Quantiser qz(c);
   if (c.quant) quantise_for_messages(c, qz);
+  // Across nodes (comm_alg "hierarchy"): first each relay gets the tokens it copies to its node.
+  const std::shared_ptr<RelayIn> relay = c.G > 0 ? exchange_relay(c) : nullptr;
   Exchange ex(c.comm, c.op, "rows");
   ex.keep_alive(std::make_shared<Tensor>(c.out.expand_x));
   if (c.qsend) ex.keep_alive(c.qsend);
   RowsPhase rx(c);
   ex.keep_alive(rx.announced);
   post_receives(c, ex, rx);
+  if (relay) post_relayed_receives(c, ex, rx);
   post_sends(c, ex, rx);
+  if (relay) relay_copies(c, ex, rx, *relay);
   store_in_place(c, qz);
   send_metadata(c, ex, rx);
   ex.wait();
@@ -932,6 +921,7 @@ void finish(Dispatch& c) {
   p.world_hash = c.world.hash;
   p.transport = c.headers[0].transport;
   p.sh = c.sh;
+  p.G = c.G;
   keep_routing(p, c.in.expert_ids, c.in.x_active_mask ? &*c.in.x_active_mask : nullptr);
   c.out.handle = HandleInternals::make(c.plan);
 }

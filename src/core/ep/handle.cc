@@ -1,5 +1,7 @@
 #include "core/ep/handle.h"
 
+#include <string>
+
 #include "base/check.h"
 #include "base/numeric.h"
 #include "transport/communicator.h"
@@ -45,6 +47,10 @@ void check_config(const char* op, const EpPlan& p, const EpConfig& cfg) {
     if (v.first != v.second)
       invalid(op, ": ", name, " = ", v.second, " differs from the ", v.first,
               " of the dispatch_v2 that made the handle");
+  const auto alg = [](const std::string& a) { return a == "hierarchy" ? "hierarchy" : "fullmesh"; };
+  if (std::string(alg(cfg.comm_alg)) != alg(p.cfg.comm_alg))
+    invalid(op, ": comm_alg = \"", alg(cfg.comm_alg), "\" differs from the \"", alg(p.cfg.comm_alg),
+            "\" of the dispatch_v2 that made the handle");
   const bool tp_same =
       (cfg.group_tp == nullptr) == (p.cfg.group_tp == nullptr) &&
       (cfg.group_tp == nullptr || CommInternals::serial(*cfg.group_tp) == p.tp_serial);

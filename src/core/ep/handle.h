@@ -38,6 +38,15 @@ struct EpPlan {
   // For each rank d of this machine (world order; empty for others): the first row, in d's
   // expand_x, of each block this rank sends d (one per local expert of d).
   std::vector<std::vector<int64_t>> block_row;
+  // comm_alg "hierarchy" (relay_dispatch.cc): the ranks per node (0: the fullmesh route); as a
+  // source, per node, its tokens with a copy there (increasing; empty for its own node); as a
+  // relay, per source, the tokens and copies it relays to its node.
+  int64_t G = 0;
+  std::vector<std::vector<int32_t>> node_tokens;
+  std::vector<int32_t> relay_tokens, relay_entries;
+  // As a relay, per source: (token, slot, rank, local expert) of each copy it made, in the
+  // source's send order: what combine_v2 with the handle gets back from the node's owners.
+  std::vector<std::vector<int32_t>> relay_routes;
 };
 
 struct HandleInternals {

@@ -72,8 +72,9 @@ void check_batch_sizes(const char* op, const std::vector<OpHeader>& h,
     for (int64_t p = 0; p < W; ++p)
       if (!h[p].all_active)
         invalid(op, ": x_active_mask on rank ", peers[p],
-                " has a False entry while BS differs across ranks (", bs_name,
-                "): when BS differs, every token must be active");
+                " makes a token inactive (a False in 1-D, an all-False row in 2-D) while BS "
+                "differs across ranks (",
+                bs_name, "): when BS differs, every token must be active");
 }
 
 void check_quant_modes(const char* op, const std::vector<OpHeader>& h,

@@ -40,15 +40,16 @@ struct OpHeader {
           copy_expert_num = 0, const_expert_num = 0, comm_alg = 0;
   int64_t BS = 0, H = 0, K = 0, dtype = 0;
   int64_t elastic = 0;     // hash of elastic_info (0: none or not scaled down)
-  int32_t all_active = 1;  // 0: x_active_mask given and not all True
+  int32_t all_active = 1;  // 0: x_active_mask given and some token inactive by it
   int32_t quant_mode = 0;  // dispatch_v2: quant_mode; combine_v2: comm_quant_mode (the op checks)
   int64_t transport = 0;   // TransportCode, must be equal on all ranks
   int32_t shm_grow = 0;    // shm: this rank's window segment is too small (or there is none yet)
   int32_t shm_node_ranks = 0;  // $MOE_EP_SHM_NODE_RANKS (0: unset), must be equal on all ranks
   int32_t pad = 0;
-  uint64_t plan = 0;       // the DispatchHandle's plan this call uses (0: none), equal on all ranks
-  Where where;             // shm: where this rank's rows lie (see Where)
-  char message[400] = {};  // the local error, truncated
+  uint64_t plan = 0;  // the DispatchHandle's plan this call uses (0: none), equal on all ranks
+  uint64_t smooth_hash = 0;  // comm_alg "hierarchy" with smoothing scales: their hash (dispatch.cc)
+  Where where;               // shm: where this rank's rows lie (see Where)
+  char message[400] = {};    // the local error, truncated
 };
 
 // The header of `op` with cfg's arguments and its tensors' sizes: BS = bs_of.shape[0], H =

@@ -1,0 +1,108 @@
+// Internal: one combine_v2 call as its steps see it (combine.cc, the fullmesh route, and
+// relay_combine.cc, the relays of comm_alg "hierarchy"): its arguments and what each step leaves
+// for the next.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "core/ep/config.h"
+#include "core/ep/handle.h"
+#include "core/ep/header.h"
+#include "core/ep/plan.h"
+#include "moe_ep/dispatch.h"
+#include "moe_ep/error.h"
+#include "transport/shm/context.h"
+
+namespace moe_ep::detail {
+
+// What combine_v2 sends back with each row when there is no handle, so the source can check that
+// the row is the one its expert_ids expect at that position (a caller who reorders or edits
+// expert_ids between dispatch and combine gets an error, not a wrong sum).
+struct BackMeta {
+  int32_t token;
+  int32_t slot;
+  int32_t expert;
+};
+
+// One combine_v2 call: its arguments and what each step leaves for the next.
+struct Combine {
+  static constexpr const char* op = "combine_v2";
+  const CombineInputs& in;
+  const EpConfig& cfg;
+  const Communicator& comm;
+  const EpPlan* plan = nullptr;  // in.handle's
+  // 1. validate
+  OpHeader hdr;
+  std::optional<Error> local;
+  EpShape sh;
+  World world;
+  int64_t* perf = nullptr;
+  bool cq = false;  // comm_quant_mode 2
+  const TensorView* mask = nullptr;
+  SendPlan own_back;                 // without a handle: what this rank sent in dispatch
+  RecvPlan own_blocks;               // without a handle: what it holds now, from ep_send_counts
+  const SendPlan* back = nullptr;    // what comes back to this rank, in its send order
+  const RecvPlan* blocks = nullptr;  // what this rank holds for each source (own part with TP)
+  int64_t tp_peer_rows = 0;          // T == 2: rows of the TP peer in expand_x, after its own
+  Tensor out;
+  // 2. provide: the rows this rank sends back, in expand_x's row order, and where peers on this
+  // machine read them: expand_x in place (in_gen, in_off), or a staging slot.
+  std::shared_ptr<Tensor> rs_out;  // T == 2: the reduce-scattered rows (SPEC §2)
+  bool shm_want = false, in_place = false, stage_defer = false;
+  int in_gen = -1;
+  int64_t in_off = 0, stage_bytes = 0;
+  std::optional<ShmSlot> stage;
+  std::shared_ptr<Tensor> qback;  // comm_quant_mode 2 without a stage: the int8 rows
+  std::shared_ptr<std::vector<float>> qback_scale;
+  int8_t* qrows = nullptr;              // comm_quant_mode 2: the int8 rows (stage or qback)
+  float* qscales = nullptr;             // and their scales
+  int64_t row_bytes = 0, wire_row = 0;  // a row in expand_x's dtype; on the way back
+  // 3. agree
+  std::vector<OpHeader> headers;
+  ShmContext* shm = nullptr;
+  int W = 0, L = 0, me = 0;
+  std::vector<Where> where;        // per world rank: where its rows lie (this machine only)
+  std::vector<char> provide;       // per source: it reads this rank's rows in place
+  std::vector<char> read;          // per owner: this rank reads its rows in place
+  bool finished = false;           // phase "shm done" ran
+  std::shared_ptr<Tensor> y_keep;  // the rows received through MPI, read by the sum
+  // 4. layout: per owner, the first row (in its expand_x) and rows of each block it holds for
+  // this rank; agrees: they are what expert_ids route to it.
+  std::vector<std::vector<int64_t>> first_row, rows_of;
+  std::vector<int64_t> announced;
+  std::vector<char> agrees;
+  std::optional<Error> mismatch;
+  // 5. rows: yrow[i*KS + k]: the row holding y_ik; yscale its int8 scale.
+  std::vector<const char*> yrow;
+  std::vector<float> yscale;
+
+  // comm_alg "hierarchy" across nodes (relay_combine.cc): the ranks per node (0: the fullmesh
+  // route). The rows of a token of another node go to its relay on this node, and back come the
+  // relays' partial sums (SPEC §3).
+  int G = 0;
+  bool relayed(int d) const { return G > 0 && d / G != me / G; }
+  int relay_on(int n) const { return n * G + me % G; }      // this rank's relay on node n
+  int relay_of(int s) const { return me / G * G + s % G; }  // source s's relay on this node
+  // Per node: this rank's tokens with a term there (increasing; empty for its own node), and the
+  // node's partial sums of them: fp32 rows, or int8 rows and their scales (comm_quant_mode 2).
+  std::vector<std::vector<int32_t>> node_tokens;
+  std::vector<std::shared_ptr<Tensor>> partials;
+  std::vector<std::shared_ptr<std::vector<float>>> partial_scales;
+
+  Combine(const CombineInputs& i, const EpConfig& c, const Communicator& m)
+      : in(i), cfg(c), comm(m), world(whole_world(m)) {}
+  const std::vector<int>& peers() const { return world.peers; }
+  // The rows this rank serves: the TP sums, or expand_x.
+  const TensorView& rows_src() const { return rs_out ? rs_out->view() : in.expand_x; }
+  int64_t src_stride() const { return rows_src().strides[0] * int64_t(dtype_size(sh.dtype)); }
+};
+
+// comm_alg "hierarchy" across nodes (relay_combine.cc, SPEC §3): the partial sums of this rank's
+// tokens from the relays of the other nodes, each relay's rows of the owners of its node summed per
+// (token, node) in phases "relay weights", "relay rows" and "relay partials". Fills c.partials.
+void relay_partials(Combine& c);
+
+}  // namespace moe_ep::detail

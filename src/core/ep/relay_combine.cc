@@ -1,0 +1,428 @@
+// combine_v2 with comm_alg "hierarchy" across nodes (SPEC §3): the relays. Each owner hands the
+// rows it holds for a source of another node to that source's relay on its own node; the relay
+// sums them per (token, node) with the source's weights and sends one partial row per token
+// back. Three phases, every message posted before the phase's wait (no relay waits on one
+// source while another waits on it):
+//   "relay weights":  each source sends each relay its entries there (token, slot, expert,
+//                     weight) in flat order; each owner tells each relay of its node how many
+//                     rows it holds for each source the relay serves;
+//   "relay rows":     the owners send the relays those rows (with each row's (token, slot,
+//                     expert) unless the relay has the handle's routes), through messages;
+//   "relay partials": each relay checks every row against the weights, sums, and sends each
+//                     source its partials (fp32, or int8 with comm_quant_mode 2), with the tokens
+//                     they belong to or what disagreed.
+// The source adds them in node order (combine_sum_nodes).
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "base/check.h"
+#include "base/numeric.h"
+#include "base/parallel.h"
+#include "base/threads.h"
+#include "core/ep/combine_call.h"
+#include "core/ep/combine_sum.h"
+#include "core/tensor_internals.h"
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/scatter.h"
+#include "transport/exchange.h"
+#include "transport/mpi/context.h"
+#include "transport/tags.h"
+
+namespace moe_ep::detail {
+
+namespace {
+
+// One entry of a source on the relay's node, as the source sends it: the relay's checks and the
+// weight of its row (0 for a shared expert, which is added unweighted).
+struct RelayEntry {
+  int32_t token, slot, expert;
+  float weight;
+};
+
+// What a relay found wrong with a source's rows (status 0: nothing): [status, token, slot, the
+// expert of the row it got (-1 - s for shared expert s; kNone for no row), the expert wanted].
+constexpr int kStatusWords = 5;
+constexpr int32_t kNone = INT32_MIN;
+
+// The relay's state across the three phases.
+struct Relay {
+  int N = 0, node = 0;
+  // As a source: per node, its entries there (empty for its own node).
+  std::vector<std::shared_ptr<std::vector<RelayEntry>>> out_weights;
+  // As a relay, per world rank it serves (null otherwise): the source's entries on this node.
+  std::vector<std::shared_ptr<std::vector<RelayEntry>>> weights;
+  // Per owner of this node (local index g): rows it holds for the source of node m it sends
+  // here, at [m]; then those rows in (m, local expert, row) order, their scales and checks.
+  std::vector<std::shared_ptr<std::vector<int64_t>>> counts;
+  std::vector<std::shared_ptr<Tensor>> rows;
+  std::vector<std::shared_ptr<std::vector<float>>> scales;
+  std::vector<std::shared_ptr<std::vector<BackMeta>>> meta;
+};
+
+const char* own_row(const Combine& c, int64_t j) {
+  return c.cq ? reinterpret_cast<const char*>(c.qrows) + j * c.wire_row : row_ptr(c.rows_src(), j);
+}
+
+// Phase "relay weights", a source's part: its entries on node n in flat order.
+std::shared_ptr<std::vector<RelayEntry>> entries_on(Combine& c, int n) {
+  const SendPlan& back = *c.back;
+  const EpShape& sh = c.sh;
+  std::vector<int64_t> flats(back.order.begin() + back.rank_offset[n * c.G],
+                             back.order.begin() + back.rank_offset[(n + 1) * c.G]);
+  std::sort(flats.begin(), flats.end());
+  auto out = std::make_shared<std::vector<RelayEntry>>();
+  std::vector<int32_t>& tokens = c.node_tokens[n];
+  for (const int64_t flat : flats) {
+    const int64_t i = flat / sh.KS, k = flat % sh.KS;
+    const int64_t e = k < sh.K ? index_at(c.in.expert_ids, i, k) : -1 - (k - sh.K);
+    out->push_back(RelayEntry{static_cast<int32_t>(i), static_cast<int32_t>(k),
+                              static_cast<int32_t>(e),
+                              k < sh.K ? float_at(c.in.expert_scales, i, k) : 0.0f});
+    if (tokens.empty() || tokens.back() != i) tokens.push_back(static_cast<int32_t>(i));
+  }
+  return out;
+}
+
+// The rows this rank holds for the sources relay `g` of its node serves, per source node m.
+std::shared_ptr<std::vector<int64_t>> rows_for_relay(const Combine& c, int g, int N) {
+  auto v = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(N), 0);
+  for (int m = 0; m < N; ++m)
+    if (m != c.me / c.G) (*v)[m] = c.blocks->source_rows[m * c.G + g];
+  return v;
+}
+
+void exchange_weights(Combine& c, Relay& r) {
+  const auto& messages = message_links(c.comm);
+  const MpiType entry(sizeof(RelayEntry), c.op);
+  Exchange ex(c.comm, c.op, "relay weights");
+  std::vector<int> recv_index(static_cast<std::size_t>(c.W), -1);
+  int posted = 0;
+  for (int s = 0; s < c.W; ++s) {  // as a relay: the weights of every source it serves
+    if (!c.relayed(s) || c.relay_of(s) != c.me) continue;
+    r.weights[s] = std::make_shared<std::vector<RelayEntry>>(
+        static_cast<std::size_t>(c.headers[s].BS * c.sh.KS));  // at most; the message says
+    ex.keep_alive(r.weights[s]);
+    messages[c.peers()[s]]->get_block(ex, r.weights[s]->data(),
+                                      static_cast<int64_t>(r.weights[s]->size()), entry,
+                                      kTagRelayWeights);
+    recv_index[s] = posted++;
+  }
+  for (int g = 0; g < c.G; ++g) {  // as a relay: each owner's row counts; as an owner: its own
+    const int d = r.node * c.G + g;
+    if (d == c.me) {
+      r.counts[g] = rows_for_relay(c, c.me % c.G, r.N);
+      continue;
+    }
+    r.counts[g] = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(r.N));
+    ex.keep_alive(r.counts[g]);
+    messages[c.peers()[d]]->expect(ex, r.counts[g]->data(), r.N, MPI_INT64_T, kTagRelayCounts);
+    ++posted;
+    auto mine = rows_for_relay(c, g, r.N);
+    ex.keep_alive(mine);
+    messages[c.peers()[d]]->post(ex, mine->data(), r.N, MPI_INT64_T, kTagRelayCounts);
+  }
+  for (int n = 0; n < r.N; ++n) {  // as a source
+    if (n == r.node) continue;
+    r.out_weights[n] = entries_on(c, n);
+    ex.keep_alive(r.out_weights[n]);
+    messages[c.peers()[c.relay_on(n)]]->put_block(ex, r.out_weights[n]->data(),
+                                                  static_cast<int64_t>(r.out_weights[n]->size()),
+                                                  entry, kTagRelayWeights);
+  }
+  ex.wait();
+  for (int s = 0; s < c.W; ++s) {
+    if (recv_index[s] < 0) continue;
+    int count = 0;
+    MPI_Status st = ex.recv_status(recv_index[s]);
+    check_mpi(MPI_Get_count(&st, entry.get(), &count), c.op, "MPI_Get_count");
+    r.weights[s]->resize(static_cast<std::size_t>(count));
+  }
+}
+
+// Phase "relay rows", an owner's part for relay g: its rows for g's sources in (source node,
+// local expert, row) order, their int8 scales, their checks (token, slot, expert).
+void pack_for_relay(const Combine& c, int g, const Relay& r, std::shared_ptr<Tensor>& rows,
+                    std::shared_ptr<std::vector<float>>& scales,
+                    std::shared_ptr<std::vector<BackMeta>>& meta) {
+  int64_t total = 0;
+  for (int m = 0; m < r.N; ++m)
+    if (m != r.node) total += c.blocks->source_rows[m * c.G + g];
+  rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {total * c.wire_row}));
+  if (c.cq) scales = std::make_shared<std::vector<float>>();
+  if (!c.plan) meta = std::make_shared<std::vector<BackMeta>>();
+  std::vector<RowCopy> copies;
+  const TensorView& ai = c.in.assist_info_for_combine;
+  for (int m = 0; m < r.N; ++m) {
+    if (m == r.node) continue;
+    const int s = m * c.G + g;
+    for (int l = 0; l < c.L; ++l) {
+      const int64_t b = int64_t{l} * c.W + s;
+      for (int64_t j = c.blocks->block_offset[b];
+           j < c.blocks->block_offset[b] + c.blocks->block_rows[b]; ++j) {
+        const int64_t at = static_cast<int64_t>(copies.size());
+        copies.push_back({own_row(c, j), rows->ptr<char>() + at * c.wire_row, j});
+        if (scales) scales->push_back(c.qscales[j]);
+        if (meta)
+          meta->push_back(BackMeta{static_cast<int32_t>(index_at(ai, 3 * j + 1)),
+                                   static_cast<int32_t>(index_at(ai, 3 * j + 2)),
+                                   static_cast<int32_t>(c.sh.pl.expert_on(c.sh.rank, l))});
+      }
+    }
+  }
+  parallel_copy(copies, c.wire_row);
+}
+
+void exchange_rows(Combine& c, Relay& r) {
+  const auto& messages = message_links(c.comm);
+  const MpiType row(c.wire_row, c.op), meta_type(sizeof(BackMeta), c.op);
+  Exchange ex(c.comm, c.op, "relay rows");
+  for (int g = 0; g < c.G; ++g) {
+    const int d = r.node * c.G + g;
+    if (d == c.me) {  // as an owner for itself as a relay: in place
+      pack_for_relay(c, g, r, r.rows[g], r.scales[g], r.meta[g]);
+      continue;
+    }
+    int64_t in_rows = 0;  // as a relay: from owner d
+    for (const int64_t v : *r.counts[g]) in_rows += v;
+    const Link& link = *messages[c.peers()[d]];
+    if (in_rows > 0) {
+      r.rows[g] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {in_rows * c.wire_row}));
+      ex.keep_alive(r.rows[g]);
+      link.get_block(ex, r.rows[g]->data(), in_rows, row, kTagRelayBack);
+      if (c.cq) {
+        r.scales[g] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(in_rows));
+        ex.keep_alive(r.scales[g]);
+        link.expect(ex, r.scales[g]->data(), to_int(in_rows), MPI_FLOAT, kTagRelayBack);
+      }
+      if (!c.plan) {
+        r.meta[g] = std::make_shared<std::vector<BackMeta>>(static_cast<std::size_t>(in_rows));
+        ex.keep_alive(r.meta[g]);
+        link.get_block(ex, r.meta[g]->data(), in_rows, meta_type, kTagRelayBack);
+      }
+    }
+    std::shared_ptr<Tensor> rows;  // as an owner: to relay g
+    std::shared_ptr<std::vector<float>> scales;
+    std::shared_ptr<std::vector<BackMeta>> meta;
+    pack_for_relay(c, g, r, rows, scales, meta);
+    const int64_t out_rows = static_cast<int64_t>(rows->numel() / std::max<int64_t>(1, c.wire_row));
+    if (out_rows == 0) continue;
+    ex.keep_alive(rows);
+    link.put_block(ex, rows->data(), out_rows, row, kTagRelayBack);
+    if (scales) {
+      ex.keep_alive(scales);
+      link.post(ex, scales->data(), to_int(out_rows), MPI_FLOAT, kTagRelayBack);
+    }
+    if (meta) {
+      ex.keep_alive(meta);
+      link.put_block(ex, meta->data(), out_rows, meta_type, kTagRelayBack);
+    }
+  }
+  ex.wait();
+}
+
+// The rows source s's entries on this node name, checked: [token * KS + slot] -> the term
+// (null row: none came). Returns the first disagreement as a status (all 0: none).
+std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
+                                  std::vector<PartialTerm>& terms) {
+  const int64_t KS = c.sh.KS, bs = c.headers[s].BS, m = s / c.G;
+  std::vector<PartialTerm> at(static_cast<std::size_t>(bs * KS), PartialTerm{nullptr, 0, 0, false});
+  std::vector<int32_t> expert(at.size(), kNone);
+  std::vector<int32_t> status(kStatusWords, 0);
+  auto bad = [&](int64_t token, int64_t slot, int32_t got, int32_t want) {
+    if (status[0] == 0) status = {1, int32_t(token), int32_t(slot), got, want};
+  };
+  const std::vector<int32_t>* routes = c.plan && s < static_cast<int>(c.plan->relay_routes.size())
+                                           ? &c.plan->relay_routes[s]
+                                           : nullptr;
+  for (int g = 0; g < c.G; ++g) {
+    const int d = r.node * c.G + g;
+    int64_t j = 0;  // owner g's rows for s start after those of earlier source nodes
+    for (int mm = 0; mm < m; ++mm)
+      if (mm != r.node) j += (*r.counts[g])[mm];
+    const int64_t n = (*r.counts[g])[m];
+    // With the handle: owner d's rows for s are the copies for d, in order.
+    int64_t route = 0;
+    for (int64_t q = 0; q < n; ++q, ++j) {
+      int32_t token, slot, e;
+      if (r.meta[g]) {
+        const BackMeta& b = (*r.meta[g])[j];
+        token = b.token, slot = b.slot, e = b.expert;
+      } else {
+        while (route * 4 < static_cast<int64_t>(routes->size()) && (*routes)[route * 4 + 2] != d)
+          ++route;
+        MOE_EP_CHECK(route * 4 < static_cast<int64_t>(routes->size()));
+        token = (*routes)[route * 4], slot = (*routes)[route * 4 + 1];
+        e = static_cast<int32_t>(c.sh.pl.expert_on(d, (*routes)[route * 4 + 3]));
+        ++route;
+      }
+      if (token < 0 || token >= bs || slot < 0 || slot >= KS) {
+        bad(token, slot, e, kNone);
+        continue;
+      }
+      const int64_t key = int64_t{token} * KS + slot;
+      if (at[key].row) bad(token, slot, e, expert[key]);
+      at[key] = PartialTerm{r.rows[g]->ptr<char>() + j * c.wire_row, 0,
+                            r.scales[g] ? (*r.scales[g])[j] : 0.0f, slot >= c.sh.K};
+      expert[key] = e;
+    }
+  }
+  int64_t used = 0;
+  for (const RelayEntry& w : *r.weights[s]) {
+    const int64_t key = int64_t{w.token} * KS + w.slot;
+    if (w.token < 0 || w.token >= bs || w.slot < 0 || w.slot >= KS) {
+      bad(w.token, w.slot, kNone, w.expert);
+      continue;
+    }
+    if (!at[key].row || expert[key] != w.expert) {
+      bad(w.token, w.slot, expert[key], w.expert);
+      continue;
+    }
+    ++used;
+    terms.push_back(at[key]);
+    terms.back().weight = w.weight;
+  }
+  int64_t got = 0;
+  for (const PartialTerm& t : at) got += t.row != nullptr;
+  if (status[0] == 0 && got != used)  // a row no entry of the source names
+    for (std::size_t key = 0; key < at.size(); ++key)
+      if (at[key].row &&
+          std::none_of(r.weights[s]->begin(), r.weights[s]->end(), [&](const RelayEntry& w) {
+            return int64_t{w.token} * KS + w.slot == static_cast<int64_t>(key);
+          })) {
+        bad(static_cast<int64_t>(key) / KS, static_cast<int64_t>(key) % KS, expert[key], kNone);
+        break;
+      }
+  return status;
+}
+
+// A relay's partials for source s: one per token of its entries, in their order.
+struct Partials {
+  std::shared_ptr<std::vector<int32_t>> status;  // kStatusWords, then the tokens
+  std::shared_ptr<Tensor> rows;                  // fp32, or int8 (comm_quant_mode 2)
+  std::shared_ptr<std::vector<float>> scales;
+};
+
+Partials make_partials(const Combine& c, const Relay& r, int s) {
+  std::vector<PartialTerm> terms;
+  std::vector<int32_t> status = gather_terms(c, r, s, terms);
+  const std::vector<RelayEntry>& w = *r.weights[s];
+  std::vector<int32_t> tokens;
+  std::vector<int64_t> first;  // each token's first term
+  for (std::size_t j = 0; j < w.size(); ++j)
+    if (tokens.empty() || tokens.back() != w[j].token)
+      tokens.push_back(w[j].token), first.push_back(static_cast<int64_t>(j));
+  first.push_back(static_cast<int64_t>(w.size()));
+  const int64_t T = static_cast<int64_t>(tokens.size()), H = c.sh.H;
+  Partials p;
+  p.status = std::make_shared<std::vector<int32_t>>(status);
+  p.status->insert(p.status->end(), tokens.begin(), tokens.end());
+  Tensor f32 = Tensor::zeros(DType::kF32, {T, H});
+  if (status[0] == 0) {
+    parallel(threads_if(T * H > (1 << 16)), [&] {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t)
+        relay_partial(f32.ptr<float>() + t * H, terms.data() + first[t], first[t + 1] - first[t],
+                      c.sh.dtype, c.cq, H);
+    });
+  }
+  if (!c.cq) {
+    p.rows = std::make_shared<Tensor>(std::move(f32));
+    return p;
+  }
+  p.rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * H}));
+  p.scales = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
+  QuantizeRowsInt8Args a;
+  a.op = c.op;
+  a.name = "the relay's partial sums";
+  a.rows = T;
+  a.n = H;
+  a.dtype = DType::kF32;
+  a.src = f32.data();
+  a.src_stride = H;
+  a.q = p.rows->ptr<int8_t>();
+  a.q_stride = H;
+  a.scales = p.scales->data();
+  quantize_rows_int8(a);
+  return p;
+}
+
+// The source's check of what relay `n` found, and of the tokens of its partials.
+void check_partials(const Combine& c, int n, const std::vector<int32_t>& status) {
+  const int relay = c.peers()[c.relay_on(n)];
+  auto expert = [](int32_t e) { return e == kNone ? std::string("none") : std::to_string(e); };
+  if (status[0] != 0)
+    invalid(c.op, ": rank ", relay, ", the relay of rank ", c.comm.rank(), "'s tokens on node ", n,
+            ", found for (token ", status[1], ", slot ", status[2], ") the row of expert ",
+            expert(status[3]), " where expert_ids route it to expert ", expert(status[4]),
+            ": expert_ids (and x_active_mask) must be those of the matching dispatch_v2 (same "
+            "tokens, same order)");
+  const std::vector<int32_t>& want = c.node_tokens[n];
+  if (!std::equal(want.begin(), want.end(), status.begin() + kStatusWords))
+    fail(ErrorKind::kInternal, c.op, ": rank ", relay, " sent the partials of other tokens than ",
+         "rank ", c.comm.rank(), " has on node ", n, " (please report this bug)");
+}
+
+void exchange_partials(Combine& c, Relay& r) {
+  const auto& messages = message_links(c.comm);
+  const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H;
+  const MpiType row(prow, c.op);
+  Exchange ex(c.comm, c.op, "relay partials");
+  std::vector<std::shared_ptr<std::vector<int32_t>>> status(static_cast<std::size_t>(r.N));
+  for (int n = 0; n < r.N; ++n) {  // as a source
+    if (n == r.node) continue;
+    const int64_t T = static_cast<int64_t>(c.node_tokens[n].size());
+    const Link& from = *messages[c.peers()[c.relay_on(n)]];
+    status[n] = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(kStatusWords + T));
+    ex.keep_alive(status[n]);
+    from.expect(ex, status[n]->data(), to_int(kStatusWords + T), MPI_INT32_T, kTagRelayStatus);
+    if (T == 0) continue;
+    c.partials[n] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * prow}));
+    ex.keep_alive(c.partials[n]);
+    from.get_block(ex, c.partials[n]->data(), T, row, kTagRelayPartial);
+    if (!c.cq) continue;
+    c.partial_scales[n] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
+    ex.keep_alive(c.partial_scales[n]);
+    from.expect(ex, c.partial_scales[n]->data(), to_int(T), MPI_FLOAT, kTagRelayPartial);
+  }
+  for (int s = 0; s < c.W; ++s) {  // as a relay
+    if (!r.weights[s]) continue;
+    Partials p = make_partials(c, r, s);
+    const Link& to = *messages[c.peers()[s]];
+    const int64_t T = static_cast<int64_t>(p.status->size()) - kStatusWords;
+    ex.keep_alive(p.status);
+    to.post(ex, p.status->data(), to_int(kStatusWords + T), MPI_INT32_T, kTagRelayStatus);
+    if (T == 0) continue;
+    ex.keep_alive(p.rows);
+    to.put_block(ex, p.rows->data(), T, row, kTagRelayPartial);
+    if (!p.scales) continue;
+    ex.keep_alive(p.scales);
+    to.post(ex, p.scales->data(), to_int(T), MPI_FLOAT, kTagRelayPartial);
+  }
+  ex.wait();
+  for (int n = 0; n < r.N; ++n)
+    if (status[n]) check_partials(c, n, *status[n]);
+}
+
+}  // namespace
+
+void relay_partials(Combine& c) {
+  Relay r;
+  r.N = c.W / c.G;
+  r.node = c.me / c.G;
+  r.out_weights.resize(static_cast<std::size_t>(r.N));
+  r.weights.resize(static_cast<std::size_t>(c.W));
+  r.counts.resize(static_cast<std::size_t>(c.G));
+  r.rows.resize(r.counts.size());
+  r.scales.resize(r.counts.size());
+  r.meta.resize(r.counts.size());
+  c.node_tokens.assign(static_cast<std::size_t>(r.N), {});
+  c.partials.assign(static_cast<std::size_t>(r.N), nullptr);
+  c.partial_scales.assign(static_cast<std::size_t>(r.N), nullptr);
+  exchange_weights(c, r);
+  exchange_rows(c, r);
+  exchange_partials(c, r);
+}
+
+}  // namespace moe_ep::detail

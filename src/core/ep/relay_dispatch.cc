@@ -1,0 +1,300 @@
+// dispatch_v2 with comm_alg "hierarchy" across nodes (SPEC §3): the relay's part. A source sends
+// each token bound to another node once, to its relay there (the rank of that node with the
+// source's local index, its "rail" peer), with the routing of every copy; the relay writes the
+// copies into the expand_x of the ranks of its node (its own included) in SPEC §1.4's order, with
+// their metadata, so the receivers' outputs are bitwise those of fullmesh. Rows for the source's
+// own node take the fullmesh steps (dispatch.cc). Every transfer is a message posted before any
+// wait: a relay never waits on one source while another waits on it.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "base/check.h"
+#include "core/ep/dispatch_call.h"
+#include "core/ep/slot.h"
+#include "core/tensor_internals.h"
+#include "kernels/cpu/quant.h"
+#include "kernels/cpu/scatter.h"
+#include "transport/mpi/context.h"
+#include "transport/tags.h"
+
+namespace moe_ep::detail {
+
+namespace {
+
+// One copy a relay makes: a token (its row `pos` among those the source sent), where it goes
+// (rank, local expert) and what RowMeta carries.
+struct RelayMeta {
+  int32_t pos, token, slot, dest, local;
+  float scale, qscale;
+};
+
+}  // namespace
+
+// What each relayed source sent this relay: its tokens' rows and the copies to make.
+struct RelayIn {
+  int64_t wire_row = 0;                       // bytes of a row as it crossed
+  std::vector<std::shared_ptr<Tensor>> rows;  // per world rank (null: it relays nothing here)
+  std::vector<std::shared_ptr<std::vector<RelayMeta>>> meta;  // in the source's send order
+};
+
+void plan_relay_sends(Dispatch& c) {
+  EpPlan& p = *c.plan;
+  const int N = c.W / c.G;
+  p.node_tokens.assign(N, {});
+  std::vector<int32_t> seen(static_cast<std::size_t>(c.sh.BS), -1);
+  for (int n = 0; n < N; ++n) {
+    if (n == c.me / c.G) continue;  // own node: the fullmesh steps
+    std::vector<int32_t>& tokens = p.node_tokens[n];
+    for (int64_t j = p.send.rank_offset[n * c.G]; j < p.send.rank_offset[(n + 1) * c.G]; ++j) {
+      const int64_t i = p.send.order[j] / c.sh.KS;
+      if (seen[i] != n) seen[i] = n, tokens.push_back(static_cast<int32_t>(i));
+    }
+    std::sort(tokens.begin(), tokens.end());
+  }
+}
+
+namespace {
+
+// The rows of `tokens`, as they cross: x's rows, or (quant_mode 2 without smoothing scales, SPEC
+// §3) each token's int8 row once, its scale to qscale.
+std::shared_ptr<Tensor> pack_tokens(const Dispatch& c, const std::vector<int32_t>& tokens,
+                                    int64_t wire_row, bool int8_wire, std::vector<float>& qscale) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  auto rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * wire_row}));
+  if (int8_wire) {
+    qscale.resize(static_cast<std::size_t>(T));
+    QuantizeRowsInt8Args a;
+    a.op = c.op;
+    a.name = "x";
+    a.rows = T;
+    a.n = c.sh.H;
+    a.dtype = c.sh.dtype;
+    a.src = c.in.x.data;
+    a.src_stride = c.in.x.strides[0];
+    a.src_index = tokens.data();
+    a.q = rows->ptr<int8_t>();
+    a.q_stride = c.sh.H;
+    a.scales = qscale.data();
+    quantize_rows_int8(a);
+    return rows;
+  }
+  std::vector<RowCopy> copies(static_cast<std::size_t>(T));
+  for (int64_t t = 0; t < T; ++t)
+    copies[t] = {c.x_row(tokens[t]), rows->ptr<char>() + t * wire_row, tokens[t]};
+  parallel_copy(copies, wire_row);
+  return rows;
+}
+
+// The copies of this rank's tokens for node n, in send order (destination, local expert, flat).
+std::shared_ptr<std::vector<RelayMeta>> relay_meta(const Dispatch& c, int n,
+                                                   const std::vector<int32_t>& tokens,
+                                                   const std::vector<float>& qscale) {
+  const SendPlan& send = c.send();
+  std::vector<int32_t> pos(static_cast<std::size_t>(c.sh.BS), -1);
+  for (std::size_t t = 0; t < tokens.size(); ++t) pos[tokens[t]] = static_cast<int32_t>(t);
+  auto meta = std::make_shared<std::vector<RelayMeta>>();
+  for (int d = n * c.G; d < (n + 1) * c.G; ++d) {
+    int64_t j = send.rank_offset[d];
+    for (int64_t l = 0; l < c.sh.pl.local_experts(d); ++l) {
+      const int64_t rows = send.counts[c.sh.pl.block_base(d) + l];
+      for (int64_t r = 0; r < rows; ++r, ++j) {
+        const int64_t flat = send.order[j], i = flat / c.sh.KS, k = flat % c.sh.KS;
+        const float w =
+            c.in.expert_scales && k < c.sh.K ? float_at(*c.in.expert_scales, i, k) : 0.0f;
+        meta->push_back(RelayMeta{pos[i], static_cast<int32_t>(i), static_cast<int32_t>(k), d,
+                                  static_cast<int32_t>(l), w,
+                                  qscale.empty() ? 0.0f : qscale[pos[i]]});
+      }
+    }
+  }
+  return meta;
+}
+
+// A relayed source's copies must be for this node, grouped by rank then local expert, and name
+// rows it sent.
+void check_relay_meta(const Dispatch& c, int s, const RelayIn& in) {
+  const std::vector<RelayMeta>& meta = *in.meta[s];
+  const int node = c.me / c.G;
+  int64_t last = -1;
+  for (const RelayMeta& m : meta) {
+    const int64_t key = int64_t{m.dest} * c.sh.pl.W + m.local;
+    if (m.dest / c.G != node || m.local < 0 || m.local >= c.sh.pl.local_experts(m.dest) ||
+        m.pos < 0 || m.pos >= c.p->relay_tokens[s] || key < last)
+      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent rank ", c.comm.rank(),
+           " a copy for rank ", m.dest, ", local expert ", m.local, ", token row ", m.pos,
+           " it cannot relay (please report this bug)");
+    last = key;
+  }
+}
+
+}  // namespace
+
+std::shared_ptr<RelayIn> exchange_relay(Dispatch& c) {
+  const EpPlan& p = *c.p;
+  const bool int8_wire = c.quant && !c.in.scales;
+  auto in = std::make_shared<RelayIn>();
+  in->wire_row = int8_wire ? c.sh.H : c.sh.H * static_cast<int64_t>(dtype_size(c.sh.dtype));
+  in->rows.resize(c.W);
+  in->meta.resize(c.W);
+  const auto& messages = message_links(c.comm);
+  const MpiType row(in->wire_row, c.op), meta_type(sizeof(RelayMeta), c.op);
+  Exchange ex(c.comm, c.op, "relay");
+  for (int s = 0; s < c.W; ++s) {
+    if (p.relay_tokens[s] == 0) continue;
+    in->rows[s] = std::make_shared<Tensor>(
+        Tensor::empty(DType::kI8, {int64_t{p.relay_tokens[s]} * in->wire_row}));
+    in->meta[s] = std::make_shared<std::vector<RelayMeta>>(p.relay_entries[s]);
+    ex.keep_alive(in->rows[s]);
+    ex.keep_alive(in->meta[s]);
+    const Link& from = *messages[c.peers()[s]];
+    from.get_block(ex, in->rows[s]->data(), p.relay_tokens[s], row, kTagRelayRows);
+    from.get_block(ex, in->meta[s]->data(), p.relay_entries[s], meta_type, kTagRelayMeta);
+  }
+  for (int n = 0; n < c.W / c.G; ++n) {
+    const std::vector<int32_t>& tokens = p.node_tokens[n];
+    if (tokens.empty()) continue;
+    std::vector<float> qscale;
+    auto rows = pack_tokens(c, tokens, in->wire_row, int8_wire, qscale);
+    auto meta = relay_meta(c, n, tokens, qscale);
+    ex.keep_alive(rows);
+    ex.keep_alive(meta);
+    const Link& to = *messages[c.peers()[c.relay_on(n)]];
+    to.put_block(ex, rows->data(), static_cast<int64_t>(tokens.size()), row, kTagRelayRows);
+    to.put_block(ex, meta->data(), static_cast<int64_t>(meta->size()), meta_type, kTagRelayMeta);
+  }
+  ex.wait();
+  if (c.plan) c.plan->relay_routes.assign(c.W, {});
+  for (int s = 0; s < c.W; ++s) {
+    if (!in->meta[s]) continue;
+    check_relay_meta(c, s, *in);
+    if (!c.plan) continue;
+    std::vector<int32_t>& routes = c.plan->relay_routes[s];
+    for (const RelayMeta& m : *in->meta[s])
+      routes.insert(routes.end(), {m.token, m.slot, m.dest, m.local});
+  }
+  return in;
+}
+
+void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
+  const auto& messages = message_links(c.comm);
+  const RecvPlan& recv = c.recv();
+  for (int s = 0; s < c.W; ++s) {
+    if (!c.relayed(s)) continue;
+    rx.meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
+    ex.keep_alive(rx.meta_in[s]);
+    if (c.relay_of(s) == c.me || recv.source_rows[s] == 0) continue;  // relay_copies / nothing
+    const Link& from = *messages[c.peers()[c.relay_of(s)]];
+    for (int l = 0; l < c.L; ++l) {
+      const int64_t b = int64_t{l} * c.W + s;
+      if (recv.block_rows[b] > 0)
+        from.get_block(ex, c.out.expand_x.ptr<char>() + recv.block_offset[b] * c.out_row_bytes,
+                       recv.block_rows[b], rx.row, kTagRelayRows);
+    }
+    from.get_block(ex, rx.meta_in[s]->data(), recv.source_rows[s], rx.meta_type, kTagRelayMeta);
+  }
+}
+
+namespace {
+
+// Every copy of source s's tokens, in its send order, into `out` (out_row_bytes each): the row
+// as it crossed, or (quant_mode 2 with smoothing scales) quantised here with its expert's row of
+// this rank's scales (SPEC §3), its scale to qscale.
+void make_copies(const Dispatch& c, const RelayIn& in, int s, char* out,
+                 std::vector<float>& qscale) {
+  const std::vector<RelayMeta>& meta = *in.meta[s];
+  const int64_t n = static_cast<int64_t>(meta.size());
+  if (c.quant && c.in.scales) {
+    std::vector<int32_t> src(static_cast<std::size_t>(n)), smooth(src.size());
+    for (int64_t j = 0; j < n; ++j) {
+      const RelayMeta& m = meta[j];
+      src[j] = m.pos;
+      smooth[j] = static_cast<int32_t>(
+          m.slot < c.sh.K ? c.sh.pl.Ns + c.sh.pl.expert_on(m.dest, m.local) : m.slot - c.sh.K);
+    }
+    qscale.resize(static_cast<std::size_t>(n));
+    QuantizeRowsInt8Args a;
+    a.op = c.op;
+    a.name = "x";
+    a.rows = n;
+    a.n = c.sh.H;
+    a.dtype = c.sh.dtype;
+    a.src = in.rows[s]->data();
+    a.src_stride = c.sh.H;
+    a.src_index = src.data();
+    a.smooth = c.in.scales->ptr<float>();
+    a.smooth_stride = c.sh.H;
+    a.smooth_index = smooth.data();
+    a.q = reinterpret_cast<int8_t*>(out);
+    a.q_stride = c.sh.H;
+    a.scales = qscale.data();
+    quantize_rows_int8(a);
+    return;
+  }
+  std::vector<RowCopy> copies(static_cast<std::size_t>(n));
+  for (int64_t j = 0; j < n; ++j)
+    copies[j] = {in.rows[s]->ptr<char>() + meta[j].pos * in.wire_row, out + j * c.out_row_bytes,
+                 meta[j].pos};
+  parallel_copy(copies, c.out_row_bytes);
+}
+
+}  // namespace
+
+void relay_copies(Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in) {
+  const auto& messages = message_links(c.comm);
+  const RecvPlan& recv = c.recv();
+  const int64_t rb = c.out_row_bytes;
+  for (int s = 0; s < c.W; ++s) {
+    if (!in.meta[s]) continue;
+    const std::vector<RelayMeta>& meta = *in.meta[s];
+    const int64_t n = static_cast<int64_t>(meta.size());
+    auto copies = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {n * rb}));
+    ex.keep_alive(copies);
+    std::vector<float> qscale;
+    make_copies(c, in, s, copies->ptr<char>(), qscale);
+    // Per rank of this node: its copies are one run of the send order, its local experts' blocks
+    // runs inside it, in the order of that rank's blocks (l, s).
+    for (int64_t j = 0; j < n;) {
+      const int d = meta[j].dest;
+      int64_t end = j;
+      while (end < n && meta[end].dest == d) ++end;
+      auto rows_meta = d == c.me ? rx.meta_in[s] : std::make_shared<std::vector<RowMeta>>();
+      if (d == c.me && static_cast<int64_t>(rows_meta->size()) != end - j)
+        fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " relays ", end - j,
+             " rows to rank ", c.comm.rank(), ", its counts said ", rows_meta->size(),
+             " (please report this bug)");
+      rows_meta->resize(static_cast<std::size_t>(end - j));
+      for (int64_t r = j; r < end; ++r) {
+        const RelayMeta& m = meta[r];
+        (*rows_meta)[r - j] =
+            RowMeta{m.token, m.slot, m.scale, qscale.empty() ? m.qscale : qscale[r]};
+      }
+      std::vector<RowCopy> own;
+      for (int64_t r = j; r < end;) {  // one block (l, s) of rank d
+        int64_t stop = r;
+        while (stop < end && meta[stop].local == meta[r].local) ++stop;
+        const char* rows = copies->ptr<char>() + r * rb;
+        if (d != c.me) {
+          messages[c.peers()[d]]->put_block(ex, rows, stop - r, rx.row, kTagRelayRows);
+        } else {
+          const int64_t b = int64_t{meta[r].local} * c.W + s;
+          MOE_EP_CHECK(recv.block_rows[b] == stop - r);
+          for (int64_t q = r; q < stop; ++q)
+            own.push_back({copies->ptr<char>() + q * rb,
+                           c.out.expand_x.ptr<char>() + (recv.block_offset[b] + q - r) * rb, q});
+        }
+        r = stop;
+      }
+      parallel_copy(own, rb);
+      if (d != c.me) {
+        ex.keep_alive(rows_meta);
+        messages[c.peers()[d]]->put_block(ex, rows_meta->data(), end - j, rx.meta_type,
+                                          kTagRelayMeta);
+      }
+      j = end;
+    }
+  }
+}
+
+}  // namespace moe_ep::detail
