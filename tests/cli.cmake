@@ -179,6 +179,8 @@ cli_expect_usage_error(subcommand_did_you_mean
 cli_expect_usage_error(no_subcommand_exit_2 "a subcommand is required: moe-ep run or moe-ep bench" "")
 cli_expect_usage_error(combination "--comm-quant int8 cannot be combined with --tp 2"
                        "run --tp 2 --comm-quant int8")
+cli_expect_usage_error(hierarchy_tp "--comm-alg hierarchy cannot be combined with --tp 2"
+                       "run --tp 2 --comm-alg hierarchy")
 # --version and --help print once (rank 0) and exit 0.
 cli_expect_output(version "^moe-ep ${PROJECT_VERSION}\n$"
                   "${_mpi} -n 2 --oversubscribe ${_exe} --version" PROCESSORS 2)
@@ -428,6 +430,24 @@ moe_ep_add_mpi_test(NAME cli.run.special_experts_many_identity
                             --const-experts 1 --hidden 64 --tokens 9 --routing uniform
                             --expert-fn identity
                     NPROCS 1 2 TIMEOUT 120)
+# comm_alg "hierarchy" (SPEC §3) on 2 and 3 emulated nodes of 2 ranks, with shared and special
+# experts, a 2-D mask and int8 both ways, against the dense reference.
+foreach(n 4 6)
+  add_test(NAME cli.run.hierarchy.np${n}
+           COMMAND ${_mpi} -n ${n} --oversubscribe ${_exe} run --comm-alg hierarchy --hidden 128
+                   --tokens 12 --experts 16 --top-k 4 --shared-experts 1 --shared-expert-ranks 2 --zero-experts 1
+                   --copy-experts 1 --mask entries --expert-fn scale)
+  set_tests_properties(cli.run.hierarchy.np${n} PROPERTIES
+                       ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2" TIMEOUT 120
+                       PROCESSORS ${n} PASS_REGULAR_EXPRESSION "comm_alg hierarchy.*PASS")
+  add_test(NAME cli.run.hierarchy_int8.np${n}
+           COMMAND ${_mpi} -n ${n} --oversubscribe ${_exe} run --comm-alg hierarchy --hidden 128
+                   --tokens 12 --experts 16 --top-k 4 --quant int8 --comm-quant int8
+                   --expert-fn scale)
+  set_tests_properties(cli.run.hierarchy_int8.np${n} PROPERTIES
+                       ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2" TIMEOUT 120
+                       PROCESSORS ${n} PASS_REGULAR_EXPRESSION "comm_alg hierarchy.*PASS")
+endforeach()
 # x_active_mask: 1-D prefix and 2-D entries; inactive tokens give 0.
 moe_ep_add_mpi_test(NAME cli.run.mask_prefix_identity
                     COMMAND ${_exe} run --mask prefix --hidden 128 --tokens 7 --expert-fn identity

@@ -41,6 +41,13 @@ struct CommOptions {
   int64_t shm_window_bytes = 0;
 };
 
+// The bytes one rank moved to or from each peer (SPEC §3, "Bytes"), see Communicator::traffic.
+struct Traffic {
+  std::vector<int64_t> message_bytes;  // per group rank: bytes of the messages this rank sent it
+  std::vector<int64_t> window_bytes;   // per group rank: bytes this rank stored into or loaded
+                                       // from that rank's shared-memory window (rows, metadata)
+};
+
 class MOE_EP_API Communicator {
  public:
   // Collective over `comm` (MPI must be initialised; MPI_THREAD_SINGLE suffices: moe-ep calls
@@ -61,6 +68,12 @@ class MOE_EP_API Communicator {
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
+
+  // What dispatch_v2 and combine_v2 on this communicator moved between this rank and each peer
+  // since it was made or reset_traffic() (its own counts: no communication). Every byte between
+  // machines is a message; a window never spans machines. Not safe against a concurrent op.
+  Traffic traffic() const { return traffic_; }
+  void reset_traffic() const;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -87,6 +100,7 @@ class MOE_EP_API Communicator {
   // $MOE_EP_SHM_NODE_RANKS they were found with (-1: not yet).
   mutable int node_ranks_ = 0;
   mutable int node_ranks_env_ = -1;
+  mutable Traffic traffic_;
   // Unique in the process: a plan names its communicator by it, not by its address (which a
   // later communicator may reuse).
   uint64_t serial_ = 0;

@@ -100,6 +100,12 @@ Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s,
       shm_window_bytes_(shm_window_bytes) {
   static std::atomic<uint64_t> serials{0};
   serial_ = ++serials;
+  reset_traffic();
+}
+
+void Communicator::reset_traffic() const {
+  traffic_.message_bytes.assign(static_cast<std::size_t>(size_), 0);
+  traffic_.window_bytes.assign(static_cast<std::size_t>(size_), 0);
 }
 
 Communicator::~Communicator() {

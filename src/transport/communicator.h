@@ -24,6 +24,7 @@ struct CommInternals {
   static uint64_t serial(const Communicator& comm) { return comm.serial_; }
   static int& node_ranks(const Communicator& comm) { return comm.node_ranks_; }
   static int& node_ranks_env(const Communicator& comm) { return comm.node_ranks_env_; }
+  static Traffic& traffic(const Communicator& comm) { return comm.traffic_; }
 };
 
 // The deadline from_mpi uses: options.timeout_s (finite, > 0), else $MOE_EP_TIMEOUT_S, else

@@ -16,6 +16,7 @@
 #include "base/check.h"
 #include "base/threads.h"
 #include "moe_ep/tensor.h"
+#include "transport/communicator.h"
 
 namespace moe_ep::detail {
 
@@ -100,6 +101,10 @@ void Exchange::isend(const void* buf, int count, MPI_Datatype type, int peer, in
   MPI_Request r = MPI_REQUEST_NULL;
   check_mpi(MPI_Isend(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Isend");
   reqs_.push_back(r);
+  int size = 0;
+  MPI_Type_size(type, &size);
+  CommInternals::traffic(comm_).message_bytes[static_cast<std::size_t>(peer)] +=
+      int64_t{count} * size;
   posted_.push_back({peer, false, 0, {}});
 }
 

@@ -31,7 +31,7 @@ PHASES = [
 ]
 MEANING = {
     "exact": "the output equals the dense single-process reference bitwise",
-    "bound": "the output is within the int8 bound of the dense single-process reference",
+    "bound": "the output is within the bound of the dense single-process reference",
     "tolerance": "the output is within the tolerance of the dense single-process reference",
 }
 

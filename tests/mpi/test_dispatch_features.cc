@@ -946,23 +946,27 @@ TEST_F(Hierarchy, DispatchIsBitwiseFullmesh) {
   if (W % node_ranks(W) != 0) GTEST_SKIP() << "nodes of unequal size";
   for (int quant : {0, 2, 3}) {  // 3: quant_mode 2 with smoothing scales
     for (int64_t S : {0, 1}) {
-      Spec s = hierarchy_spec(DType::kBF16);
-      s.S = S;
-      if (!runnable(s, W)) continue;
-      SCOPED_TRACE("quant " + std::to_string(quant) + ", S " + std::to_string(S));
-      Batch b = make_batch(s, W);
-      DispatchInputs in = dispatch_inputs(b, rank);
-      std::vector<float> smooth(static_cast<std::size_t>((S > 0 ? 1 : 0) + s.E) * s.H);
-      for (std::size_t j = 0; j < smooth.size(); ++j) smooth[j] = 0.5f + float(j % 7) * 0.25f;
-      if (quant >= 2) in.quant_mode = 2;
-      if (quant == 3)
-        in.scales = TensorView::contiguous(smooth.data(), DType::kF32,
-                                           {static_cast<int64_t>(smooth.size()) / s.H, s.H});
-      const DispatchOutputs f = dispatch_v2(in, with_alg(config(b), "fullmesh"));
-      const DispatchOutputs h = dispatch_v2(in, with_alg(config(b), "hierarchy"));
-      expect_same_dispatch(f, h);
-      in.handle = &h.handle;  // a cached dispatch takes the relays too
-      expect_same_dispatch(f, dispatch_v2(in, with_alg(config(b), "hierarchy")));
+      for (int64_t E : {12, 48}) {  // 48: more local experts than ranks
+        Spec s = hierarchy_spec(DType::kBF16);
+        s.S = S;
+        s.E = E;
+        if (!runnable(s, W)) continue;
+        SCOPED_TRACE("quant " + std::to_string(quant) + ", S " + std::to_string(S) + ", E " +
+                     std::to_string(E));
+        Batch b = make_batch(s, W);
+        DispatchInputs in = dispatch_inputs(b, rank);
+        std::vector<float> smooth(static_cast<std::size_t>((S > 0 ? 1 : 0) + s.E) * s.H);
+        for (std::size_t j = 0; j < smooth.size(); ++j) smooth[j] = 0.5f + float(j % 7) * 0.25f;
+        if (quant >= 2) in.quant_mode = 2;
+        if (quant == 3)
+          in.scales = TensorView::contiguous(smooth.data(), DType::kF32,
+                                             {static_cast<int64_t>(smooth.size()) / s.H, s.H});
+        const DispatchOutputs f = dispatch_v2(in, with_alg(config(b), "fullmesh"));
+        const DispatchOutputs h = dispatch_v2(in, with_alg(config(b), "hierarchy"));
+        expect_same_dispatch(f, h);
+        in.handle = &h.handle;  // a cached dispatch takes the relays too
+        expect_same_dispatch(f, dispatch_v2(in, with_alg(config(b), "hierarchy")));
+      }
     }
   }
 }

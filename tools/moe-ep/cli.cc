@@ -169,6 +169,11 @@ void add_run_parallel_options(CLI::App* run, RunOptions& o) {
                   "combine quantisation: none (default) or int8 (comm_quant_mode 2: expert "
                   "outputs travel back as int8; not with --tp 2)")
       ->check(CLI::IsMember({"none", "int8"}));
+  run->add_option("--comm-alg", o.comm_alg,
+                  "fullmesh (default: every rank sends every other its rows) or hierarchy "
+                  "(SPEC §3: a token crosses once per destination node, to a relay there; not "
+                  "with --tp 2)")
+      ->check(CLI::IsMember({"fullmesh", "hierarchy"}));
   run->add_option("--transport", o.transport,
                   "how ranks on one machine move rows: shm (MPI-3 shared memory, one copy) or "
                   "mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. Same results")
@@ -361,6 +366,11 @@ void validate_shared(const RunOptions& o) {
     throw CLI::ValidationError(ns_words +
                                " needs --shared-expert-ranks > 0 (SPEC §1.3: without "
                                "shared-expert ranks shared_expert_num is 0 or 1)");
+  }
+  if (o.tp == 2 && o.comm_alg == "hierarchy") {
+    throw CLI::ValidationError(
+        "--comm-alg hierarchy cannot be combined with --tp 2 (SPEC §3: hierarchy runs without "
+        "tensor parallelism)");
   }
   if (o.tp == 2 && o.comm_quant != "none") {
     throw CLI::ValidationError(

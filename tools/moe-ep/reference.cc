@@ -77,16 +77,30 @@ std::string bound_rule(const LayerSpec& sp, moe_ep::DType dt) {
                 : dt == moe_ep::DType::kF16 ? "2^-11"
                                             : "2^-24",
                 moe_ep::dtype_name(dt));
+  if (!sp.quant && !sp.comm_quant)  // hierarchy alone: the re-association of SPEC §3
+    return std::string(
+               "per element |out - ref| <= 2 (K + Ns + 1) 2^-24 sum_t |w_t y_t| + 2.02 u "
+               "|ref|, ") +
+           buf +
+           " (--comm-alg hierarchy: sums re-associated per node, SPEC §3); t over the token's "
+           "routed entries (w = expert_scales) and shared experts (w = 1); inactive tokens "
+           "exactly 0";
   return std::string("per element |out - ref| <= (1 + 2^-20) sum_t |w_t| (") +
          (sp.quant ? "1.01 (c_t amax|x_i| / 254 (1 + u) + 2u |y_t|)" : "") +
          (sp.quant && sp.comm_quant ? " + " : "") +
-         (sp.comm_quant ? "(amax|y_t| + its dispatch error) / 254" : "") +
+         (sp.comm_quant
+              ? std::string(sp.hierarchy ? "2 " : "") + "(amax|y_t| + its dispatch error) / 254"
+              : std::string()) +
          ") + 2 (K + Ns + 1) 2^-24 sum_t |w_t y_t| + 2.02 u |ref|, " + buf +
          ", against the unquantised reference (the int8 bound amax/254 of SPEC §1.5 carried "
          "through the expert; " +
          (sp.quant ? "--quant: c_t = the expert's factor (scale 1 + e/E, identity 1)" : "") +
          (sp.quant && sp.comm_quant ? "; " : "") +
          (sp.comm_quant ? "--comm-quant: rows return as int8" : "") +
+         (sp.hierarchy ? std::string((sp.quant || sp.comm_quant) ? "; " : "") +
+                             "--comm-alg hierarchy: sums re-associated per node (SPEC §3)" +
+                             (sp.comm_quant ? ", the relays' partial sums int8 too" : "")
+                       : std::string()) +
          "); t over the token's routed entries (w = expert_scales) and shared experts (w = 1); "
          "special experts are not quantised; inactive tokens exactly 0";
 }
@@ -147,7 +161,7 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
   const size_t row_bytes = static_cast<size_t>(H) * moe_ep::dtype_size(dt);
   const bool emulate_in = fn == ExpertFn::kSwiglu && sp.quant;
   const bool emulate_out = fn == ExpertFn::kSwiglu && sp.comm_quant;
-  const bool bounded = fn != ExpertFn::kSwiglu && (sp.quant || sp.comm_quant);
+  const bool bounded = fn != ExpertFn::kSwiglu && (sp.quant || sp.comm_quant || sp.hierarchy);
 
   auto entry_active = [&](int64_t i, int64_t k) { return active_entry(b, i, k); };
   std::vector<char> token_active;
@@ -217,7 +231,12 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
         ymar[h] = sp.quant && q ? 1.01 * (c * dx * (1 + u) + 2 * u * a) + 2 * tiny : 0;
         ymax = std::max(ymax, ymar[h]);
       }
-      const double dy = sp.comm_quant && q ? (amax_y + ymax) / 254 * (1 + 0x1p-14) + 0x1p-143 : 0;
+      // With hierarchy the relay's partial (at most the sum of its terms' magnitudes) is
+      // quantised once more: each term adds its own int8 step again.
+      const double dy =
+          sp.comm_quant && q
+              ? (sp.hierarchy ? 2 : 1) * (amax_y + ymax) / 254 * (1 + 0x1p-14) + 0x1p-143
+              : 0;
       const double aw = std::fabs(double(w));
       for (int64_t h = 0; h < H; ++h) {
         err[h] += aw * (ymar[h] + dy) * (1 + 0x1p-20);

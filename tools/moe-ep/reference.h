@@ -38,6 +38,9 @@ struct LayerSpec {
   std::vector<std::byte> alpha_1, alpha_2, const_v;
   bool quant = false;       // dispatch quant_mode 2
   bool comm_quant = false;  // combine comm_quant_mode 2
+  // comm_alg "hierarchy" (SPEC §3): the sum re-associated per node, and with comm_quant the
+  // relays' partial sums quantised once more: a bound, not bitwise equality.
+  bool hierarchy = false;
   // The shared expert runs on each rank's own tokens and enters combine_v2 as shared_expert_x
   // (S = 0): its input and output are never quantised.
   bool shared_local = false;

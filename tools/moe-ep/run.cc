@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -63,6 +64,38 @@ std::vector<int> ranks_on_this_machine(int rank) {
   return ranks;
 }
 
+// Each world rank's node, named by its lowest world rank: the ranks of its machine (`machine`,
+// increasing), in runs of $MOE_EP_SHM_NODE_RANKS when set (checked before: the nodes of comm_alg
+// "hierarchy"). Collective.
+std::vector<int> node_leaders(int rank, const std::vector<int>& machine) {
+  int n = static_cast<int>(machine.size());
+  if (const char* v = std::getenv("MOE_EP_SHM_NODE_RANKS"); v != nullptr && *v != '\0')
+    n = std::max(1, std::atoi(v));
+  const auto at = std::find(machine.begin(), machine.end(), rank) - machine.begin();
+  int leader = machine[static_cast<std::size_t>(at / n * n)];
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  std::vector<int> all(static_cast<std::size_t>(world));
+  MPI_Request request;
+  MPI_Iallgather(&leader, 1, MPI_INT, all.data(), 1, MPI_INT, MPI_COMM_WORLD, &request);
+  wait_idle(&request, "the gather of the nodes");
+  return all;
+}
+
+// Bytes of `t` to ranks of other nodes (inter) and of this one (intra), by node leader.
+void split_traffic(const Layer& layer, const moe_ep::Traffic& t, const std::vector<int>& leaders,
+                   int rank, double& inter, double& intra) {
+  inter = intra = 0;
+  for (std::size_t e = 0; e < t.message_bytes.size(); ++e) {
+    const int peer = layer.world_rank_of(static_cast<int64_t>(e));
+    if (peer == rank) continue;
+    const double bytes = static_cast<double>(t.message_bytes[e] + t.window_bytes[e]);
+    (leaders[static_cast<std::size_t>(peer)] == leaders[static_cast<std::size_t>(rank)] ? intra
+                                                                                        : inter) +=
+        bytes;
+  }
+}
+
 // Runs `write`; an Error it throws is thrown again with "moe-ep run: <flag>: " in front, so a
 // failed write names the option that asked for it.
 template <typename F>
@@ -114,6 +147,7 @@ CheckResult check_output(const Plan& p, const RunOptions& o, const Batch& global
   spec.const_v = b.const_v;
   spec.quant = o.quant == "int8";
   spec.comm_quant = o.comm_quant == "int8";
+  spec.hierarchy = o.comm_alg == "hierarchy";
   spec.shared_local = p.S == 0 && p.Ns > 0;
   const Reference ref = dense_reference(global, spec, p.fn, ref_bank);
   return compare_outputs(output, ref, p.dtype, p.fn);
@@ -128,7 +162,7 @@ struct Gathered {
 
 // Collective: the layer's cold call, its warm repeats, and what rank 0 needs of them.
 Gathered run_layer(const RunOptions& o, const Plan& plan, const LocalBatch& batch,
-                   const Groups& groups, Progress& progress) {
+                   const Groups& groups, const std::vector<int>& leaders, Progress& progress) {
   Layer layer(o, plan, batch, groups);
   PhaseTimes t;
   const moe_ep::Tensor out = layer.forward(&t, progress);
@@ -139,6 +173,11 @@ Gathered run_layer(const RunOptions& o, const Plan& plan, const LocalBatch& batc
     layer.repeat(n, &warm_dispatch, &warm_combine);
   }
   progress.phase("gathering the results on rank 0");
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  double bytes[4];
+  split_traffic(layer, layer.dispatch_traffic(), leaders, rank, bytes[0], bytes[1]);
+  split_traffic(layer, layer.combine_traffic(), leaders, rank, bytes[2], bytes[3]);
   const RankStats mine{batch.route_s,
                        t.dispatch_s,
                        t.experts_s,
@@ -146,7 +185,11 @@ Gathered run_layer(const RunOptions& o, const Plan& plan, const LocalBatch& batc
                        t.combine_s,
                        static_cast<double>(layer.valid_rows()),
                        static_cast<double>(layer.sent_other_rows()),
-                       static_cast<double>(layer.received_other_rows())};
+                       static_cast<double>(layer.received_other_rows()),
+                       bytes[0],
+                       bytes[1],
+                       bytes[2],
+                       bytes[3]};
   Gathered g;
   g.stats = gather_values(std::vector<RankStats>{mine}, "the gather of the statistics");
   g.warm = median_of_max(gather_values(warm_dispatch, "the gather of the warm times"),
@@ -195,7 +238,7 @@ int run_command(const RunOptions& o) {
   }
   if (rank == 0 && plan.R > 0) print_redundant_usage(plan, global);
 
-  const Gathered g = run_layer(o, plan, batch, groups, progress);
+  const Gathered g = run_layer(o, plan, batch, groups, node_leaders(rank, node_ranks), progress);
 
   // Rank 0 reports, saves the output and checks it; a failure there (say a full disk under
   // --save-output) is agreed on by every rank instead of leaving them in the result broadcast.

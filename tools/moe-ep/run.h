@@ -32,10 +32,11 @@ struct RunOptions {
   std::optional<int64_t> shared_experts;                          // Ns (default: the preset's)
   int64_t shared_expert_ranks = 0;                                // S
   int64_t zero_experts = 0, copy_experts = 0, const_experts = 0;  // Z, C, Q
-  std::string quant = "none";       // none, int8 (dispatch quant_mode 2)
-  std::string comm_quant = "none";  // none, int8 (combine comm_quant_mode 2)
-  std::string transport;            // EpConfig::transport: "" (default), mpi, shm
-  std::string mask = "none";        // none, prefix, entries; bad-prefix (test hook)
+  std::string quant = "none";         // none, int8 (dispatch quant_mode 2)
+  std::string comm_quant = "none";    // none, int8 (combine comm_quant_mode 2)
+  std::string comm_alg = "fullmesh";  // EpConfig::comm_alg: fullmesh, hierarchy (SPEC §3)
+  std::string transport;              // EpConfig::transport: "" (default), mpi, shm
+  std::string mask = "none";          // none, prefix, entries; bad-prefix (test hook)
   std::optional<int64_t> global_bs;
   // R physical expert slots holding replicas of busy experts (redundant.h); default: the smallest
   // R >= 0 with (E + R) % (W_ep - S) == 0.

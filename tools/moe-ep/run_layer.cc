@@ -122,6 +122,7 @@ Layer::Layer(const RunOptions& o, const Plan& plan, const LocalBatch& batch, con
   cfg_.copy_expert_num = plan.C;
   cfg_.const_expert_num = plan.Q;
   cfg_.transport = o.transport;
+  cfg_.comm_alg = o.comm_alg;
   auto view = [](const auto& v, DType dtype, std::initializer_list<int64_t> shape) {
     using T = typename std::decay_t<decltype(v)>::value_type;
     return moe_ep::TensorView::contiguous(const_cast<T*>(v.data()), dtype, shape);
@@ -151,7 +152,10 @@ auto Layer::with_file_rows(F&& op) {
 }
 
 moe_ep::DispatchOutputs Layer::dispatch() {
-  return with_file_rows([&] { return moe_ep::dispatch_v2(din_, cfg_); });
+  cfg_.group_ep->reset_traffic();
+  auto d = with_file_rows([&] { return moe_ep::dispatch_v2(din_, cfg_); });
+  if (dispatch_traffic_.message_bytes.empty()) dispatch_traffic_ = cfg_.group_ep->traffic();
+  return d;
 }
 
 moe_ep::Tensor Layer::combine(const moe_ep::DispatchOutputs& d) {
@@ -171,7 +175,10 @@ moe_ep::Tensor Layer::combine(const moe_ep::DispatchOutputs& d) {
     cin.const_expert_v = table(batch_.const_v);
   }
   cin.comm_quant_mode = o_.comm_quant == "int8" ? 2 : 0;
-  return with_file_rows([&] { return moe_ep::combine_v2(cin, cfg_); });
+  cfg_.group_ep->reset_traffic();
+  auto out = with_file_rows([&] { return moe_ep::combine_v2(cin, cfg_); });
+  if (combine_traffic_.message_bytes.empty()) combine_traffic_ = cfg_.group_ep->traffic();
+  return out;
 }
 
 void Layer::run_experts(const moe_ep::DispatchOutputs& d, PhaseTimes* times) {

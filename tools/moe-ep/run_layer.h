@@ -64,6 +64,11 @@ class Layer {
   // Rows this rank dispatches to other EP ranks (its active entries' slots elsewhere, and its
   // tokens' copies to the shared-expert ranks of other ranks).
   int64_t sent_other_rows() const;
+  // What the first dispatch_v2 and combine_v2 moved between this rank and each EP rank.
+  const moe_ep::Traffic& dispatch_traffic() const { return dispatch_traffic_; }
+  const moe_ep::Traffic& combine_traffic() const { return combine_traffic_; }
+  // This rank's rank in MPI_COMM_WORLD of EP rank e (of its EP group).
+  int world_rank_of(int64_t e) const { return static_cast<int>(e * plan_.T + tp_rank_); }
 
  private:
   moe_ep::DispatchOutputs dispatch();
@@ -76,6 +81,7 @@ class Layer {
   template <typename F>
   auto with_file_rows(F&& op);
 
+  moe_ep::Traffic dispatch_traffic_, combine_traffic_;
   const RunOptions& o_;
   const Plan& plan_;
   const LocalBatch& batch_;

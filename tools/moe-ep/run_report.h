@@ -21,6 +21,9 @@ struct RankStats {
   double received_rows;        // dispatch's valid rows (with the TP peer's)
   double sent_other_rows;      // rows this rank dispatched to another EP rank
   double received_other_rows;  // rows it received from another EP rank (and sends back)
+  // Bytes the first dispatch_v2 / combine_v2 moved from this rank to ranks of other nodes
+  // (messages) and of its own (messages and shared-memory windows), Communicator::traffic.
+  double dispatch_inter, dispatch_intra, combine_inter, combine_intra;
 };
 
 // The warm repeats of dispatch_v2 + combine_v2: for each repeat the max over ranks, then the

@@ -573,6 +573,9 @@ void locate_rows(Combine& c, const RowsBack& rx) {
       m = d == c.me ? own->data() : n > 0 ? rx.meta_in[d]->data() : nullptr;
     }
     const Where& w = c.where[d];
+    if (c.read[d])
+      CommInternals::traffic(c.comm).window_bytes[c.peers()[d]] +=
+          n * (c.wire_row + (c.cq ? 4 : 0));
     int64_t l = 0, in_block = 0;  // entry j's block l of owner d and its place in it
     for (int64_t j = 0; j < n; ++j, ++in_block) {
       while (in_block == c.rows_of[d][l]) ++l, in_block = 0;

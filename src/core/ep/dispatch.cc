@@ -744,6 +744,11 @@ void store_in_place(Dispatch& c, Quantiser& qz) {
     }
     MOE_EP_CHECK(j == send.rank_offset[d + 1]);
   }
+  Traffic& traffic = CommInternals::traffic(c.comm);
+  for (int d = 0; d < c.W; ++d)
+    if (c.to[d] && c.to[d]->addressable())
+      traffic.window_bytes[c.peers()[d]] += (send.rank_offset[d + 1] - send.rank_offset[d]) *
+                                            (rb + static_cast<int64_t>(sizeof(RowMeta)));
   parallel_copy(copies, rb, static_cast<int64_t>(copies.size()) * rb >= c.stream_min);
   if (c.quant) qz.flush(static_cast<int64_t>(qz.queued.size()) * c.sh.H >= c.stream_min);
 }

@@ -119,7 +119,7 @@ void check_relay_meta(const Dispatch& c, int s, const RelayIn& in) {
   const int node = c.me / c.G;
   int64_t last = -1;
   for (const RelayMeta& m : meta) {
-    const int64_t key = int64_t{m.dest} * c.sh.pl.W + m.local;
+    const int64_t key = int64_t{m.dest} * (c.sh.pl.blocks() + 1) + m.local;  // (rank, expert)
     if (m.dest / c.G != node || m.local < 0 || m.local >= c.sh.pl.local_experts(m.dest) ||
         m.pos < 0 || m.pos >= c.p->relay_tokens[s] || key < last)
       fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent rank ", c.comm.rank(),
