@@ -5,7 +5,7 @@ set -euo pipefail
 MOE_EP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MOE_EP_PACKAGES=(cmake g++ make libopenmpi-dev openmpi-bin libdlpack-dev nlohmann-json3-dev
                  libcli11-dev libgtest-dev libbenchmark-dev libopenblas-dev libhwy-dev
-                 gnuplot-nox)
+                 gnuplot-nox iproute2)  # iproute2: the multi-host tests (scripts/netns-cluster.sh)
 
 moe_ep_install_deps() {
   local missing=() p

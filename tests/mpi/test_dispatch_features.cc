@@ -188,16 +188,25 @@ std::vector<ref::EpRankInput> ref_inputs(const Batch& b) {
   return v;
 }
 
-// $MOE_EP_TEST_COMM_ALG (ctest mpi_tests_hierarchy.*) runs the grid with that comm_alg; with
-// "hierarchy", combine_v2 is checked against SPEC §3's sum on nodes of $MOE_EP_SHM_NODE_RANKS
-// ranks (all ranks one node when unset).
+// $MOE_EP_TEST_COMM_ALG (ctest mpi_tests_hierarchy.*, multihost.*) runs the grid with that
+// comm_alg; with "hierarchy", combine_v2 is checked against SPEC §3's sum on nodes of G ranks.
 std::string comm_alg() {
   const char* v = std::getenv("MOE_EP_TEST_COMM_ALG");
   return v ? v : "";
 }
+// G: the ranks on this machine, in runs of $MOE_EP_SHM_NODE_RANKS when set (the library's nodes;
+// the test's own count). Collective on its first call, which every rank makes in the same test.
 int64_t node_ranks(int W) {
+  static const int64_t machine = [] {
+    MPI_Comm node;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    int n = 1;
+    MPI_Comm_size(node, &n);
+    MPI_Comm_free(&node);
+    return int64_t{n};
+  }();
   const char* v = std::getenv("MOE_EP_SHM_NODE_RANKS");
-  return v && *v ? std::min<int64_t>(W, std::atoi(v)) : W;
+  return std::min<int64_t>({W, machine, v && *v ? std::atoi(v) : machine});
 }
 
 EpConfig config(const Batch& b, Communicator* group = nullptr) {
