@@ -174,9 +174,9 @@ cli_expect_usage_error(option_before_subcommand
                        "moe-ep: unexpected argument '--tokens' before the subcommand"
                        "--tokens 8 run")
 cli_expect_usage_error(subcommand_did_you_mean
-                       "unknown subcommand 'rnu' \\(expected run or bench\\); did you mean run\\?"
+                       "unknown subcommand 'rnu' \\(expected run, bench or plan\\); did you mean run\\?"
                        "rnu")
-cli_expect_usage_error(no_subcommand_exit_2 "a subcommand is required: moe-ep run or moe-ep bench" "")
+cli_expect_usage_error(no_subcommand_exit_2 "a subcommand is required: moe-ep run, moe-ep bench or moe-ep plan" "")
 cli_expect_usage_error(combination "--comm-quant int8 cannot be combined with --tp 2"
                        "run --tp 2 --comm-quant int8")
 cli_expect_usage_error(hierarchy_tp "--comm-alg hierarchy cannot be combined with --tp 2"
@@ -218,7 +218,7 @@ cli_report(tp_int8_bound 4 bound
 cli_expect_error(negative_tokens "--tokens" "${_mpi} -n 2 ${_exe} run --tokens -3")
 cli_expect_error(unknown_preset "--preset" "${_mpi} -n 1 ${_exe} run --preset gpt-5")
 # CLI11's own words replaced where they do not say what is wrong.
-cli_expect_error(unknown_subcommand "unknown subcommand 'frob' \\(expected run or bench\\)"
+cli_expect_error(unknown_subcommand "unknown subcommand 'frob' \\(expected run, bench or plan\\)"
                  "${_mpi} -n 1 ${_exe} frob")
 cli_expect_error(repeated_option "--tokens: given 2 times; it takes one value"
                  "${_mpi} -n 1 ${_exe} run --tokens 4 --tokens 8")
@@ -714,3 +714,13 @@ cli_expect_error(bench_bad_tokens "--tokens: each entry of 64,0 must be an integ
 cli_expect_error_once(bench_csv_unwritable
                       "InvalidArgument: moe-ep bench: --csv '/nonexistent/dir/b.csv': cannot create a file in directory '/nonexistent/dir'"
                       "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 4 --hidden 32 --csv /nonexistent/dir/b.csv")
+# moe-ep plan (issue 21): the model of a cluster against the bytes moe-ep run measures on 2
+# emulated nodes, within 10 %; and its layout checks.
+add_test(NAME cli.plan.matches_measured_bytes
+         COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/cli/plan_check.py ${_mpi} ${_exe})
+set_tests_properties(cli.plan.matches_measured_bytes PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
+                                                                 TIMEOUT 300 PROCESSORS 4)
+cli_expect_output(plan_deepseek "inter-node byte ratio hierarchy/fullmesh: dispatch [0-9.]+, combine [0-9.]+"
+                  "${_exe} plan --preset deepseek-v3 --ranks 256 --ranks-per-node 16")
+cli_expect_usage_error(plan_uneven_nodes "moe-ep plan: --ranks 10 is not a multiple of --ranks-per-node 4"
+                       "plan --ranks 10 --ranks-per-node 4")

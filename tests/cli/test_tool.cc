@@ -830,8 +830,8 @@ TEST(CommandLine, ErrorsAreOneLineAndSayWhatIsWrong) {
       {{"run", "--tokens", "x"}, "--tokens: must be an integer in [0, 2147483647], got x"},
       {{"run", "--tokens", "4", "--tokens", "8"}, "--tokens: given 2 times; it takes one value"},
       {{"--tokens", "8", "run"}, "moe-ep: unexpected argument '--tokens' before the subcommand"},
-      {{"rn"}, "unknown subcommand 'rn' (expected run or bench); did you mean run?"},
-      {{}, "a subcommand is required: moe-ep run or moe-ep bench"},
+      {{"rn"}, "unknown subcommand 'rn' (expected run, bench or plan); did you mean run?"},
+      {{}, "a subcommand is required: moe-ep run, moe-ep bench or moe-ep plan"},
   };
   for (const auto& [args, message] : cases) {
     const CommandLine c = parse(args);

@@ -228,6 +228,45 @@ void add_run_options(CLI::App* run, RunOptions& o) {
       ->check(CLI::IsMember({"auto", "on", "off"}));
 }
 
+void add_plan_options(CLI::App* plan, PlanOptions& o) {
+  std::vector<std::string> names;
+  for (const auto& p : presets()) names.push_back(p.name);
+  plan->add_option("--preset", o.preset, "model preset (default deepseek-v3: 256 experts, top-8)")
+      ->check(CLI::IsMember(names));
+  plan->add_option("--ranks", o.ranks, "EP ranks W (default 256)")->check(integer(1, 1 << 20));
+  plan->add_option("--ranks-per-node", o.ranks_per_node, "ranks per node G (default 16)")
+      ->check(integer(1, 1 << 20));
+  plan->add_option("--tokens", o.tokens, "tokens per rank (default 512)")
+      ->check(integer(1, 1 << 20));
+  plan->add_option("--hidden", o.hidden, "override the preset's hidden size H")
+      ->check(integer(1, kMaxDim));
+  plan->add_option("--experts", o.experts, "override the preset's number of experts E")
+      ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
+  plan->add_option("--top-k", o.top_k, "override the preset's top-k K")
+      ->check(integer(1, kMaxExperts));
+  plan->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  plan->add_option("--quant", o.quant, "dispatch rows: none (default) or int8")
+      ->check(CLI::IsMember({"none", "int8"}));
+  plan->add_option("--comm-quant", o.comm_quant, "combine rows and partials: none or int8")
+      ->check(CLI::IsMember({"none", "int8"}));
+  plan->add_option("--link-gbit", o.link_gbit, "each node's link in Gbit/s (default 100)")
+      ->check(CLI::PositiveNumber);
+  plan->add_option("--seed", o.seed, "unsigned seed (default 0) of the routing")
+      ->check(validator(check_unsigned, "[0, 2^64 - 1]"));
+  plan->add_option("--routing", o.routing,
+                   "real (default; real per-expert top-k counts) or uniform")
+      ->check(CLI::IsMember({"real", "uniform"}));
+  plan->add_option(
+          "--routing-model", o.routing_model,
+          "real routing data: olmoe, olmoe-sft, olmoe-dpo, mistral (default: the preset's)")
+      ->check(CLI::IsMember({"olmoe", "olmoe-sft", "olmoe-dpo", "mistral"}));
+  plan->add_option("--domain", o.domain, "real routing text domain (default c4, or tulu)");
+  plan->add_option("--layer", o.layer, "real routing MoE layer: 0, 7 (default) or 15")
+      ->check(integer(0, kMaxDim));
+  plan->add_option("--routing-file", o.routing_file, "expert_counts.csv (default: installed)");
+}
+
 void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_text) {
   std::vector<std::string> names;
   for (const auto& p : presets()) names.push_back(p.name);
@@ -484,7 +523,7 @@ std::string parse_error_message(const CLI::ParseError& e) {
     return what.substr(0, at) + ": a value is missing (expected " + expected + ")";
   }
   if (what == "A subcommand is required") {
-    return "a subcommand is required: moe-ep run or moe-ep bench (moe-ep --help)";
+    return "a subcommand is required: moe-ep run, moe-ep bench or moe-ep plan (moe-ep --help)";
   }
   return what;
 }
@@ -493,6 +532,7 @@ struct Parser {
   CLI::App app{"moe-ep: mixture-of-experts expert parallelism over MPI"};
   CLI::App* run = nullptr;
   CLI::App* bench = nullptr;
+  CLI::App* plan = nullptr;
   std::string bench_tokens;  // --tokens as given; checked by integer_list
   CommandLine line;
 
@@ -523,23 +563,39 @@ Parser::Parser() {
       "bf16, H 7168, top-8 of 64 experts (olmoe), real OLMoE routing, 512 tokens per rank.");
   bench->allow_extras();
   add_bench_options(bench, line.bench, bench_tokens);
+  plan = app.add_subcommand(
+      "plan",
+      "The bytes of a cluster you do not have (SPEC §3): routes W ranks' tokens as moe-ep run "
+      "would (real routing statistics) and prints what each rank sends to other nodes in "
+      "dispatch_v2 and combine_v2 under comm_alg fullmesh and hierarchy, the time on each "
+      "node's link, and dispatch_v2's output memory per rank. One process; no MPI traffic.");
+  plan->allow_extras();
+  add_plan_options(plan, line.plan);
 }
 
 void Parser::parse(int argc, const char* const* argv) {
   // CLI11 says only "A subcommand is required" for a word that is not one.
   if (argc > 1 && argv[1][0] != '-' && std::string(argv[1]) != "run" &&
-      std::string(argv[1]) != "bench") {
-    const std::string near = closest_name(argv[1], {"run", "bench"});
+      std::string(argv[1]) != "bench" && std::string(argv[1]) != "plan") {
+    const std::string near = closest_name(argv[1], {"run", "bench", "plan"});
     throw CLI::ValidationError(std::string("unknown subcommand '") + argv[1] +
-                               "' (expected run or bench)" +
+                               "' (expected run, bench or plan)" +
                                (near.empty() ? std::string() : "; did you mean " + near + "?"));
   }
   app.parse(argc, argv);
   if (!app.remaining().empty())
     throw CLI::ValidationError(before_subcommand_error(app.remaining()));
-  CLI::App* sub = run->parsed() ? run : bench;
+  CLI::App* sub = run->parsed() ? run : bench->parsed() ? bench : plan;
   if (!sub->remaining().empty()) {
     throw CLI::ValidationError(leftover_error(*sub, sub == run ? *bench : *run, sub->remaining()));
+  }
+  if (plan->parsed()) {
+    line.action = CommandLine::Action::kPlan;
+    if (line.plan.ranks % line.plan.ranks_per_node != 0)
+      throw CLI::ValidationError("moe-ep plan: --ranks " + std::to_string(line.plan.ranks) +
+                                 " is not a multiple of --ranks-per-node " +
+                                 std::to_string(line.plan.ranks_per_node));
+    return;
   }
   if (run->parsed()) {
     line.action = CommandLine::Action::kRun;

@@ -19,6 +19,7 @@
 #include "cli.h"
 #include "collective.h"
 #include "moe_ep/error.h"
+#include "plan.h"
 #include "run.h"
 
 namespace {
@@ -91,6 +92,7 @@ int finish_command_line(const CommandLine& line, int rank) {
 
 int run(const CommandLine& line) {
   try {
+    if (line.action == CommandLine::Action::kPlan) return moe_ep_tool::plan_command(line.plan);
     return line.action == CommandLine::Action::kRun ? moe_ep_tool::run_command(line.run)
                                                     : moe_ep_tool::bench_command(line.bench);
   } catch (const moe_ep::Error& e) {
