@@ -714,8 +714,8 @@ cli_expect_error(bench_bad_tokens "--tokens: each entry of 64,0 must be an integ
 cli_expect_error_once(bench_csv_unwritable
                       "InvalidArgument: moe-ep bench: --csv '/nonexistent/dir/b.csv': cannot create a file in directory '/nonexistent/dir'"
                       "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 4 --hidden 32 --csv /nonexistent/dir/b.csv")
-# moe-ep plan (issue 21): the model of a cluster against the bytes moe-ep run measures on 2
-# emulated nodes, within 10 %; and its layout checks.
+# moe-ep plan: its model of a cluster must match the bytes moe-ep run measures on 2 emulated
+# nodes (within 10 %), or nobody can trust it for clusters we do not have; its layout checks.
 add_test(NAME cli.plan.matches_measured_bytes
          COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_SOURCE_DIR}/cli/plan_check.py ${_mpi} ${_exe})
 set_tests_properties(cli.plan.matches_measured_bytes PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"

@@ -69,9 +69,11 @@ class MOE_EP_API Communicator {
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
-  // What dispatch_v2 and combine_v2 on this communicator moved between this rank and each peer
-  // since it was made or reset_traffic() (its own counts: no communication). Every byte between
-  // machines is a message; a window never spans machines. Not safe against a concurrent op.
+  // The bytes moe-ep's ops on this communicator moved from this rank to each peer since it was
+  // made or reset_traffic(): every message (rows, metadata, headers, counts), and the rows and
+  // metadata dispatch_v2 stores into / combine_v2 loads from a peer's window. This rank's own
+  // counts (no communication). Every byte between machines is a message; a window never spans
+  // machines. Not safe against a concurrent op.
   Traffic traffic() const { return traffic_; }
   void reset_traffic() const;
 

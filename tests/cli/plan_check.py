@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""moe-ep plan against what moe-ep run measures (issue 21): the same layer on 2 emulated nodes of
+"""moe-ep plan against what moe-ep run measures: the same layer on 2 emulated nodes of
 2 ranks ($MOE_EP_SHM_NODE_RANKS=2), both algorithms; the planner's mean inter-node bytes per rank
 must be within 10 % of the measured ones (Communicator::traffic), dispatch and combine.
   plan_check.py MPIEXEC MOE_EP"""

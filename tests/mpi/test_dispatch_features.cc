@@ -1071,6 +1071,28 @@ TEST_F(Hierarchy, DifferentSmoothingScalesAreRefused) {
                 std::to_string(W - 1)});
 }
 
+// H = 0 (rows of no bytes) moves no row but must still complete every phase, with the handle and
+// without, comm_quant_mode 0 and 2: the relays count rows, not bytes.
+TEST_F(Hierarchy, ZeroHiddenSizeCompletes) {
+  const int W = world_size(), rank = world_rank();
+  if (W % node_ranks(W) != 0) GTEST_SKIP() << "nodes of unequal size";
+  Spec s = hierarchy_spec(DType::kBF16);
+  s.H = 0;
+  Batch b = make_batch(s, W);
+  const DispatchOutputs out =
+      dispatch_v2(dispatch_inputs(b, rank), with_alg(config(b), "hierarchy"));
+  EXPECT_EQ(out.expand_x.size(1), 0);
+  for (int64_t cq : {0, 2})
+    for (bool handle : {false, true}) {
+      CombineInputs cin = combine_inputs(b, rank, out, out.expand_x);
+      cin.comm_quant_mode = cq;
+      if (handle) cin.handle = &out.handle;
+      const Tensor x = combine_v2(cin, with_alg(config(b), "hierarchy"));
+      EXPECT_EQ(x.size(0), b.bs[rank]);
+      EXPECT_EQ(x.size(1), 0);
+    }
+}
+
 // Nodes of unequal size (W = 3 as runs of 2 ranks) are refused on every rank.
 TEST_F(Hierarchy, UnequalNodesAreRefused) {
   const int W = world_size(), rank = world_rank();

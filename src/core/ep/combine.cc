@@ -328,9 +328,10 @@ bool agree(Combine& c) {
   c.provide.assign(c.W, 0);
   c.read.assign(c.W, 0);
   c.G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
-  if (c.plan && c.plan->G != c.G)
-    fail(ErrorKind::kInternal, c.op, ": the handle's plan has ", c.plan->G,
-         " ranks per node, this call ", c.G, " (please report this bug)");
+  if (c.plan && c.plan->G != c.G)  // $MOE_EP_SHM_NODE_RANKS changed since (same on all ranks)
+    invalid(c.op, ": handle: its dispatch_v2 ran on nodes of ", c.plan->G,
+            " ranks (0: one node), this call on nodes of ", c.G,
+            " ($MOE_EP_SHM_NODE_RANKS changed); combine with the tensors instead");
   if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
   MOE_EP_CHECK(c.shm_want);
   c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.stage_bytes);

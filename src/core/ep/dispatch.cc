@@ -299,9 +299,10 @@ bool agree(Dispatch& c) {
               c.peers()[q],
               ": with comm_alg = \"hierarchy\" every rank must pass the same (a relay "
               "quantises the copies it makes with its own)");
-  if (c.cached && c.cached->G != c.G)
-    fail(ErrorKind::kInternal, c.op, ": the handle's plan has ", c.cached->G,
-         " ranks per node, this call ", c.G, " (please report this bug)");
+  if (c.cached && c.cached->G != c.G)  // $MOE_EP_SHM_NODE_RANKS changed since (same on all ranks)
+    invalid(c.op, ": handle: its dispatch_v2 ran on nodes of ", c.cached->G,
+            " ranks (0: one node), this call on nodes of ", c.G,
+            " ($MOE_EP_SHM_NODE_RANKS changed); dispatch without the handle");
   if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
   MOE_EP_CHECK(c.shm_want);
   c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.slot_need);

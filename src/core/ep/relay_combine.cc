@@ -142,10 +142,11 @@ void exchange_weights(Combine& c, Relay& r) {
 }
 
 // Phase "relay rows", an owner's part for relay g: its rows for g's sources in (source node,
-// local expert, row) order, their int8 scales, their checks (token, slot, expert).
-void pack_for_relay(const Combine& c, int g, const Relay& r, std::shared_ptr<Tensor>& rows,
-                    std::shared_ptr<std::vector<float>>& scales,
-                    std::shared_ptr<std::vector<BackMeta>>& meta) {
+// local expert, row) order, their int8 scales, their checks (token, slot, expert). Returns how
+// many (counted, not derived from the bytes: H may be 0).
+int64_t pack_for_relay(const Combine& c, int g, const Relay& r, std::shared_ptr<Tensor>& rows,
+                       std::shared_ptr<std::vector<float>>& scales,
+                       std::shared_ptr<std::vector<BackMeta>>& meta) {
   int64_t total = 0;
   for (int m = 0; m < r.N; ++m)
     if (m != r.node) total += c.blocks->source_rows[m * c.G + g];
@@ -172,6 +173,7 @@ void pack_for_relay(const Combine& c, int g, const Relay& r, std::shared_ptr<Ten
     }
   }
   parallel_copy(copies, c.wire_row);
+  return total;
 }
 
 void exchange_rows(Combine& c, Relay& r) {
@@ -205,8 +207,7 @@ void exchange_rows(Combine& c, Relay& r) {
     std::shared_ptr<Tensor> rows;  // as an owner: to relay g
     std::shared_ptr<std::vector<float>> scales;
     std::shared_ptr<std::vector<BackMeta>> meta;
-    pack_for_relay(c, g, r, rows, scales, meta);
-    const int64_t out_rows = static_cast<int64_t>(rows->numel() / std::max<int64_t>(1, c.wire_row));
+    const int64_t out_rows = pack_for_relay(c, g, r, rows, scales, meta);
     if (out_rows == 0) continue;
     ex.keep_alive(rows);
     link.put_block(ex, rows->data(), out_rows, row, kTagRelayBack);
