@@ -19,6 +19,25 @@ const char* shared_row(const TensorView& t, int64_t i) {
   return static_cast<const char*>(t.data) + off * es;
 }
 
+namespace {
+
+// Const expert q's value for token i (SPEC §2.2): c = alpha_1[q] * ori_x[i] + alpha_2[q] * v[q],
+// each product rounded to fp32, then the sum.
+void const_expert_row(const CombineInputs& in, int64_t i, int64_t q, DType dtype, int64_t H,
+                      float* c) {
+  const char* ox = row_ptr(*in.ori_x, i);
+  const char* a1 = row_ptr(*in.const_expert_alpha_1, q);
+  const char* a2 = row_ptr(*in.const_expert_alpha_2, q);
+  const char* v = row_ptr(*in.const_expert_v, q);
+  for (int64_t h = 0; h < H; ++h) {
+    const float t1 = load_f32(a1, dtype, h) * load_f32(ox, dtype, h);
+    const float t2 = load_f32(a2, dtype, h) * load_f32(v, dtype, h);
+    c[h] = t1 + t2;
+  }
+}
+
+}  // namespace
+
 void combine_sum(const CombineSum& a) {
   const float* ysc = a.yscale;
   const char* const* yp = a.yrow;
@@ -81,16 +100,7 @@ void combine_sum(const CombineSum& a) {
           } else if (e < E + Z + C) {
             axpy_row_f32(acc.data(), w, row_ptr(*in.ori_x, i), dtype, H);
           } else {
-            const int64_t q = e - (E + Z + C);
-            const char* ox = row_ptr(*in.ori_x, i);
-            const char* a1 = row_ptr(*in.const_expert_alpha_1, q);
-            const char* a2 = row_ptr(*in.const_expert_alpha_2, q);
-            const char* v = row_ptr(*in.const_expert_v, q);
-            for (int64_t h = 0; h < H; ++h) {
-              const float t1 = load_f32(a1, dtype, h) * load_f32(ox, dtype, h);
-              const float t2 = load_f32(a2, dtype, h) * load_f32(v, dtype, h);
-              c[h] = t1 + t2;
-            }
+            const_expert_row(in, i, e - (E + Z + C), dtype, H, c.data());
             axpy_row_f32(acc.data(), w, c.data(), DType::kF32, H);
           }
         }
@@ -152,16 +162,7 @@ void own_node_partial(const CombineSum& a, const NodePartials& np, int64_t i, fl
     } else if (e < E + Z + C) {
       axpy_row_f32(p, w, row_ptr(*in.ori_x, i), dtype, H);
     } else {
-      const int64_t q = e - (E + Z + C);
-      const char* ox = row_ptr(*in.ori_x, i);
-      const char* a1 = row_ptr(*in.const_expert_alpha_1, q);
-      const char* a2 = row_ptr(*in.const_expert_alpha_2, q);
-      const char* v = row_ptr(*in.const_expert_v, q);
-      for (int64_t h = 0; h < H; ++h) {
-        const float t1 = load_f32(a1, dtype, h) * load_f32(ox, dtype, h);
-        const float t2 = load_f32(a2, dtype, h) * load_f32(v, dtype, h);
-        c[h] = t1 + t2;
-      }
+      const_expert_row(in, i, e - (E + Z + C), dtype, H, c);
       axpy_row_f32(p, w, c, DType::kF32, H);
     }
   }

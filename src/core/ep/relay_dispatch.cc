@@ -57,6 +57,26 @@ void plan_relay_sends(Dispatch& c) {
 
 namespace {
 
+// Quantising `rows` rows of x (SPEC §1.5), row r read at src + src_index[r] * src_stride elements
+// (x's dtype), written at q + r * H with its scale to scales[r]; no smoothing.
+QuantizeRowsInt8Args x_rows_int8(const Dispatch& c, int64_t rows, const void* src,
+                                 int64_t src_stride, const int32_t* src_index, int8_t* q,
+                                 float* scales) {
+  QuantizeRowsInt8Args a;
+  a.op = c.op;
+  a.name = "x";
+  a.rows = rows;
+  a.n = c.sh.H;
+  a.dtype = c.sh.dtype;
+  a.src = src;
+  a.src_stride = src_stride;
+  a.src_index = src_index;
+  a.q = q;
+  a.q_stride = c.sh.H;
+  a.scales = scales;
+  return a;
+}
+
 // The rows of `tokens`, as they cross: x's rows, or (quant_mode 2 without smoothing scales, SPEC
 // §3) each token's int8 row once, its scale to qscale.
 std::shared_ptr<Tensor> pack_tokens(const Dispatch& c, const std::vector<int32_t>& tokens,
@@ -65,18 +85,8 @@ std::shared_ptr<Tensor> pack_tokens(const Dispatch& c, const std::vector<int32_t
   auto rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * wire_row}));
   if (int8_wire) {
     qscale.resize(static_cast<std::size_t>(T));
-    QuantizeRowsInt8Args a;
-    a.op = c.op;
-    a.name = "x";
-    a.rows = T;
-    a.n = c.sh.H;
-    a.dtype = c.sh.dtype;
-    a.src = c.in.x.data;
-    a.src_stride = c.in.x.strides[0];
-    a.src_index = tokens.data();
-    a.q = rows->ptr<int8_t>();
-    a.q_stride = c.sh.H;
-    a.scales = qscale.data();
+    QuantizeRowsInt8Args a = x_rows_int8(c, T, c.in.x.data, c.in.x.strides[0], tokens.data(),
+                                         rows->ptr<int8_t>(), qscale.data());
     quantize_rows_int8(a);
     return rows;
   }
@@ -214,21 +224,11 @@ void make_copies(const Dispatch& c, const RelayIn& in, int s, char* out,
           m.slot < c.sh.K ? c.sh.pl.Ns + c.sh.pl.expert_on(m.dest, m.local) : m.slot - c.sh.K);
     }
     qscale.resize(static_cast<std::size_t>(n));
-    QuantizeRowsInt8Args a;
-    a.op = c.op;
-    a.name = "x";
-    a.rows = n;
-    a.n = c.sh.H;
-    a.dtype = c.sh.dtype;
-    a.src = in.rows[s]->data();
-    a.src_stride = c.sh.H;
-    a.src_index = src.data();
+    QuantizeRowsInt8Args a = x_rows_int8(c, n, in.rows[s]->data(), c.sh.H, src.data(),
+                                         reinterpret_cast<int8_t*>(out), qscale.data());
     a.smooth = c.in.scales->ptr<float>();
     a.smooth_stride = c.sh.H;
     a.smooth_index = smooth.data();
-    a.q = reinterpret_cast<int8_t*>(out);
-    a.q_stride = c.sh.H;
-    a.scales = qscale.data();
     quantize_rows_int8(a);
     return;
   }
