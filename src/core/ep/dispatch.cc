@@ -469,28 +469,39 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
 }
 
 // Step 3c across machines, shared memory: each receiver on this machine tells each sender on it
-// where, in its expand_x, that sender's block of each local expert starts (phase "shm offsets").
+// where, in its expand_x, that sender's block of each local expert starts (phase "shm offsets");
+// with relays (comm_alg "hierarchy"), then where the blocks of each source the sender relays
+// start: one run of L entries per node m, for the source of node m with the sender's local index
+// (the sender itself on this node).
 void send_block_rows(Dispatch& c) {
   EpPlan& p = *c.plan;
-  const int W = c.W, L = c.L;
+  const int W = c.W, L = c.L, N = c.G > 0 ? W / c.G : 1, node = c.G > 0 ? c.me / c.G : 0;
   p.block_row.assign(W, {});
+  if (c.G > 0) p.relay_block_row.assign(W, {});
   Exchange ex(c.comm, c.op, "shm offsets");
   std::vector<std::shared_ptr<std::vector<int64_t>>> in_rows(W), out_rows(W);
   for (int q = 0; q < W; ++q) {
     if (c.shm->node_of(c.peers()[q]) < 0 || q == c.me) continue;
-    out_rows[q] = std::make_shared<std::vector<int64_t>>(L);
-    for (int l = 0; l < L; ++l) (*out_rows[q])[l] = p.recv.block_offset[l * W + q];
-    in_rows[q] = std::make_shared<std::vector<int64_t>>(c.sh.pl.local_experts(q));
+    out_rows[q] = std::make_shared<std::vector<int64_t>>(int64_t{N} * L);
+    for (int m = 0; m < N; ++m) {
+      const int s = c.G > 0 ? m * c.G + q % c.G : q;
+      for (int l = 0; l < L; ++l) (*out_rows[q])[m * L + l] = p.recv.block_offset[l * W + s];
+    }
+    const int64_t lq = c.sh.pl.local_experts(q);
+    in_rows[q] = std::make_shared<std::vector<int64_t>>(N * lq);
     ex.keep_alive(out_rows[q]);
     ex.keep_alive(in_rows[q]);
-    ex.irecv(in_rows[q]->data(), to_int(c.sh.pl.local_experts(q)), MPI_INT64_T, c.peers()[q],
-             kTagShmOffsets);
-    ex.isend(out_rows[q]->data(), L, MPI_INT64_T, c.peers()[q], kTagShmOffsets);
+    ex.irecv(in_rows[q]->data(), to_int(N * lq), MPI_INT64_T, c.peers()[q], kTagShmOffsets);
+    ex.isend(out_rows[q]->data(), N * L, MPI_INT64_T, c.peers()[q], kTagShmOffsets);
   }
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
-  for (int q = 0; q < W; ++q)
-    if (in_rows[q]) p.block_row[q] = std::move(*in_rows[q]);
+  for (int q = 0; q < W; ++q) {
+    if (!in_rows[q]) continue;
+    const int64_t lq = c.sh.pl.local_experts(q);
+    p.block_row[q].assign(in_rows[q]->begin() + node * lq, in_rows[q]->begin() + (node + 1) * lq);
+    if (c.G > 0) p.relay_block_row[q] = std::move(*in_rows[q]);
+  }
 }
 
 // Step 3: the receive plan (and, for a new plan, the merges and where this rank's blocks land).
@@ -533,6 +544,8 @@ void choose_links(Dispatch& c) {
     const int g = c.peers()[d];
     const bool window = c.shm && c.shm->node_of(g) >= 0;
     if (window) c.window_from[d] = c.slot.has_value() && d != c.me;
+    // A relayed source: its relay on this node writes its rows into this rank's window.
+    if (c.relayed(d)) c.window_from[d] = c.slot.has_value() && c.relay_of(d) != c.me;
     if (d == c.me || c.relayed(d)) continue;  // a relayed rank: through its relay (SPEC §3)
     c.to[d] = window && c.where[d].gen >= 0 ? c.shm->link(g) : messages[g].get();
     c.any_message_to |= !c.to[d]->addressable();
@@ -859,6 +872,28 @@ void fill_row_info(Dispatch& c, const RowsPhase& rx) {
   }
 }
 
+// The rows rank s announced it wrote into this rank's window (`what`: whose) against the counts.
+void check_announced(const Dispatch& c, int s, int64_t announced, int64_t counted,
+                     const char* what) {
+  if (announced != counted)
+    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " announced ", announced, what,
+         " rows in shared memory, the counts said ", counted, " (please report this bug)");
+}
+
+// Each relay of this node announces the rows it wrote into this rank's window for the sources it
+// relays (post_relayed_receives); they are visible after its announcement.
+void check_relay_announced(const Dispatch& c, const RowsPhase& rx) {
+  if (!c.slot) return;
+  std::vector<int64_t> counted(static_cast<std::size_t>(c.W), 0);
+  for (int s = 0; s < c.W; ++s)
+    if (c.window_from[s] && c.relayed(s)) counted[c.relay_of(s)] += c.recv().source_rows[s];
+  for (int q = c.me / c.G * c.G; q < (c.me / c.G + 1) * c.G; ++q) {
+    if (q == c.me) continue;
+    c.shm->link(c.peers()[q])->acquire();
+    check_announced(c, q, (*rx.announced)[2 * c.W + q], counted[q], " relayed");
+  }
+}
+
 // Step 4: the rows phase. With shared memory the sender writes the rows and their metadata
 // itself, then sends their count, which announces them (a message of 8 bytes instead of 16 per
 // row: such a message of a few thousand rows went through MPI's rendezvous, which stalled about
@@ -884,13 +919,11 @@ void move_rows(Dispatch& c) {
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
   for (int s = 0; s < c.W; ++s) {
-    if (!c.window_from[s]) continue;
+    if (!c.window_from[s] || c.relayed(s)) continue;
     c.shm->link(c.peers()[s])->acquire();  // the peer's rows and metadata, announced, are visible
-    if ((*rx.announced)[s] != c.recv().source_rows[s])
-      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " announced ", (*rx.announced)[s],
-           " rows in shared memory, its counts said ", c.recv().source_rows[s],
-           " (please report this bug)");
+    check_announced(c, s, (*rx.announced)[s], c.recv().source_rows[s], "");
   }
+  if (relay) check_relay_announced(c, rx);
   spread_merged(c, rx);
   fill_row_info(c, rx);
 }

@@ -68,7 +68,8 @@ struct Dispatch {
   int64_t out_row_bytes = 0;            // of expand_x (int8 with quant_mode 2)
   // 4. rows: per destination, the link its rows take (null: this rank itself).
   std::vector<const Link*> to;
-  std::vector<char> window_from;  // per source: its rows land in this rank's window
+  // Per source: its rows land in this rank's window (written by the source, or its relay).
+  std::vector<char> window_from;
   bool any_message_to = false;
 
   Dispatch(const DispatchInputs& i, const EpConfig& c, const Communicator& m)
@@ -90,12 +91,14 @@ struct RowsPhase {
         meta_in(c.W),
         meta_out(c.W),
         merged_in(c.W),
-        announced(std::make_shared<std::vector<int64_t>>(2 * c.W, 0)) {}
+        announced(std::make_shared<std::vector<int64_t>>(4 * c.W, 0)) {}
   const MpiType row, meta_type;
   std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in, meta_out;
   // Rows of a merged source: its distinct tokens in the order of their first rows.
   std::vector<std::shared_ptr<Tensor>> merged_in;
-  std::shared_ptr<std::vector<int64_t>> announced;  // rows announced by each source, then sent
+  // Rows in shared memory announced: by each source to this rank, by this rank to each
+  // destination, then the same of the rows relays write (comm_alg "hierarchy"): 4 runs of W.
+  std::shared_ptr<std::vector<int64_t>> announced;
 };
 
 // comm_alg "hierarchy" across nodes (relay_dispatch.cc, SPEC §3).

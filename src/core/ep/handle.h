@@ -47,6 +47,10 @@ struct EpPlan {
   // As a relay, per source: (token, slot, rank, local expert) of each copy it made, in the
   // source's send order: what combine_v2 with the handle gets back from the node's owners.
   std::vector<std::vector<int32_t>> relay_routes;
+  // As a relay, for each other rank d of this node (empty for the rest): the first row, in d's
+  // expand_x, of each block (l, s) of the source s of node m it relays, at [m * L_d + l] (s = m *
+  // G + this rank's local index; the entries of this node are block_row's).
+  std::vector<std::vector<int64_t>> relay_block_row;
 };
 
 struct HandleInternals {

@@ -16,7 +16,9 @@
 #include "core/tensor_internals.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
+#include "transport/communicator.h"
 #include "transport/mpi/context.h"
+#include "transport/shm/context.h"
 #include "transport/tags.h"
 
 namespace moe_ep::detail {
@@ -191,7 +193,7 @@ void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const auto& messages = message_links(c.comm);
   const RecvPlan& recv = c.recv();
   for (int s = 0; s < c.W; ++s) {
-    if (!c.relayed(s)) continue;
+    if (!c.relayed(s) || c.window_from[s]) continue;  // window: announced below
     rx.meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
     ex.keep_alive(rx.meta_in[s]);
     if (c.relay_of(s) == c.me || recv.source_rows[s] == 0) continue;  // relay_copies / nothing
@@ -204,14 +206,19 @@ void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
     }
     from.get_block(ex, rx.meta_in[s]->data(), recv.source_rows[s], rx.meta_type, kTagRelayMeta);
   }
+  if (!c.slot) return;
+  for (int q = c.me / c.G * c.G; q < (c.me / c.G + 1) * c.G; ++q)  // every other relay here
+    if (q != c.me)
+      c.shm->link(c.peers()[q])->expect_announce(ex, rx.announced->data() + 2 * c.W + q,
+                                                 kTagRelayMeta);
 }
 
 namespace {
 
-// Every copy of source s's tokens, in its send order, into `out` (out_row_bytes each): the row
-// as it crossed, or (quant_mode 2 with smoothing scales) quantised here with its expert's row of
-// this rank's scales (SPEC §3), its scale to qscale.
-void make_copies(const Dispatch& c, const RelayIn& in, int s, char* out,
+// Every copy of source s's tokens, in its send order, copy j to dst[j] (out_row_bytes each): the
+// row as it crossed, or (quant_mode 2 with smoothing scales) quantised here with its expert's
+// row of this rank's scales (SPEC §3), its scale to qscale[j].
+void make_copies(const Dispatch& c, const RelayIn& in, int s, const std::vector<char*>& dst,
                  std::vector<float>& qscale) {
   const std::vector<RelayMeta>& meta = *in.meta[s];
   const int64_t n = static_cast<int64_t>(meta.size());
@@ -224,35 +231,121 @@ void make_copies(const Dispatch& c, const RelayIn& in, int s, char* out,
           m.slot < c.sh.K ? c.sh.pl.Ns + c.sh.pl.expert_on(m.dest, m.local) : m.slot - c.sh.K);
     }
     qscale.resize(static_cast<std::size_t>(n));
-    QuantizeRowsInt8Args a = x_rows_int8(c, n, in.rows[s]->data(), c.sh.H, src.data(),
-                                         reinterpret_cast<int8_t*>(out), qscale.data());
-    a.smooth = c.in.scales->ptr<float>();
-    a.smooth_stride = c.sh.H;
-    a.smooth_index = smooth.data();
-    quantize_rows_int8(a);
+    for (int64_t j = 0; j < n;) {  // one call per run of contiguous destinations (a block)
+      int64_t end = j + 1;
+      while (end < n && dst[end] == dst[end - 1] + c.out_row_bytes) ++end;
+      QuantizeRowsInt8Args a = x_rows_int8(c, end - j, in.rows[s]->data(), c.sh.H, src.data() + j,
+                                           reinterpret_cast<int8_t*>(dst[j]), qscale.data() + j);
+      a.smooth = c.in.scales->ptr<float>();
+      a.smooth_stride = c.sh.H;
+      a.smooth_index = smooth.data() + j;
+      quantize_rows_int8(a);
+      j = end;
+    }
     return;
   }
   std::vector<RowCopy> copies(static_cast<std::size_t>(n));
   for (int64_t j = 0; j < n; ++j)
-    copies[j] = {in.rows[s]->ptr<char>() + meta[j].pos * in.wire_row, out + j * c.out_row_bytes,
-                 meta[j].pos};
+    copies[j] = {in.rows[s]->ptr<char>() + meta[j].pos * in.wire_row, dst[j], meta[j].pos};
   parallel_copy(copies, c.out_row_bytes);
+}
+
+// Where the relay puts the copies of one source: straight into the receivers' windows (and its
+// own expand_x), or, for a receiver without a window slot this call, into `staged` for messages.
+struct CopyPlan {
+  std::vector<char*> dst;          // per copy
+  std::shared_ptr<Tensor> staged;  // the copies for message receivers, in send order
+  std::vector<int64_t> staged_at;  // per copy: its row in staged (-1: not staged)
+};
+
+// Copies [j, end) of source s's are for rank d: one run per block (l, s), in block order.
+template <typename Each>
+void for_each_block(const std::vector<RelayMeta>& meta, int64_t j, int64_t end, Each each) {
+  for (int64_t r = j; r < end;) {
+    int64_t stop = r;
+    while (stop < end && meta[stop].local == meta[r].local) ++stop;
+    each(r, stop, meta[r].local);
+    r = stop;
+  }
+}
+
+bool window_to(const Dispatch& c, int d) { return d != c.me && c.where[d].gen >= 0; }
+
+CopyPlan plan_copies(const Dispatch& c, int s, const std::vector<RelayMeta>& meta) {
+  const int64_t n = static_cast<int64_t>(meta.size()), rb = c.out_row_bytes, m = s / c.G;
+  CopyPlan cp;
+  cp.dst.resize(static_cast<std::size_t>(n));
+  cp.staged_at.assign(static_cast<std::size_t>(n), -1);
+  int64_t staged = 0;
+  for (int64_t j = 0; j < n; ++j)
+    if (meta[j].dest != c.me && !window_to(c, meta[j].dest)) cp.staged_at[j] = staged++;
+  if (staged > 0) cp.staged = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {staged * rb}));
+  for (int64_t j = 0; j < n; ++j) {
+    const int d = meta[j].dest;
+    int64_t end = j;
+    while (end < n && meta[end].dest == d) ++end;
+    for_each_block(meta, j, end, [&](int64_t r, int64_t stop, int32_t l) {
+      for (int64_t q = r; q < stop; ++q) {
+        if (cp.staged_at[q] >= 0) {
+          cp.dst[q] = cp.staged->ptr<char>() + cp.staged_at[q] * rb;
+        } else if (d == c.me) {
+          const int64_t b = int64_t{l} * c.W + s;
+          MOE_EP_CHECK(c.recv().block_rows[b] == stop - r);
+          cp.dst[q] = c.out.expand_x.ptr<char>() + (c.recv().block_offset[b] + q - r) * rb;
+        } else {
+          const int64_t row = c.p->relay_block_row[d][m * c.sh.pl.local_experts(d) + l] + q - r;
+          cp.dst[q] = c.shm->link(c.peers()[d])->place(static_cast<int>(c.where[d].gen),
+                                                       c.where[d].rows + row * rb, rb);
+        }
+      }
+    });
+    j = end - 1;
+  }
+  return cp;
+}
+
+// The copies [j, end) of source s for rank d (not this rank), after their rows: into d's window
+// next to them, then counted for the announcement; or messages of the rows and the metadata.
+void send_relayed(Dispatch& c, Exchange& ex, RowsPhase& rx, int s, const CopyPlan& cp,
+                  const std::vector<RelayMeta>& meta, int64_t j, int64_t end,
+                  std::shared_ptr<std::vector<RowMeta>> rows_meta) {
+  const int d = meta[j].dest;
+  const int64_t m = s / c.G;
+  if (!window_to(c, d)) {
+    for_each_block(meta, j, end, [&](int64_t r, int64_t stop, int32_t) {
+      message_links(c.comm)[c.peers()[d]]->put_block(
+          ex, cp.staged->ptr<char>() + cp.staged_at[r] * c.out_row_bytes, stop - r, rx.row,
+          kTagRelayRows);
+    });
+    ex.keep_alive(rows_meta);
+    message_links(c.comm)[c.peers()[d]]->put_block(ex, rows_meta->data(), end - j, rx.meta_type,
+                                            kTagRelayMeta);
+    return;
+  }
+  const Link& link = *c.shm->link(c.peers()[d]);
+  for_each_block(meta, j, end, [&](int64_t r, int64_t stop, int32_t l) {
+    const int64_t row = c.p->relay_block_row[d][m * c.sh.pl.local_experts(d) + l];
+    const int64_t bytes = (stop - r) * static_cast<int64_t>(sizeof(RowMeta));
+    std::memcpy(link.place(static_cast<int>(c.where[d].gen),
+                           c.where[d].extra + row * int64_t{sizeof(RowMeta)}, bytes),
+                rows_meta->data() + (r - j), static_cast<std::size_t>(bytes));
+  });
+  (*rx.announced)[3 * c.W + d] += end - j;
+  CommInternals::traffic(c.comm).window_bytes[c.peers()[d]] +=
+      (end - j) * (c.out_row_bytes + static_cast<int64_t>(sizeof(RowMeta)));
 }
 
 }  // namespace
 
 void relay_copies(Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in) {
-  const auto& messages = message_links(c.comm);
-  const RecvPlan& recv = c.recv();
-  const int64_t rb = c.out_row_bytes;
   for (int s = 0; s < c.W; ++s) {
     if (!in.meta[s]) continue;
     const std::vector<RelayMeta>& meta = *in.meta[s];
     const int64_t n = static_cast<int64_t>(meta.size());
-    auto copies = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {n * rb}));
-    ex.keep_alive(copies);
+    CopyPlan cp = plan_copies(c, s, meta);
+    if (cp.staged) ex.keep_alive(cp.staged);
     std::vector<float> qscale;
-    make_copies(c, in, s, copies->ptr<char>(), qscale);
+    make_copies(c, in, s, cp.dst, qscale);
     // Per rank of this node: its copies are one run of the send order, its local experts' blocks
     // runs inside it, in the order of that rank's blocks (l, s).
     for (int64_t j = 0; j < n;) {
@@ -270,31 +363,13 @@ void relay_copies(Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in) {
         (*rows_meta)[r - j] =
             RowMeta{m.token, m.slot, m.scale, qscale.empty() ? m.qscale : qscale[r]};
       }
-      std::vector<RowCopy> own;
-      for (int64_t r = j; r < end;) {  // one block (l, s) of rank d
-        int64_t stop = r;
-        while (stop < end && meta[stop].local == meta[r].local) ++stop;
-        const char* rows = copies->ptr<char>() + r * rb;
-        if (d != c.me) {
-          messages[c.peers()[d]]->put_block(ex, rows, stop - r, rx.row, kTagRelayRows);
-        } else {
-          const int64_t b = int64_t{meta[r].local} * c.W + s;
-          MOE_EP_CHECK(recv.block_rows[b] == stop - r);
-          for (int64_t q = r; q < stop; ++q)
-            own.push_back({copies->ptr<char>() + q * rb,
-                           c.out.expand_x.ptr<char>() + (recv.block_offset[b] + q - r) * rb, q});
-        }
-        r = stop;
-      }
-      parallel_copy(own, rb);
-      if (d != c.me) {
-        ex.keep_alive(rows_meta);
-        messages[c.peers()[d]]->put_block(ex, rows_meta->data(), end - j, rx.meta_type,
-                                          kTagRelayMeta);
-      }
+      if (d != c.me) send_relayed(c, ex, rx, s, cp, meta, j, end, rows_meta);
       j = end;
     }
   }
+  for (int d = c.me / c.G * c.G; d < (c.me / c.G + 1) * c.G; ++d)  // every receiver here
+    if (window_to(c, d))
+      c.shm->link(c.peers()[d])->announce(ex, rx.announced->data() + 3 * c.W + d, kTagRelayMeta);
 }
 
 }  // namespace moe_ep::detail
