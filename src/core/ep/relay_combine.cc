@@ -4,10 +4,11 @@
 // back. Three phases, every message posted before the phase's wait (no relay waits on one
 // source while another waits on it):
 //   "relay weights":  each source sends each relay its entries there (token, slot, expert,
-//                     weight) in flat order; each owner tells each relay of its node how many
-//                     rows it holds for each source the relay serves;
-//   "relay rows":     the owners send the relays those rows (with each row's (token, slot,
-//                     expert) unless the relay has the handle's routes), through messages;
+//                     weight) in flat order; each owner tells each relay of its node where the
+//                     blocks it holds for each source the relay serves lie in its expand_x;
+//   "relay rows":     the relays read those rows where they lie, in the owners' windows (an
+//                     owner without one sends them); without the handle's routes each owner
+//                     sends each row's (token, slot, expert);
 //   "relay partials": each relay checks every row against the weights, sums, and sends each
 //                     source its partials (fp32, or int8 with comm_quant_mode 2), with the tokens
 //                     they belong to or what disagreed.
@@ -26,8 +27,10 @@
 #include "core/tensor_internals.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
+#include "transport/communicator.h"
 #include "transport/exchange.h"
 #include "transport/mpi/context.h"
+#include "transport/shm/context.h"
 #include "transport/tags.h"
 
 namespace moe_ep::detail {
@@ -53,9 +56,14 @@ struct Relay {
   std::vector<std::shared_ptr<std::vector<RelayEntry>>> out_weights;
   // As a relay, per world rank it serves (null otherwise): the source's entries on this node.
   std::vector<std::shared_ptr<std::vector<RelayEntry>>> weights;
-  // Per owner of this node (local index g): rows it holds for the source of node m it sends
-  // here, at [m]; then those rows in (m, local expert, row) order, their scales and checks.
-  std::vector<std::shared_ptr<std::vector<int64_t>>> counts;
+  // Per owner of this node (local index g): where the blocks (l, s) it holds for the source s
+  // of node m this relay serves lie in its expand_x, first rows at [m * L_d + l], rows at
+  // [(N + m) * L_d + l]; its rows for the source of node m, at counts[g][m]; then those rows in
+  // (m, local expert, row) order: the row of each in its expand_x (at[g], when this relay reads
+  // them in place: its own, or in the owner's window), or the rows it sent; their scales (sent)
+  // and checks.
+  std::vector<std::shared_ptr<std::vector<int64_t>>> layout;
+  std::vector<std::vector<int64_t>> counts, at;
   std::vector<std::shared_ptr<Tensor>> rows;
   std::vector<std::shared_ptr<std::vector<float>>> scales;
   std::vector<std::shared_ptr<std::vector<BackMeta>>> meta;
@@ -85,12 +93,39 @@ std::shared_ptr<std::vector<RelayEntry>> entries_on(Combine& c, int n) {
   return out;
 }
 
-// The rows this rank holds for the sources relay `g` of its node serves, per source node m.
-std::shared_ptr<std::vector<int64_t>> rows_for_relay(const Combine& c, int g, int N) {
-  auto v = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(N), 0);
-  for (int m = 0; m < N; ++m)
-    if (m != c.me / c.G) (*v)[m] = c.blocks->source_rows[m * c.G + g];
+// Where the blocks this rank holds for the sources relay `g` of its node serves lie (Relay::layout).
+std::shared_ptr<std::vector<int64_t>> layout_for_relay(const Combine& c, int g, int N) {
+  const int64_t L = c.L;
+  auto v = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(2 * N * L), 0);
+  for (int m = 0; m < N; ++m) {
+    if (m == c.me / c.G) continue;
+    for (int64_t l = 0; l < L; ++l) {
+      const int64_t b = l * c.W + m * c.G + g;
+      (*v)[m * L + l] = c.blocks->block_offset[b];
+      (*v)[(N + m) * L + l] = c.blocks->block_rows[b];
+    }
+  }
   return v;
+}
+
+// The owner of local index g: its rows per source node, and their rows in its expand_x.
+void read_layout(const Combine& c, Relay& r, int g) {
+  const int d = r.node * c.G + g;
+  const int64_t ld = c.sh.pl.local_experts(d);
+  const std::vector<int64_t>& v = *r.layout[g];
+  r.counts[g].assign(static_cast<std::size_t>(r.N), 0);
+  const bool in_place = d == c.me || c.read[d];
+  for (int m = 0; m < r.N; ++m)
+    for (int64_t l = 0; l < ld; ++l) {
+      const int64_t first = v[m * ld + l], rows = v[(r.N + m) * ld + l];
+      // (A row outside the owner's window raises in Link::place.)
+      if (rows < 0 || first < 0 || (d == c.me && first + rows > c.blocks->valid))
+        fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[d], " holds rows [", first, ", ",
+             first + rows, ") for a relayed source (please report this bug)");
+      r.counts[g][m] += rows;
+      if (in_place)
+        for (int64_t j = first; j < first + rows; ++j) r.at[g].push_back(j);
+    }
 }
 
 void exchange_weights(Combine& c, Relay& r) {
@@ -109,19 +144,21 @@ void exchange_weights(Combine& c, Relay& r) {
                                       kTagRelayWeights);
     recv_index[s] = posted++;
   }
-  for (int g = 0; g < c.G; ++g) {  // as a relay: each owner's row counts; as an owner: its own
+  for (int g = 0; g < c.G; ++g) {  // as a relay: each owner's layout; as an owner: its own
     const int d = r.node * c.G + g;
     if (d == c.me) {
-      r.counts[g] = rows_for_relay(c, c.me % c.G, r.N);
+      r.layout[g] = layout_for_relay(c, c.me % c.G, r.N);
       continue;
     }
-    r.counts[g] = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(r.N));
-    ex.keep_alive(r.counts[g]);
-    messages[c.peers()[d]]->expect(ex, r.counts[g]->data(), r.N, MPI_INT64_T, kTagRelayCounts);
+    const int n = to_int(2 * r.N * c.sh.pl.local_experts(d));
+    r.layout[g] = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(n));
+    ex.keep_alive(r.layout[g]);
+    messages[c.peers()[d]]->expect(ex, r.layout[g]->data(), n, MPI_INT64_T, kTagRelayCounts);
     ++posted;
-    auto mine = rows_for_relay(c, g, r.N);
+    auto mine = layout_for_relay(c, g, r.N);
     ex.keep_alive(mine);
-    messages[c.peers()[d]]->post(ex, mine->data(), r.N, MPI_INT64_T, kTagRelayCounts);
+    messages[c.peers()[d]]->post(ex, mine->data(), to_int(2 * r.N * c.L), MPI_INT64_T,
+                                 kTagRelayCounts);
   }
   for (int n = 0; n < r.N; ++n) {  // as a source
     if (n == r.node) continue;
@@ -139,19 +176,21 @@ void exchange_weights(Combine& c, Relay& r) {
     check_mpi(MPI_Get_count(&st, entry.get(), &count), c.op, "MPI_Get_count");
     r.weights[s]->resize(static_cast<std::size_t>(count));
   }
+  for (int g = 0; g < c.G; ++g) read_layout(c, r, g);
 }
 
-// Phase "relay rows", an owner's part for relay g: its rows for g's sources in (source node,
-// local expert, row) order, their int8 scales, their checks (token, slot, expert). Returns how
-// many (counted, not derived from the bytes: H may be 0).
-int64_t pack_for_relay(const Combine& c, int g, const Relay& r, std::shared_ptr<Tensor>& rows,
-                       std::shared_ptr<std::vector<float>>& scales,
+// Phase "relay rows", an owner's part for relay g: how many rows it holds for g's sources; in
+// (source node, local expert, row) order, their checks (token, slot, expert) without the
+// handle's routes, and, when `rows_too` (g reads nothing in place here), the rows and their int8
+// scales. (Counted, not derived from the bytes: H may be 0.)
+int64_t pack_for_relay(const Combine& c, int g, const Relay& r, bool rows_too,
+                       std::shared_ptr<Tensor>& rows, std::shared_ptr<std::vector<float>>& scales,
                        std::shared_ptr<std::vector<BackMeta>>& meta) {
   int64_t total = 0;
   for (int m = 0; m < r.N; ++m)
     if (m != r.node) total += c.blocks->source_rows[m * c.G + g];
-  rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {total * c.wire_row}));
-  if (c.cq) scales = std::make_shared<std::vector<float>>();
+  if (rows_too) rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {total * c.wire_row}));
+  if (rows_too && c.cq) scales = std::make_shared<std::vector<float>>();
   if (!c.plan) meta = std::make_shared<std::vector<BackMeta>>();
   std::vector<RowCopy> copies;
   const TensorView& ai = c.in.assist_info_for_combine;
@@ -163,7 +202,7 @@ int64_t pack_for_relay(const Combine& c, int g, const Relay& r, std::shared_ptr<
       for (int64_t j = c.blocks->block_offset[b];
            j < c.blocks->block_offset[b] + c.blocks->block_rows[b]; ++j) {
         const int64_t at = static_cast<int64_t>(copies.size());
-        copies.push_back({own_row(c, j), rows->ptr<char>() + at * c.wire_row, j});
+        if (rows) copies.push_back({own_row(c, j), rows->ptr<char>() + at * c.wire_row, j});
         if (scales) scales->push_back(c.qscales[j]);
         if (meta)
           meta->push_back(BackMeta{static_cast<int32_t>(index_at(ai, 3 * j + 1)),
@@ -182,14 +221,18 @@ void exchange_rows(Combine& c, Relay& r) {
   Exchange ex(c.comm, c.op, "relay rows");
   for (int g = 0; g < c.G; ++g) {
     const int d = r.node * c.G + g;
-    if (d == c.me) {  // as an owner for itself as a relay: in place
-      pack_for_relay(c, g, r, r.rows[g], r.scales[g], r.meta[g]);
+    const bool in_place = d == c.me || c.read[d];  // as a relay: where owner d's rows lie
+    std::shared_ptr<Tensor> rows;                  // as an owner: what it sends relay g
+    std::shared_ptr<std::vector<float>> scales;
+    std::shared_ptr<std::vector<BackMeta>> meta;
+    if (d == c.me) {  // as an owner for itself as a relay: the checks, in place
+      pack_for_relay(c, g, r, false, rows, scales, r.meta[g]);
       continue;
     }
     int64_t in_rows = 0;  // as a relay: from owner d
-    for (const int64_t v : *r.counts[g]) in_rows += v;
+    for (const int64_t v : r.counts[g]) in_rows += v;
     const Link& link = *messages[c.peers()[d]];
-    if (in_rows > 0) {
+    if (in_rows > 0 && !in_place) {
       r.rows[g] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {in_rows * c.wire_row}));
       ex.keep_alive(r.rows[g]);
       link.get_block(ex, r.rows[g]->data(), in_rows, row, kTagRelayBack);
@@ -198,19 +241,18 @@ void exchange_rows(Combine& c, Relay& r) {
         ex.keep_alive(r.scales[g]);
         link.expect(ex, r.scales[g]->data(), to_int(in_rows), MPI_FLOAT, kTagRelayBack);
       }
-      if (!c.plan) {
-        r.meta[g] = std::make_shared<std::vector<BackMeta>>(static_cast<std::size_t>(in_rows));
-        ex.keep_alive(r.meta[g]);
-        link.get_block(ex, r.meta[g]->data(), in_rows, meta_type, kTagRelayBack);
-      }
     }
-    std::shared_ptr<Tensor> rows;  // as an owner: to relay g
-    std::shared_ptr<std::vector<float>> scales;
-    std::shared_ptr<std::vector<BackMeta>> meta;
-    const int64_t out_rows = pack_for_relay(c, g, r, rows, scales, meta);
+    if (in_rows > 0 && !c.plan) {
+      r.meta[g] = std::make_shared<std::vector<BackMeta>>(static_cast<std::size_t>(in_rows));
+      ex.keep_alive(r.meta[g]);
+      link.get_block(ex, r.meta[g]->data(), in_rows, meta_type, kTagRelayBack);
+    }
+    const int64_t out_rows = pack_for_relay(c, g, r, !c.provide[d], rows, scales, meta);
     if (out_rows == 0) continue;
-    ex.keep_alive(rows);
-    link.put_block(ex, rows->data(), out_rows, row, kTagRelayBack);
+    if (rows) {
+      ex.keep_alive(rows);
+      link.put_block(ex, rows->data(), out_rows, row, kTagRelayBack);
+    }
     if (scales) {
       ex.keep_alive(scales);
       link.post(ex, scales->data(), to_int(out_rows), MPI_FLOAT, kTagRelayBack);
@@ -223,12 +265,43 @@ void exchange_rows(Combine& c, Relay& r) {
   ex.wait();
 }
 
+// Owner g's j-th row for the relay's sources and its int8 scale: where it lies, or as it came.
+struct OwnerRows {
+  const Combine& c;
+  const Relay& r;
+  Traffic& traffic;
+  const char* row(int g, int64_t j) const {
+    if (r.rows[g]) return r.rows[g]->ptr<char>() + j * c.wire_row;
+    const int d = r.node * c.G + g;
+    const int64_t at = r.at[g][j];
+    if (d == c.me) return own_row(c, at);
+    const Where& w = c.where[d];
+    traffic.window_bytes[c.peers()[d]] += c.wire_row + (c.cq ? 4 : 0);
+    return c.shm->link(c.peers()[d])->place(static_cast<int>(w.gen), w.rows + at * w.stride,
+                                            c.wire_row);
+  }
+  float scale(int g, int64_t j) const {
+    if (!c.cq) return 0.0f;
+    if (r.scales[g]) return (*r.scales[g])[j];
+    const int d = r.node * c.G + g;
+    const int64_t at = r.at[g][j];
+    if (d == c.me) return c.qscales[at];
+    float v;
+    std::memcpy(&v,
+                c.shm->link(c.peers()[d])->place(static_cast<int>(c.where[d].gen),
+                                                 c.where[d].extra + at * 4, 4),
+                4);
+    return v;
+  }
+};
+
 // The rows source s's entries on this node name, checked: [token * KS + slot] -> the term
 // (null row: none came). Returns the first disagreement as a status (all 0: none).
 std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
                                   std::vector<PartialTerm>& terms) {
   const int64_t KS = c.sh.KS, bs = c.headers[s].BS, m = s / c.G;
   std::vector<PartialTerm> at(static_cast<std::size_t>(bs * KS), PartialTerm{nullptr, 0, 0, false});
+  const OwnerRows rows{c, r, CommInternals::traffic(c.comm)};
   std::vector<int32_t> expert(at.size(), kNone);
   std::vector<int32_t> status(kStatusWords, 0);
   auto bad = [&](int64_t token, int64_t slot, int32_t got, int32_t want) {
@@ -241,8 +314,8 @@ std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
     const int d = r.node * c.G + g;
     int64_t j = 0;  // owner g's rows for s start after those of earlier source nodes
     for (int mm = 0; mm < m; ++mm)
-      if (mm != r.node) j += (*r.counts[g])[mm];
-    const int64_t n = (*r.counts[g])[m];
+      if (mm != r.node) j += r.counts[g][mm];
+    const int64_t n = r.counts[g][m];
     // With the handle: owner d's rows for s are the copies for d, in order.
     int64_t route = 0;
     for (int64_t q = 0; q < n; ++q, ++j) {
@@ -264,8 +337,7 @@ std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
       }
       const int64_t key = int64_t{token} * KS + slot;
       if (at[key].row) bad(token, slot, e, expert[key]);
-      at[key] = PartialTerm{r.rows[g]->ptr<char>() + j * c.wire_row, 0,
-                            r.scales[g] ? (*r.scales[g])[j] : 0.0f, slot >= c.sh.K};
+      at[key] = PartialTerm{rows.row(g, j), 0, rows.scale(g, j), slot >= c.sh.K};
       expert[key] = e;
     }
   }
@@ -298,55 +370,64 @@ std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
   return status;
 }
 
-// A relay's partials for source s: one per token of its entries, in their order.
+// A relay's partials for source s: one per token of its entries, in their order, computed and
+// sent in chunks of kChunkBytes, so the first is on the wire while the next is summed.
+constexpr int64_t kChunkBytes = 256 << 10;
+int64_t chunk_tokens(const Combine& c) {
+  const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H;
+  return prow > 0 ? std::max<int64_t>(1, kChunkBytes / prow) : INT32_MAX;
+}
+
 struct Partials {
   std::shared_ptr<std::vector<int32_t>> status;  // kStatusWords, then the tokens
-  std::shared_ptr<Tensor> rows;                  // fp32, or int8 (comm_quant_mode 2)
-  std::shared_ptr<std::vector<float>> scales;
+  std::vector<PartialTerm> terms;
+  std::vector<int64_t> first;  // each token's first term, then the end
+  int64_t tokens() const { return static_cast<int64_t>(first.size()) - 1; }
 };
 
-Partials make_partials(const Combine& c, const Relay& r, int s) {
-  std::vector<PartialTerm> terms;
-  std::vector<int32_t> status = gather_terms(c, r, s, terms);
+Partials plan_partials(const Combine& c, const Relay& r, int s) {
+  Partials p;
+  std::vector<int32_t> status = gather_terms(c, r, s, p.terms);
   const std::vector<RelayEntry>& w = *r.weights[s];
   std::vector<int32_t> tokens;
-  std::vector<int64_t> first;  // each token's first term
   for (std::size_t j = 0; j < w.size(); ++j)
     if (tokens.empty() || tokens.back() != w[j].token)
-      tokens.push_back(w[j].token), first.push_back(static_cast<int64_t>(j));
-  first.push_back(static_cast<int64_t>(w.size()));
-  const int64_t T = static_cast<int64_t>(tokens.size()), H = c.sh.H;
-  Partials p;
+      tokens.push_back(w[j].token), p.first.push_back(static_cast<int64_t>(j));
+  p.first.push_back(static_cast<int64_t>(w.size()));
   p.status = std::make_shared<std::vector<int32_t>>(status);
   p.status->insert(p.status->end(), tokens.begin(), tokens.end());
-  Tensor f32 = Tensor::zeros(DType::kF32, {T, H});
-  if (status[0] == 0) {
+  if (status[0] != 0) p.terms.clear();  // nothing to sum: the source raises
+  return p;
+}
+
+// Tokens [t0, t1) of the partials into `to` (fp32, or int8 with its scales at `scales`): zero
+// rows when a check failed.
+void sum_partials(const Combine& c, const Partials& p, int64_t t0, int64_t t1, char* to,
+                  float* scales) {
+  const int64_t T = t1 - t0, H = c.sh.H;
+  Tensor f32 = c.cq ? Tensor::zeros(DType::kF32, {T, H}) : Tensor();
+  float* out = c.cq ? f32.ptr<float>() : reinterpret_cast<float*>(to);
+  if (!c.cq && T * H > 0) std::memset(out, 0, static_cast<std::size_t>(T * H * 4));
+  if (!p.terms.empty())
     parallel(threads_if(T * H > (1 << 16)), [&] {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t)
-        relay_partial(f32.ptr<float>() + t * H, terms.data() + first[t], first[t + 1] - first[t],
+      for (int64_t t = t0; t < t1; ++t)
+        relay_partial(out + (t - t0) * H, p.terms.data() + p.first[t], p.first[t + 1] - p.first[t],
                       c.sh.dtype, c.cq, H);
     });
-  }
-  if (!c.cq) {
-    p.rows = std::make_shared<Tensor>(std::move(f32));
-    return p;
-  }
-  p.rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * H}));
-  p.scales = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
+  if (!c.cq) return;
   QuantizeRowsInt8Args a;
   a.op = c.op;
   a.name = "the relay's partial sums";
   a.rows = T;
   a.n = H;
   a.dtype = DType::kF32;
-  a.src = f32.data();
+  a.src = out;
   a.src_stride = H;
-  a.q = p.rows->ptr<int8_t>();
+  a.q = reinterpret_cast<int8_t*>(to);
   a.q_stride = H;
-  a.scales = p.scales->data();
+  a.scales = scales;
   quantize_rows_int8(a);
-  return p;
 }
 
 // The source's check of what relay `n` found, and of the tokens of its partials.
@@ -367,7 +448,7 @@ void check_partials(const Combine& c, int n, const std::vector<int32_t>& status)
 
 void exchange_partials(Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
-  const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H;
+  const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H, chunk = chunk_tokens(c);
   const MpiType row(prow, c.op);
   Exchange ex(c.comm, c.op, "relay partials");
   std::vector<std::shared_ptr<std::vector<int32_t>>> status(static_cast<std::size_t>(r.N));
@@ -381,25 +462,33 @@ void exchange_partials(Combine& c, Relay& r) {
     if (T == 0) continue;
     c.partials[n] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * prow}));
     ex.keep_alive(c.partials[n]);
-    from.get_block(ex, c.partials[n]->data(), T, row, kTagRelayPartial);
-    if (!c.cq) continue;
-    c.partial_scales[n] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
-    ex.keep_alive(c.partial_scales[n]);
-    from.expect(ex, c.partial_scales[n]->data(), to_int(T), MPI_FLOAT, kTagRelayPartial);
+    if (c.cq) c.partial_scales[n] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
+    if (c.cq) ex.keep_alive(c.partial_scales[n]);
+    for (int64_t t = 0; t < T; t += chunk) {
+      const int64_t k = std::min(chunk, T - t);
+      from.get_block(ex, c.partials[n]->ptr<char>() + t * prow, k, row, kTagRelayPartial);
+      if (c.cq)
+        from.expect(ex, c.partial_scales[n]->data() + t, to_int(k), MPI_FLOAT, kTagRelayPartial);
+    }
   }
   for (int s = 0; s < c.W; ++s) {  // as a relay
     if (!r.weights[s]) continue;
-    Partials p = make_partials(c, r, s);
+    const Partials p = plan_partials(c, r, s);
     const Link& to = *messages[c.peers()[s]];
-    const int64_t T = static_cast<int64_t>(p.status->size()) - kStatusWords;
+    const int64_t T = p.tokens();
     ex.keep_alive(p.status);
     to.post(ex, p.status->data(), to_int(kStatusWords + T), MPI_INT32_T, kTagRelayStatus);
     if (T == 0) continue;
-    ex.keep_alive(p.rows);
-    to.put_block(ex, p.rows->data(), T, row, kTagRelayPartial);
-    if (!p.scales) continue;
-    ex.keep_alive(p.scales);
-    to.post(ex, p.scales->data(), to_int(T), MPI_FLOAT, kTagRelayPartial);
+    auto rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * prow}));
+    auto scales = std::make_shared<std::vector<float>>(static_cast<std::size_t>(c.cq ? T : 0));
+    ex.keep_alive(rows);
+    ex.keep_alive(scales);
+    for (int64_t t = 0; t < T; t += chunk) {
+      const int64_t k = std::min(chunk, T - t);
+      sum_partials(c, p, t, t + k, rows->ptr<char>() + t * prow, scales->data() + t);
+      to.put_block(ex, rows->ptr<char>() + t * prow, k, row, kTagRelayPartial);
+      if (c.cq) to.post(ex, scales->data() + t, to_int(k), MPI_FLOAT, kTagRelayPartial);
+    }
   }
   ex.wait();
   for (int n = 0; n < r.N; ++n)
@@ -414,7 +503,9 @@ void relay_partials(Combine& c) {
   r.node = c.me / c.G;
   r.out_weights.resize(static_cast<std::size_t>(r.N));
   r.weights.resize(static_cast<std::size_t>(c.W));
-  r.counts.resize(static_cast<std::size_t>(c.G));
+  r.layout.resize(static_cast<std::size_t>(c.G));
+  r.counts.resize(r.layout.size());
+  r.at.resize(r.layout.size());
   r.rows.resize(r.counts.size());
   r.scales.resize(r.counts.size());
   r.meta.resize(r.counts.size());
