@@ -648,13 +648,22 @@ add_test(NAME cli.bench.compare
                  -P ${_cli}/bench.cmake)
 set_tests_properties(cli.bench.compare PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 180
                                                   PROCESSORS 2)
+# On two nodes ($MOE_EP_SHM_NODE_RANKS=2, 4 ranks): fullmesh and hierarchy side by side (issue
+# 21), with their inter-node and intra-node bytes. Across machines of their own: multihost.bench.
+add_test(NAME cli.bench.compare_nodes
+         COMMAND ${CMAKE_COMMAND} "-DLAUNCH=${_mpi};-n;4;--oversubscribe" -DEXE=${_exe}
+                 -DWORK=${_work}/bench_nodes -DPYTHON=${Python3_EXECUTABLE}
+                 -DCHECK=${_cli}/bench_check.py -P ${_cli}/bench_nodes.cmake)
+set_tests_properties(cli.bench.compare_nodes PROPERTIES
+                     ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2" TIMEOUT 300
+                     PROCESSORS 4)
 # --transport mpi: moe-ep's ops on plain MPI, verified like the shm default, and named in the
 # header line.
 add_test(NAME cli.bench.transport_mpi
          COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --transport mpi --tokens 8,16
                  --hidden 64 --iters 2 --warmup 0 --compare)
 set_tests_properties(cli.bench.transport_mpi PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
-  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  --compare  --quant int8\n.*verified\n.*verified\n"
+  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  comm_alg fullmesh  --compare  --quant int8\n.*verified\n.*verified\n"
   FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
 # --compare times int8 dispatch too unless --quant none: the issue's targets include it.
 add_test(NAME cli.bench.compare_times_int8

@@ -9,7 +9,10 @@ in tests). Each check can fail on a broken tool:
     = baseline p50 / moe-ep p50, int8's time ratio = int8 p50 / bf16 p50);
   - each target's verdict (printed PASS/FAIL and JSON "pass") agrees with its value and bound,
     and the value is the ratio it names;
-  - the plot's script gives every series its own colour.
+  - the plot's script gives every series its own colour;
+  - on two nodes or more (both comm_algs timed, "moe-ep/fullmesh" and "moe-ep/hierarchy"): the
+    hierarchy check ran too, and the hierarchy/fullmesh targets are the ratios of the JSON's
+    inter-node bytes and p50s.
 
 usage: bench_check.py STDOUT CSV JSON [GP]
 """
@@ -20,9 +23,9 @@ import math
 import re
 import sys
 
-CHECKS = 7  # with --compare and --quant int8
-ROW = re.compile(r"  (\S+) +(moe-ep|alltoallv|textbook|memcpy) +([\d.]+) +([\d.]+) +([\d.]+) +"
-                 r"([\d.]+|nan|inf) +(\S+) +(\S+)")
+CHECKS = 7  # with --compare and --quant int8 (8 with both comm_algs)
+ROW = re.compile(r"  (\S+) +(moe-ep(?:/fullmesh|/hierarchy)?|alltoallv|textbook|memcpy) +([\d.]+) +"
+                 r"([\d.]+) +([\d.]+) +([\d.]+|nan|inf) +(\S+) +(\S+)")
 TARGET = re.compile(r"  tokens/rank +(\d+)  (.+?) +(-?[\d.]+|nan|inf) (>=|<=) ([\d.]+)  (PASS|FAIL)")
 
 
@@ -31,22 +34,24 @@ def rel(a, b, tol):
 
 
 def check_stdout(text):
+    both = "moe-ep/hierarchy" in text
     points = re.findall(r"verify tokens/rank (\d+):\n((?:  .*\n)+)", text)
     assert points, "no verification"
     for tokens, block in points:
         lines = block.splitlines()
         assert lines[-1] == "  verified", f"tokens {tokens}: {lines[-1]!r}"
         counts = [re.fullmatch(r"  .+: (\d+) checked, (\d+) bad", l) for l in lines[:-1]]
-        assert len(counts) == CHECKS and all(counts), f"tokens {tokens}: {lines}"
+        assert len(counts) == CHECKS + both and all(counts), f"tokens {tokens}: {lines}"
         for m in counts:
             assert int(m.group(1)) > 0 and int(m.group(2)) == 0, m.group(0)
     rows = [ROW.fullmatch(l) for l in text.splitlines() if ROW.fullmatch(l)]
-    assert len(rows) == 9 * len(points), f"{len(rows)} table rows for {len(points)} points"
+    assert len(rows) == (11 if both else 9) * len(points), f"{len(rows)} rows, {len(points)} points"
+    main = [m.group(2) for m in rows if m.group(1) == "dispatch-int8" and "moe-ep" in m.group(2)]
     for m in rows:
         p50, p99 = float(m.group(4)), float(m.group(5))
         assert p50 <= p99, m.group(0)
-        ratio = r"\d+\.\d\dx" if m.group(2) == "moe-ep" else "-"
-        if m.group(1) == "dispatch-int8" and m.group(2) == "moe-ep":
+        ratio = r"\d+\.\d\dx" if m.group(2) == main[0] else "-"
+        if m.group(1) == "dispatch-int8" and m.group(2) == main[0]:
             assert re.fullmatch(ratio, m.group(7)) and m.group(8) == "-", m.group(0)
         else:
             assert re.fullmatch(ratio, m.group(7)) and re.fullmatch(ratio, m.group(8)), m.group(0)
@@ -58,17 +63,27 @@ def check_stdout(text):
         if abs(value - bound) > 0.0005:
             holds = value >= bound if m.group(4) == ">=" else value <= bound
             assert (m.group(6) == "PASS") == holds, f"verdict against value: {m.group(0)}"
-    return {(int(m.group(1)), m.group(2)): m for m in targets}, len(points)
+    return {(int(m.group(1)), m.group(2)): m for m in targets}, len(points), both
 
 
-def check_json(j, printed_targets):
+def hierarchy_ratio(by, t, name):
+    """The value of target "<op> hierarchy/fullmesh inter-node bytes" or "... p50"."""
+    op = name.split(" ")[0]
+    hier, full = by[(t, op, "moe-ep/hierarchy")], by[(t, op, "moe-ep/fullmesh")]
+    if name.endswith("inter-node bytes"):
+        return hier["inter_node_bytes_per_rank"] / full["inter_node_bytes_per_rank"]
+    return hier["p50_ms"] / full["p50_ms"]
+
+
+def check_json(j, printed_targets, both):
     r = j["results"]
     by = {(x["tokens_per_rank"], x["op"], x["impl"]): x for x in r}
+    main = "moe-ep/" + j["config"]["comm_alg"] if both else "moe-ep"
     for x in r:
         assert x["p50_ms"] > 0 and x["p99_ms"] >= x["p50_ms"] and x["bytes_per_rank"] > 0, x
         assert rel(x["gbps"], x["bytes_per_rank"] / (x["p50_ms"] * 1e-3) / 1e9, 1e-9), x
     for (t, op, impl), x in by.items():
-        if impl != "moe-ep":
+        if impl != main:
             assert x["ratio_vs_alltoallv"] is None and x["ratio_vs_textbook"] is None, x
             continue
         a2a = by[(t, op, "alltoallv")]["p50_ms"] / x["p50_ms"]
@@ -78,7 +93,7 @@ def check_json(j, printed_targets):
             assert rel(x["ratio_vs_textbook"], tb, 1e-9), x
     for i in j["int8"]:
         t = i["tokens_per_rank"]
-        time = by[(t, "dispatch-int8", "moe-ep")]["p50_ms"] / by[(t, "dispatch", "moe-ep")]["p50_ms"]
+        time = by[(t, "dispatch-int8", main)]["p50_ms"] / by[(t, "dispatch", main)]["p50_ms"]
         assert rel(i["time_ratio"], time, 1e-9), i
     assert len(j["targets"]) == len(printed_targets), "printed and JSON targets differ"
     for t in j["targets"]:
@@ -91,7 +106,11 @@ def check_json(j, printed_targets):
         name = t["name"]
         if name.endswith("moe-ep/alltoallv") or name.endswith("moe-ep/textbook"):
             op, base = name.split(" ")[0], name.split("/")[1]
-            value = by[(t["tokens_per_rank"], op, "moe-ep")][f"ratio_vs_{base}"]
+            value = by[(t["tokens_per_rank"], op, main)][f"ratio_vs_{base}"]
+        elif "hierarchy/fullmesh" in name:
+            value = hierarchy_ratio(by, t["tokens_per_rank"], name)
+            assert rel(value, t["value"], 1e-9), (name, value, t)
+            continue
         else:
             value = next(i["time_ratio"] for i in j["int8"]
                          if i["tokens_per_rank"] == t["tokens_per_rank"])
@@ -113,21 +132,21 @@ def check_csv(rows, by):
         assert abs(float(row["bytes_per_rank"]) - x["bytes_per_rank"]) <= 0.5, row
 
 
-def check_plot(script):
+def check_plot(script, both):
     colours = re.findall(r"lc rgb '(#[0-9a-f]{6})'", script)
     series = re.findall(r"with linespoints .* title '([^']+)'", script)
-    assert len(series) == 9 and len(colours) == len(series), (series, colours)
+    assert len(series) == (11 if both else 9) and len(colours) == len(series), (series, colours)
     assert len(set(colours)) == len(colours), f"series share a colour: {list(zip(series, colours))}"
 
 
 def main():
     text = open(sys.argv[1], encoding="utf-8").read()
-    printed_targets, points = check_stdout(text)
+    printed_targets, points, both = check_stdout(text)
     j = json.load(open(sys.argv[3]))
-    by = check_json(j, printed_targets)
+    by = check_json(j, printed_targets, both)
     check_csv(list(csv.DictReader(open(sys.argv[2]))), by)
     if len(sys.argv) > 4:
-        check_plot(open(sys.argv[4]).read())
+        check_plot(open(sys.argv[4]).read(), both)
     print(f"bench outputs consistent: {points} points, {len(by)} results, "
           f"{len(j['targets'])} targets")
 

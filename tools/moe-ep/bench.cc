@@ -2,8 +2,10 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <exception>
+#include <vector>
 
 #include "bench_output.h"
 #include "bench_point.h"
@@ -12,22 +14,9 @@
 #include "checks.h"
 #include "collective.h"
 #include "moe_ep/comm.h"
+#include "nodes.h"
 
 namespace moe_ep_tool {
-
-namespace {
-
-// The ranks of MPI_COMM_WORLD on this machine (for the memory check).
-int ranks_on_this_machine(int rank) {
-  int n = 1;
-  MPI_Comm node;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-  MPI_Comm_size(node, &n);
-  MPI_Comm_free(&node);
-  return n;
-}
-
-}  // namespace
 
 int bench_command(const BenchOptions& o) {
   using namespace bench;
@@ -43,9 +32,15 @@ int bench_command(const BenchOptions& o) {
   set_wait_context("moe-ep bench", comm->timeout_s());
   Watchdog dog(comm->timeout_s(), rank);
 
-  const int node_ranks = ranks_on_this_machine(rank);
+  const std::vector<int> machine = ranks_on_this_machine(rank);
+  const int node_ranks = static_cast<int>(machine.size());
   Setup setup = agreed("before the run", [&] { return plan_bench(o, world, rank, node_ranks); });
   const bool compare = o.compare, quant = o.quant == "int8" || (o.quant.empty() && compare);
+  setup.leaders = node_leaders(rank, machine);
+  const bool nodes = std::any_of(setup.leaders.begin(), setup.leaders.end(),
+                                 [&](int l) { return l != setup.leaders[0]; });
+  setup.alt = compare && nodes;
+  setup.hierarchy = setup.alt || o.comm_alg == "hierarchy";
   setup.gnuplot =
       rank == 0 && !o.plot.empty() && std::system("command -v gnuplot > /dev/null 2>&1") == 0;
   const Rules rules = counting_rules(o, setup);
@@ -54,10 +49,10 @@ int bench_command(const BenchOptions& o) {
   Sweep sweep;
   for (const int64_t BS : o.tokens) {
     const Point p = make_point(o, setup, BS, dog);
-    const Verification v = verify(o, p, *comm, compare, quant, dog);
+    const Verification v = verify(o, setup, p, *comm, compare, quant, dog);
     if (rank == 0) print_verification(v, BS);
     if (v.failed() > 0) return 1;
-    PointResult pr = time_point(o, p, *comm, compare, quant, dog);
+    PointResult pr = time_point(o, setup, p, *comm, compare, quant, dog);
     if (rank == 0) {
       print_table(pr, BS);
       sweep.results.insert(sweep.results.end(), pr.results.begin(), pr.results.end());

@@ -39,6 +39,9 @@ struct BenchOptions {
   // include int8's), else none.
   std::string quant;
   std::string transport;  // EpConfig::transport: "" ($MOE_EP_TRANSPORT, else shm), shm, mpi
+  // EpConfig::comm_alg of moe-ep's ops; with --compare on two nodes or more the other algorithm
+  // is timed too, on the same batch.
+  std::string comm_alg = "fullmesh";
   std::string csv, json, plot;
   std::optional<double> timeout_s;
   bool debug_corrupt_baseline = false;  // test hook: flips one byte of the textbook's expand_x

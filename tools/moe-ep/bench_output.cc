@@ -46,9 +46,9 @@ void write_csv(const std::string& path, const std::vector<Result>& all) {
        "ratio_vs_textbook\n";
   for (const Result& r : all) {
     auto num = [](double v) { return std::isnan(v) ? std::string() : fmt("%.6g", v); };
-    f << r.tokens << ',' << kOpNames[r.op].op << ',' << kOpNames[r.op].impl << ','
-      << fmt("%.0f", r.bytes) << ',' << num(r.p50_s * 1e3) << ',' << num(r.p99_s * 1e3) << ','
-      << num(r.gbps) << ',' << num(r.vs_alltoallv) << ',' << num(r.vs_textbook) << '\n';
+    f << r.tokens << ',' << kOpNames[r.op].op << ',' << r.impl << ',' << fmt("%.0f", r.bytes) << ','
+      << num(r.p50_s * 1e3) << ',' << num(r.p99_s * 1e3) << ',' << num(r.gbps) << ','
+      << num(r.vs_alltoallv) << ',' << num(r.vs_textbook) << '\n';
   }
   f.close();  // a full device reports the failure when the buffer is flushed
   if (!f) throw Error(ErrorKind::kSystem, "moe-ep bench: --csv '" + path + "': write failed");
@@ -60,13 +60,15 @@ nlohmann::json json_results(const Sweep& sweep) {
   for (const Result& r : sweep.results) {
     results.push_back({{"tokens_per_rank", r.tokens},
                        {"op", kOpNames[r.op].op},
-                       {"impl", kOpNames[r.op].impl},
+                       {"impl", r.impl},
                        {"bytes_per_rank", r.bytes},
                        {"p50_ms", r.p50_s * 1e3},
                        {"p99_ms", r.p99_s * 1e3},
                        {"gbps", num(r.gbps)},
                        {"ratio_vs_alltoallv", num(r.vs_alltoallv)},
-                       {"ratio_vs_textbook", num(r.vs_textbook)}});
+                       {"ratio_vs_textbook", num(r.vs_textbook)},
+                       {"inter_node_bytes_per_rank", num(r.inter_node)},
+                       {"intra_node_bytes_per_rank", num(r.intra_node)}});
   }
   return results;
 }
@@ -87,6 +89,7 @@ void write_json(const BenchOptions& o, const Setup& s, const Rules& rules, const
                  {"compare", compare},
                  {"quant", o.quant},
                  {"transport", transport_name(o.transport)},
+                 {"comm_alg", o.comm_alg},
                  {"threads_per_rank", moe_ep::num_threads()}};
   j["bytes_rule"] = rules.bytes;
   j["time_rule"] = rules.time;
@@ -129,12 +132,23 @@ std::string sh_quote(const std::string& s) {
   return q + "'";
 }
 
+// "op impl" of a series, as its results name it.
+std::string series_name(const std::vector<Result>& all, Op op) {
+  for (const Result& r : all)
+    if (r.op == op) return std::string(kOpNames[op].op) + ' ' + r.impl;
+  return kOpNames[op].op;
+}
+
 // The plot's data: one row per tokens value, one column per series (NaN where missing).
 bool write_plot_data(const std::string& dat, const std::vector<Result>& all,
                      const std::vector<int64_t>& tokens, const std::vector<Op>& series) {
   std::ofstream f(dat);
   f << "# tokens_per_rank";
-  for (const Op op : series) f << ' ' << kOpNames[op].op << '/' << kOpNames[op].impl;
+  for (const Op op : series) {
+    std::string name = series_name(all, op);
+    std::replace(name.begin(), name.end(), ' ', '/');
+    f << ' ' << name;
+  }
   f << '\n';
   for (const int64_t t : tokens) {
     f << t;
@@ -152,7 +166,8 @@ bool write_plot_data(const std::string& dat, const std::vector<Result>& all,
 
 // The gnuplot script: each series its own colour (series_colour) and point type.
 bool write_plot_script(const std::string& gp, const std::string& png, const std::string& dat,
-                       const std::string& title, const std::vector<Op>& series) {
+                       const std::string& title, const std::vector<Result>& all,
+                       const std::vector<Op>& series) {
   std::ofstream f(gp);
   f << "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {\n"
        "  set terminal pngcairo size 1000,600\n"
@@ -171,8 +186,7 @@ bool write_plot_script(const std::string& gp, const std::string& png, const std:
   for (size_t i = 0; i < series.size(); ++i) {
     f << (i ? ", \\\n     " : "") << gp_quote(dat) << " using 1:" << i + 2
       << " with linespoints lw 2 lc rgb '" << series_colour(series[i]) << "' pt "
-      << static_cast<int>(series[i]) + 1 << " title '" << kOpNames[series[i]].op << ' '
-      << kOpNames[series[i]].impl << "'";
+      << static_cast<int>(series[i]) + 1 << " title " << gp_quote(series_name(all, series[i]));
   }
   f << "\n";
   return static_cast<bool>(f);
@@ -193,7 +207,7 @@ std::string write_plot(const std::string& path, const std::vector<Result>& all,
   const std::filesystem::path base = std::filesystem::path(path).replace_extension("");
   const std::string dat = base.string() + ".dat", gp = base.string() + ".gp";
   if (!write_plot_data(dat, all, tokens, series)) return "cannot write " + dat;
-  if (!write_plot_script(gp, path, dat, title, series)) return "cannot write " + gp;
+  if (!write_plot_script(gp, path, dat, title, all, series)) return "cannot write " + gp;
   const int rc = std::system(("gnuplot " + sh_quote(gp) + " 2>&1").c_str());
   if (rc != 0) return "gnuplot " + gp + " failed (exit status " + std::to_string(rc) + ")";
   return "";
@@ -228,6 +242,8 @@ const char* series_colour(Op op) {
       "#6a3d9a",  // dispatch textbook: purple
       "#8c564b",  // combine textbook: brown
       "#000000",  // copy memcpy: black
+      "#1b9e77",  // dispatch moe-ep, the other comm_alg: teal
+      "#e7298a",  // combine moe-ep, the other comm_alg: magenta
   };
   return kColours[op];
 }
@@ -258,12 +274,12 @@ void print_header(const BenchOptions& o, const Setup& s, const Rules& rules, boo
   }
   std::printf(
       "moe-ep bench: preset %s  H %lld  E %lld  K %lld  dtype %s  W %lld  tokens/rank %s  "
-      "seed %llu  transport %s%s%s\n",
+      "seed %llu  transport %s  comm_alg %s%s%s\n",
       layer.name.c_str(), static_cast<long long>(layer.hidden),
       static_cast<long long>(layer.experts), static_cast<long long>(layer.top_k),
       moe_ep::dtype_name(s.dtype), static_cast<long long>(s.W), tokens_list.c_str(),
       static_cast<unsigned long long>(o.seed), transport_name(o.transport).c_str(),
-      compare ? "  --compare" : "", quant ? "  --quant int8" : "");
+      o.comm_alg.c_str(), compare ? "  --compare" : "", quant ? "  --quant int8" : "");
   std::printf("  routing: %s\n", s.routing_desc.c_str());
   print_threads_line();
   std::printf("  placement: %lld experts per rank (expert e on rank e / %lld), no shared experts\n",
@@ -298,15 +314,37 @@ void print_verification(const Verification& v, int64_t tokens) {
   std::fflush(stdout);
 }
 
+namespace {
+
+// moe-ep's bytes to other nodes and inside this one, per op; and with both comm_algs,
+// hierarchy's against fullmesh's.
+void print_node_bytes(const PointResult& pr) {
+  for (const Result& r : pr.results) {
+    if (std::isnan(r.inter_node)) continue;
+    std::printf("  %-13s %-16s bytes per rank, MB: inter-node %.3f, intra-node %.3f\n",
+                kOpNames[r.op].op, r.impl.c_str(), r.inter_node / 1e6, r.intra_node / 1e6);
+  }
+  if (std::isnan(pr.hier_bytes[0])) return;
+  print_wrapped("hierarchy / fullmesh (same run, same batch): inter-node bytes dispatch " +
+                    fmt("%.3f", pr.hier_bytes[0]) + ", combine " + fmt("%.3f", pr.hier_bytes[1]) +
+                    "; p50 dispatch " + fmt("%.3f", pr.hier_time[0]) + ", combine " +
+                    fmt("%.3f", pr.hier_time[1]),
+                4);
+}
+
+}  // namespace
+
 void print_table(const PointResult& pr, int64_t tokens) {
   std::printf(
       "tokens/rank %lld: rows sent to other ranks per rank: mean %.1f (min %.0f, max %.0f)\n",
       static_cast<long long>(tokens), pr.rows_other_mean, pr.rows_other_min, pr.rows_other_max);
-  std::printf("  %-13s %-9s %11s %9s %9s %8s %15s %14s\n", "op", "impl", "MB/rank", "p50 ms",
+  int w = 9;  // the impl column: "moe-ep/hierarchy" with both comm_algs
+  for (const Result& r : pr.results) w = std::max(w, static_cast<int>(r.impl.size()));
+  std::printf("  %-13s %-*s %11s %9s %9s %8s %15s %14s\n", "op", w, "impl", "MB/rank", "p50 ms",
               "p99 ms", "GB/s", "moe/alltoallv", "moe/textbook");
   for (const Result& r : pr.results) {
-    std::printf("  %-13s %-9s %11.3f %9.3f %9.3f %8.3f %15s %14s\n", kOpNames[r.op].op,
-                kOpNames[r.op].impl, r.bytes / 1e6, r.p50_s * 1e3, r.p99_s * 1e3, r.gbps,
+    std::printf("  %-13s %-*s %11.3f %9.3f %9.3f %8.3f %15s %14s\n", kOpNames[r.op].op, w,
+                r.impl.c_str(), r.bytes / 1e6, r.p50_s * 1e3, r.p99_s * 1e3, r.gbps,
                 ratio(r.vs_alltoallv).c_str(), ratio(r.vs_textbook).c_str());
   }
   if (!std::isnan(pr.int8_time_ratio)) {
@@ -316,6 +354,7 @@ void print_table(const PointResult& pr, int64_t tokens) {
         "each of its K copies written)\n",
         pr.int8_bytes_ratio, pr.int8_time_ratio, pr.int8_traffic_ratio);
   }
+  print_node_bytes(pr);
   std::fflush(stdout);
 }
 

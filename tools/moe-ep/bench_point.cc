@@ -132,8 +132,12 @@ std::string transport_name(const std::string& flag) {
   return env != nullptr && *env != '\0' ? std::string(env) + " ($MOE_EP_TRANSPORT)" : "shm";
 }
 
+std::string other_comm_alg(const std::string& comm_alg) {
+  return comm_alg == "hierarchy" ? "fullmesh" : "hierarchy";
+}
+
 moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicator& comm,
-                                int64_t experts) {
+                                int64_t experts, const std::string& comm_alg) {
   moe_ep::EpConfig cfg;
   cfg.group_ep = &comm;
   cfg.ep_world_size = comm.size();
@@ -141,6 +145,7 @@ moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicato
   cfg.moe_expert_num = experts;
   cfg.shared_expert_num = 0;
   cfg.transport = options.transport;
+  cfg.comm_alg = comm_alg;
   return cfg;
 }
 

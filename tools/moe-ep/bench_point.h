@@ -28,6 +28,10 @@ constexpr int64_t kTargetTokens = 512;
 constexpr double kTargetVsAlltoallv = 1.0;
 constexpr double kTargetVsTextbook = 2.0;
 constexpr double kTargetInt8Time = 0.6;
+// comm_alg hierarchy against fullmesh across nodes (issue 21): at most this fraction of the
+// inter-node bytes (fp32 partials in combine), and of the p50 time.
+constexpr double kTargetHierBytes = 0.6;
+constexpr double kTargetHierTime = 0.7;
 
 // Everything fixed for the whole sweep.
 struct Setup {
@@ -38,6 +42,11 @@ struct Setup {
   std::string routing_desc;
   int64_t W = 1, rank = 0, L = 1;
   bool gnuplot = false;
+  // Each world rank's node (named by its lowest rank, nodes.h); `alt`: the comm_alg other than
+  // --comm-alg is timed too (--compare, on two nodes or more); `hierarchy`: comm_alg hierarchy
+  // is timed (--comm-alg hierarchy, or alt).
+  std::vector<int> leaders;
+  bool alt = false, hierarchy = false;
 };
 
 // Throws moe_ep::Error(kInvalidArgument) for a layer that does not fit W ranks, sizes past the
@@ -50,9 +59,12 @@ Setup plan_bench(const BenchOptions& o, int64_t W, int64_t rank, int node_ranks)
 std::string transport_name(const std::string& flag);
 
 // The one place the benchmark builds its EpConfig: routed experts only (SPEC §1.3: (Ns, S) =
-// (0, 0)).
+// (0, 0)), with `comm_alg`.
 moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicator& comm,
-                                int64_t experts);
+                                int64_t experts, const std::string& comm_alg);
+
+// The comm_alg that is not `comm_alg`.
+std::string other_comm_alg(const std::string& comm_alg);
 
 // One point of the sweep: this rank's batch, every rank's routing and the traffic it implies.
 struct Point {

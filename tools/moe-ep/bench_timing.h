@@ -16,6 +16,7 @@
 #include "bench_point.h"
 #include "collective.h"
 #include "moe_ep/comm.h"
+#include "nodes.h"
 
 namespace moe_ep_tool::bench {
 
@@ -31,6 +32,8 @@ enum Op {
   kTbDispatch,
   kTbCombine,
   kMemcpy,
+  kAltDispatch,  // moe-ep with the other comm_alg (Setup::alt)
+  kAltCombine,
   kOps,
 };
 
@@ -42,15 +45,25 @@ constexpr OpName kOpNames[kOps] = {
     {"dispatch", "moe-ep"},    {"combine", "moe-ep"},    {"dispatch-int8", "moe-ep"},
     {"dispatch", "alltoallv"}, {"combine", "alltoallv"}, {"dispatch-int8", "alltoallv"},
     {"dispatch", "textbook"},  {"combine", "textbook"},  {"copy", "memcpy"},
+    {"dispatch", "moe-ep"},    {"combine", "moe-ep"},
 };
+
+// The implementation an op times, as reports name it: kOpNames' impl, with moe-ep's comm_alg
+// ("moe-ep/hierarchy") when both algorithms are timed.
+std::string impl_name(Op op, const std::string& comm_alg, bool alt);
 
 struct Result {
   int64_t tokens = 0;
   Op op = kMoeDispatch;
+  std::string impl;  // impl_name(op, ...)
   double bytes = 0;  // per rank, mean over ranks
   double p50_s = 0, p99_s = 0;
   double gbps = 0;
   double vs_alltoallv = kNaN, vs_textbook = kNaN;  // baseline p50 / moe-ep p50
+  // moe-ep's ops: what the first timed call moved to ranks of other nodes and of this one
+  // (Communicator::traffic: messages and window stores and loads, metadata included), bytes per
+  // rank, mean over ranks; NaN for the baselines.
+  double inter_node = kNaN, intra_node = kNaN;
 };
 
 struct Target {
@@ -70,10 +83,13 @@ struct PointResult {
   // once (bf16) and each of its K copies written (H + 4 bytes against 2H): the time ratio the
   // memory system allows, above bytes_ratio.
   double int8_traffic_ratio = kNaN;
+  // With both comm_algs: hierarchy's over fullmesh's, inter-node bytes and p50 (dispatch,
+  // combine).
+  double hier_bytes[2] = {kNaN, kNaN}, hier_time[2] = {kNaN, kNaN};
 };
 
 // Collective. The results on rank 0 (empty elsewhere).
-PointResult time_point(const BenchOptions& o, const Point& p, moe_ep::Communicator& comm,
-                       bool compare, bool quant, Watchdog& dog);
+PointResult time_point(const BenchOptions& o, const Setup& s, const Point& p,
+                       moe_ep::Communicator& comm, bool compare, bool quant, Watchdog& dog);
 
 }  // namespace moe_ep_tool::bench

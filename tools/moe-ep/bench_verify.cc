@@ -43,13 +43,19 @@ bool same_values(DType dtype, const void* a, const void* b, int64_t n, int64_t* 
 class Verifier {
  public:
   Verifier(const BenchOptions& o, const Point& p, moe_ep::Communicator& comm, Watchdog& dog)
-      : o_(o), p_(p), cfg_(make_ep_config(o, comm, p.E)), dog_(dog), din_(p.dispatch_inputs()) {}
+      : o_(o),
+        p_(p),
+        comm_(comm),
+        cfg_(make_ep_config(o, comm, p.E, "fullmesh")),
+        dog_(dog),
+        din_(p.dispatch_inputs()) {}
 
   void dispatch_layout();
   void combine_reference();
   void textbook();
   void alltoallv();
   void int8();
+  void hierarchy();
   Verification& result() { return v_; }
 
  private:
@@ -59,6 +65,7 @@ class Verifier {
 
   const BenchOptions& o_;
   const Point& p_;
+  moe_ep::Communicator& comm_;
   const moe_ep::EpConfig cfg_;
   Watchdog& dog_;
   moe_ep::DispatchInputs din_;
@@ -67,6 +74,7 @@ class Verifier {
   moe_ep::DispatchOutputs d_;
   int64_t valid_ = 0;  // the rows dispatch_v2 delivered
   Tensor y_, out_;     // the scale experts' outputs (expand_x's layout), combine_v2's output
+  Batch local_;        // this rank's tokens and routing, for the references
 };
 
 void Verifier::fail(Check c, int64_t count, const std::string& what) {
@@ -123,18 +131,17 @@ void Verifier::combine_reference() {
     }
   }
   out_ = moe_ep::combine_v2(combine_inputs(din_, d_, y_), cfg_);
-  Batch local;
-  local.tokens = BS;
-  local.hidden = H;
-  local.top_k = K;
-  local.dtype = p_.dtype;
-  local.x.assign(p_.x(), p_.x() + BS * rb);
-  local.expert_ids.assign(p_.ids(), p_.ids() + BS * K);
-  local.expert_scales = p_.scales;
+  local_.tokens = BS;
+  local_.hidden = H;
+  local_.top_k = K;
+  local_.dtype = p_.dtype;
+  local_.x.assign(p_.x(), p_.x() + BS * rb);
+  local_.expert_ids.assign(p_.ids(), p_.ids() + BS * K);
+  local_.expert_scales = p_.scales;
   LayerSpec spec;
   spec.experts = p_.E;
   ExpertBank ref_bank(ExpertFn::kScale, o_.seed, p_.E, H, 1);
-  const Reference ref = dense_reference(local, spec, ExpertFn::kScale, ref_bank);
+  const Reference ref = dense_reference(local_, spec, ExpertFn::kScale, ref_bank);
   const std::byte* out = static_cast<const std::byte*>(out_.data());
   const CheckResult c = compare_outputs(std::vector<std::byte>(out, out + out_.nbytes()), ref,
                                         p_.dtype, ExpertFn::kScale);
@@ -247,6 +254,37 @@ void Verifier::int8() {
   }
 }
 
+// comm_alg hierarchy on the same batch: expand_x (every valid row) bitwise fullmesh's, and the
+// combine of the same expert outputs within SPEC §3's bound of the reference.
+void Verifier::hierarchy() {
+  const int64_t H = p_.H, rb = p_.row_bytes;
+  const moe_ep::EpConfig cfg = make_ep_config(o_, comm_, p_.E, "hierarchy");
+  const moe_ep::DispatchOutputs d = moe_ep::dispatch_v2(din_, cfg);
+  const int64_t valid = d.ep_recv_counts.ptr<int32_t>()[p_.W * p_.L - 1];
+  v_.total[kCheckHierarchy] = valid_ + p_.BS * H;
+  if (valid != valid_ || (valid > 0 && std::memcmp(d.expand_x.data(), expand_x(),
+                                                   static_cast<size_t>(valid * rb)) != 0)) {
+    fail(kCheckHierarchy, std::max<int64_t>(1, valid),
+         "dispatch_v2 with comm_alg hierarchy delivered other rows than fullmesh (" +
+             std::to_string(valid) + " rows against " + std::to_string(valid_) + ")");
+    return;
+  }
+  const Tensor out = moe_ep::combine_v2(combine_inputs(din_, d, y_), cfg);
+  LayerSpec spec;
+  spec.experts = p_.E;
+  spec.hierarchy = true;
+  ExpertBank bank(ExpertFn::kScale, o_.seed, p_.E, H, 1);
+  const Reference ref = dense_reference(local_, spec, ExpertFn::kScale, bank);
+  const std::byte* o = static_cast<const std::byte*>(out.data());
+  const CheckResult c =
+      compare_outputs(std::vector<std::byte>(o, o + out.nbytes()), ref, p_.dtype, ExpertFn::kScale);
+  if (!c.pass)
+    fail(kCheckHierarchy, std::max<int64_t>(1, c.mismatches),
+         "combine_v2 with comm_alg hierarchy is outside SPEC §3's bound in " +
+             std::to_string(c.mismatches) + " elements (max abs err " + fmt("%.3g", c.max_abs) +
+             ")");
+}
+
 }  // namespace
 
 const char* check_description(Check check) {
@@ -258,6 +296,8 @@ const char* check_description(Check check) {
       "alltoallv moved the same rows (rows)",
       "alltoallv brought them back unchanged (rows)",
       "quant_mode 2 int8 rows and dynamic_scales == SPEC §1.5 (rows)",
+      "comm_alg hierarchy: expand_x == fullmesh's (rows), combine within SPEC §3's bound "
+      "(elements)",
   };
   return kWhat[check];
 }
@@ -268,8 +308,8 @@ int64_t Verification::failed() const {
   return n;
 }
 
-Verification verify(const BenchOptions& o, const Point& p, moe_ep::Communicator& comm, bool compare,
-                    bool quant, Watchdog& dog) {
+Verification verify(const BenchOptions& o, const Setup& s, const Point& p,
+                    moe_ep::Communicator& comm, bool compare, bool quant, Watchdog& dog) {
   Verifier checks(o, p, comm, dog);
   checks.dispatch_layout();
   checks.combine_reference();
@@ -278,6 +318,7 @@ Verification verify(const BenchOptions& o, const Point& p, moe_ep::Communicator&
     checks.alltoallv();
   }
   if (quant) checks.int8();
+  if (s.hierarchy) checks.hierarchy();
   Verification& v = checks.result();
   guarded(dog, "the verification summary", [&] {
     MPI_Allreduce(MPI_IN_PLACE, v.failures, kChecks, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);

@@ -26,6 +26,7 @@ enum Check {
   kCheckA2aDispatch,  // alltoallv blocks vs expand_x blocks
   kCheckA2aCombine,   // alltoallv round trip
   kCheckInt8,         // quant_mode 2 rows and scales vs SPEC §1.5
+  kCheckHierarchy,    // comm_alg hierarchy: expand_x vs fullmesh's, combine vs SPEC §3's bound
   kChecks,
 };
 
@@ -40,7 +41,9 @@ struct Verification {
 };
 
 // Collective. The first mismatch of each check is described on stderr by the rank that saw it.
-Verification verify(const BenchOptions& o, const Point& p, moe_ep::Communicator& comm, bool compare,
-                    bool quant, Watchdog& dog);
+// The checks run fullmesh's ops; with s.hierarchy, hierarchy's are checked against them and
+// against SPEC §3's bound too.
+Verification verify(const BenchOptions& o, const Setup& s, const Point& p,
+                    moe_ep::Communicator& comm, bool compare, bool quant, Watchdog& dog);
 
 }  // namespace moe_ep_tool::bench

@@ -334,6 +334,13 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
                    "copy) or mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. The "
                    "baselines always use plain MPI")
       ->check(CLI::IsMember({"mpi", "shm"}));
+  bench
+      ->add_option("--comm-alg", o.comm_alg,
+                   "comm_alg of moe-ep's ops: fullmesh (default) or hierarchy (SPEC §3: a token "
+                   "crosses once per destination node, to a relay there); with --compare on two "
+                   "nodes or more the other is timed too, on the same batch, and the bytes and "
+                   "times of the two compared")
+      ->check(CLI::IsMember({"fullmesh", "hierarchy"}));
   bench->add_option("--csv", o.csv, "write one row per (tokens, op, impl) as CSV");
   bench->add_option("--json", o.json,
                     "write the configuration, rules, results and targets as JSON");

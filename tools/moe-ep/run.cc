@@ -15,6 +15,7 @@
 #include "common.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/error.h"
+#include "nodes.h"
 #include "progress.h"
 #include "reference.h"
 #include "run_layer.h"
@@ -48,52 +49,6 @@ Groups make_groups(const RunOptions& o, int rank) {
   MPI_Comm_free(&ep);
   MPI_Comm_free(&tp);
   return g;
-}
-
-// The ranks of MPI_COMM_WORLD that share this machine (for the memory check). Collective.
-std::vector<int> ranks_on_this_machine(int rank) {
-  MPI_Comm node;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-  int n = 1;
-  MPI_Comm_size(node, &n);
-  std::vector<int> ranks(static_cast<size_t>(n));
-  MPI_Request request;
-  MPI_Iallgather(&rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, node, &request);
-  wait_idle(&request, "the count of the ranks on this machine");
-  MPI_Comm_free(&node);
-  return ranks;
-}
-
-// Each world rank's node, named by its lowest world rank: the ranks of its machine (`machine`,
-// increasing), in runs of $MOE_EP_SHM_NODE_RANKS when set (checked before: the nodes of comm_alg
-// "hierarchy"). Collective.
-std::vector<int> node_leaders(int rank, const std::vector<int>& machine) {
-  int n = static_cast<int>(machine.size());
-  if (const char* v = std::getenv("MOE_EP_SHM_NODE_RANKS"); v != nullptr && *v != '\0')
-    n = std::max(1, std::atoi(v));
-  const auto at = std::find(machine.begin(), machine.end(), rank) - machine.begin();
-  int leader = machine[static_cast<std::size_t>(at / n * n)];
-  int world = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  std::vector<int> all(static_cast<std::size_t>(world));
-  MPI_Request request;
-  MPI_Iallgather(&leader, 1, MPI_INT, all.data(), 1, MPI_INT, MPI_COMM_WORLD, &request);
-  wait_idle(&request, "the gather of the nodes");
-  return all;
-}
-
-// Bytes of `t` to ranks of other nodes (inter) and of this one (intra), by node leader.
-void split_traffic(const Layer& layer, const moe_ep::Traffic& t, const std::vector<int>& leaders,
-                   int rank, double& inter, double& intra) {
-  inter = intra = 0;
-  for (std::size_t e = 0; e < t.message_bytes.size(); ++e) {
-    const int peer = layer.world_rank_of(static_cast<int64_t>(e));
-    if (peer == rank) continue;
-    const double bytes = static_cast<double>(t.message_bytes[e] + t.window_bytes[e]);
-    (leaders[static_cast<std::size_t>(peer)] == leaders[static_cast<std::size_t>(rank)] ? intra
-                                                                                        : inter) +=
-        bytes;
-  }
 }
 
 // Runs `write`; an Error it throws is thrown again with "moe-ep run: <flag>: " in front, so a
@@ -175,9 +130,9 @@ Gathered run_layer(const RunOptions& o, const Plan& plan, const LocalBatch& batc
   progress.phase("gathering the results on rank 0");
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  double bytes[4];
-  split_traffic(layer, layer.dispatch_traffic(), leaders, rank, bytes[0], bytes[1]);
-  split_traffic(layer, layer.combine_traffic(), leaders, rank, bytes[2], bytes[3]);
+  const auto world_rank_of = [&](int64_t e) { return layer.world_rank_of(e); };
+  const NodeBytes d = split_traffic(layer.dispatch_traffic(), world_rank_of, leaders, rank);
+  const NodeBytes c = split_traffic(layer.combine_traffic(), world_rank_of, leaders, rank);
   const RankStats mine{batch.route_s,
                        t.dispatch_s,
                        t.experts_s,
@@ -186,10 +141,10 @@ Gathered run_layer(const RunOptions& o, const Plan& plan, const LocalBatch& batc
                        static_cast<double>(layer.valid_rows()),
                        static_cast<double>(layer.sent_other_rows()),
                        static_cast<double>(layer.received_other_rows()),
-                       bytes[0],
-                       bytes[1],
-                       bytes[2],
-                       bytes[3]};
+                       d.inter,
+                       d.intra,
+                       c.inter,
+                       c.intra};
   Gathered g;
   g.stats = gather_values(std::vector<RankStats>{mine}, "the gather of the statistics");
   g.warm = median_of_max(gather_values(warm_dispatch, "the gather of the warm times"),
