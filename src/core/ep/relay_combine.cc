@@ -93,7 +93,8 @@ std::shared_ptr<std::vector<RelayEntry>> entries_on(Combine& c, int n) {
   return out;
 }
 
-// Where the blocks this rank holds for the sources relay `g` of its node serves lie (Relay::layout).
+// Where the blocks this rank holds for the sources relay `g` of its node serves lie
+// (Relay::layout).
 std::shared_ptr<std::vector<int64_t>> layout_for_relay(const Combine& c, int g, int N) {
   const int64_t L = c.L;
   auto v = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(2 * N * L), 0);
@@ -277,8 +278,8 @@ struct OwnerRows {
     if (d == c.me) return own_row(c, at);
     const Where& w = c.where[d];
     traffic.window_bytes[c.peers()[d]] += c.wire_row + (c.cq ? 4 : 0);
-    return c.shm->link(c.peers()[d])->place(static_cast<int>(w.gen), w.rows + at * w.stride,
-                                            c.wire_row);
+    return c.shm->link(c.peers()[d])
+        ->place(static_cast<int>(w.gen), w.rows + at * w.stride, c.wire_row);
   }
   float scale(int g, int64_t j) const {
     if (!c.cq) return 0.0f;
@@ -288,8 +289,8 @@ struct OwnerRows {
     if (d == c.me) return c.qscales[at];
     float v;
     std::memcpy(&v,
-                c.shm->link(c.peers()[d])->place(static_cast<int>(c.where[d].gen),
-                                                 c.where[d].extra + at * 4, 4),
+                c.shm->link(c.peers()[d])
+                    ->place(static_cast<int>(c.where[d].gen), c.where[d].extra + at * 4, 4),
                 4);
     return v;
   }
@@ -462,7 +463,8 @@ void exchange_partials(Combine& c, Relay& r) {
     if (T == 0) continue;
     c.partials[n] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * prow}));
     ex.keep_alive(c.partials[n]);
-    if (c.cq) c.partial_scales[n] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
+    if (c.cq)
+      c.partial_scales[n] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
     if (c.cq) ex.keep_alive(c.partial_scales[n]);
     for (int64_t t = 0; t < T; t += chunk) {
       const int64_t k = std::min(chunk, T - t);

@@ -209,8 +209,8 @@ void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
   if (!c.slot) return;
   for (int q = c.me / c.G * c.G; q < (c.me / c.G + 1) * c.G; ++q)  // every other relay here
     if (q != c.me)
-      c.shm->link(c.peers()[q])->expect_announce(ex, rx.announced->data() + 2 * c.W + q,
-                                                 kTagRelayMeta);
+      c.shm->link(c.peers()[q])
+          ->expect_announce(ex, rx.announced->data() + 2 * c.W + q, kTagRelayMeta);
 }
 
 namespace {
@@ -294,8 +294,8 @@ CopyPlan plan_copies(const Dispatch& c, int s, const std::vector<RelayMeta>& met
           cp.dst[q] = c.out.expand_x.ptr<char>() + (c.recv().block_offset[b] + q - r) * rb;
         } else {
           const int64_t row = c.p->relay_block_row[d][m * c.sh.pl.local_experts(d) + l] + q - r;
-          cp.dst[q] = c.shm->link(c.peers()[d])->place(static_cast<int>(c.where[d].gen),
-                                                       c.where[d].rows + row * rb, rb);
+          cp.dst[q] = c.shm->link(c.peers()[d])
+                          ->place(static_cast<int>(c.where[d].gen), c.where[d].rows + row * rb, rb);
         }
       }
     });
@@ -319,7 +319,7 @@ void send_relayed(Dispatch& c, Exchange& ex, RowsPhase& rx, int s, const CopyPla
     });
     ex.keep_alive(rows_meta);
     message_links(c.comm)[c.peers()[d]]->put_block(ex, rows_meta->data(), end - j, rx.meta_type,
-                                            kTagRelayMeta);
+                                                   kTagRelayMeta);
     return;
   }
   const Link& link = *c.shm->link(c.peers()[d]);
