@@ -211,6 +211,12 @@ void Exchange::wait() {
          ": ", mpi_failure);
 }
 
+void Exchange::progress() const {
+  int flag = 0;
+  check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_.mpi_comm(), &flag, MPI_STATUS_IGNORE),
+            op_, "MPI_Iprobe");
+}
+
 void Exchange::add_recv_wait_us(int64_t* per_peer) const {
   std::vector<std::pair<int, int64_t>> last;  // (peer, latest completion)
   for (const Posted& p : posted_) {

@@ -69,6 +69,11 @@ class Exchange {
   // OpenMPI's single-copy path may already have written past the buffer).
   void wait();
 
+  // Lets MPI move what is posted (this exchange's and any other's) while the caller computes
+  // between posting and wait(): OpenMPI progresses its transports (TCP, rendezvous) only inside
+  // MPI calls. Completes nothing on its own; wait() still waits for every request.
+  void progress() const;
+
   // After wait(): the status of the i-th receive posted (0-based, in posting order).
   const MPI_Status& recv_status(int i) const;  // Error(kInternal) when there is no such receive
 

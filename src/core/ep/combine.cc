@@ -666,6 +666,7 @@ void move_all_rows(Combine& c) {
       throw;
     }
     source_error = e;
+    c.meanwhile = nullptr;  // its rows are not located
   }
   if (c.G > 0) try {
       relay_partials(c);
@@ -701,7 +702,6 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
     return out;
   }
   plan_layout(c);
-  move_all_rows(c);
   CombineSum sum;
   sum.in = &in;
   sum.mask = c.mask;
@@ -709,15 +709,31 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   sum.zero = cfg.zero_expert_num;
   sum.copy = cfg.copy_expert_num;
   sum.consts = cfg.const_expert_num;
-  sum.yrow = c.yrow.data();
-  sum.yscale = c.cq ? c.yscale.data() : nullptr;
   sum.out = c.out.ptr<char>();
+  NodePartials np;
+  std::vector<float> own;  // hierarchy: this node's partials, while the others' travel
   if (c.G > 0) {
-    NodePartials np;
     np.G = c.G;
     np.node = c.me / c.G;
     np.int8 = c.cq;
     np.rank = c.me;
+    c.meanwhile = [&](const std::function<void()>& progress) {
+      sum.yrow = c.yrow.data();
+      sum.yscale = c.cq ? c.yscale.data() : nullptr;
+      const int64_t H = c.sh.H,
+                    slice = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(H, 1));
+      own.resize(static_cast<std::size_t>(c.sh.BS * H));
+      for (int64_t i = 0; i < c.sh.BS; i += slice) {
+        own_node_partials(sum, np, i, std::min(c.sh.BS, i + slice), own.data());
+        progress();
+      }
+      np.own = own.data();
+    };
+  }
+  move_all_rows(c);
+  sum.yrow = c.yrow.data();
+  sum.yscale = c.cq ? c.yscale.data() : nullptr;
+  if (c.G > 0) {
     for (int n = 0; n < c.W / c.G; ++n) {
       np.tokens.push_back(&c.node_tokens[n]);
       np.rows.push_back(c.partials[n] ? c.partials[n]->ptr<char>() : nullptr);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -91,6 +92,9 @@ struct Combine {
   std::vector<std::vector<int32_t>> node_tokens;
   std::vector<std::shared_ptr<Tensor>> partials;
   std::vector<std::shared_ptr<std::vector<float>>> partial_scales;
+  // Run while the partials are on the wire (this node's own partials), given a function that
+  // lets MPI progress between its slices; empty: nothing.
+  std::function<void(const std::function<void()>& progress)> meanwhile;
 
   Combine(const CombineInputs& i, const EpConfig& c, const Communicator& m)
       : in(i), cfg(c), comm(m), world(whole_world(m)) {}

@@ -178,6 +178,18 @@ void own_node_partial(const CombineSum& a, const NodePartials& np, int64_t i, fl
 
 }  // namespace
 
+void own_node_partials(const CombineSum& a, const NodePartials& np, int64_t first, int64_t last,
+                       float* own) {
+  const int64_t H = a.sh->H;
+  const Activity act{&a.in->expert_ids, a.mask};
+  parallel(threads_if((last - first) * H > (1 << 16)), [&] {
+    std::vector<float> c(static_cast<std::size_t>(H));
+#pragma omp for schedule(static)
+    for (int64_t i = first; i < last; ++i)
+      if (act.token(i)) own_node_partial(a, np, i, own + i * H, c.data());
+  });
+}
+
 void combine_sum_nodes(const CombineSum& a, const NodePartials& np) {
   const EpShape& sh = *a.sh;
   const CombineInputs& in = *a.in;
@@ -200,8 +212,9 @@ void combine_sum_nodes(const CombineSum& a, const NodePartials& np) {
       if (act.token(i)) {
         for (int64_t n = 0; n < N; ++n) {
           if (n == np.node) {
-            own_node_partial(a, np, i, p.data(), c.data());
-            add_row_f32(acc.data(), p.data(), DType::kF32, H);
+            const float* own = np.own ? np.own + i * H : p.data();
+            if (!np.own) own_node_partial(a, np, i, p.data(), c.data());
+            add_row_f32(acc.data(), own, DType::kF32, H);
             continue;
           }
           const int32_t j = where[n][i];

@@ -40,8 +40,14 @@ struct NodePartials {
   std::vector<const std::vector<int32_t>*> tokens;
   std::vector<const char*> rows;
   std::vector<const float*> scales;
+  // This node's partials (BS, H) by own_node_partials, computed while the others' were on the
+  // wire; null: computed here.
+  const float* own = nullptr;
 };
 void combine_sum_nodes(const CombineSum& a, const NodePartials& np);
+// This node's partial of each active token in [first, last) to own + i * H (fp32).
+void own_node_partials(const CombineSum& a, const NodePartials& np, int64_t first, int64_t last,
+                       float* own);
 
 // A relay's partial of one token of one source for its node (SPEC §3): p = 0, then for each of the
 // token's rows on the node in flat (slot) order, p += w * y (a MoE slot, slot < K) or p += y (a

@@ -490,8 +490,10 @@ void exchange_partials(Combine& c, Relay& r) {
       sum_partials(c, p, t, t + k, rows->ptr<char>() + t * prow, scales->data() + t);
       to.put_block(ex, rows->ptr<char>() + t * prow, k, row, kTagRelayPartial);
       if (c.cq) to.post(ex, scales->data() + t, to_int(k), MPI_FLOAT, kTagRelayPartial);
+      ex.progress();
     }
   }
+  if (c.meanwhile) c.meanwhile([&] { ex.progress(); });
   ex.wait();
   for (int n = 0; n < r.N; ++n)
     if (status[n]) check_partials(c, n, *status[n]);
