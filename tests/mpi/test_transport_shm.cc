@@ -455,6 +455,9 @@ struct GrowthInputs {
     cfg.ep_rank_id = rank;
     cfg.moe_expert_num = 2 * W;
     cfg.transport = "shm";
+    // ctest mpi_tests_hierarchy.*: the relays' windows and, for the holder without a slot,
+    // their messages.
+    if (const char* alg = std::getenv("MOE_EP_TEST_COMM_ALG")) cfg.comm_alg = alg;
   }
   DispatchOutputs dispatch() const {
     DispatchInputs din;
