@@ -721,7 +721,7 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
       sum.yrow = c.yrow.data();
       sum.yscale = c.cq ? c.yscale.data() : nullptr;
       const int64_t H = c.sh.H,
-                    slice = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(H, 1));
+                    slice = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(H, 1));
       own.resize(static_cast<std::size_t>(c.sh.BS * H));
       for (int64_t i = 0; i < c.sh.BS; i += slice) {
         own_node_partials(sum, np, i, std::min(c.sh.BS, i + slice), own.data());
