@@ -38,7 +38,8 @@ struct BenchOptions {
   // none, int8: also time dispatch_v2 with quant_mode 2; empty: int8 with --compare (its targets
   // include int8's), else none.
   std::string quant;
-  std::string transport;  // EpConfig::transport: "" ($MOE_EP_TRANSPORT, else shm), shm, mpi
+  std::string transport;    // EpConfig::transport: "" ($MOE_EP_TRANSPORT, else shm), shm, mpi
+  bool exact_size = false;  // EpConfig::exact_size
   std::string csv, json, plot;
   std::optional<double> timeout_s;
   bool debug_corrupt_baseline = false;  // test hook: flips one byte of the textbook's expand_x

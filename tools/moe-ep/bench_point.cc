@@ -141,6 +141,7 @@ moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicato
   cfg.moe_expert_num = experts;
   cfg.shared_expert_num = 0;
   cfg.transport = options.transport;
+  cfg.exact_size = options.exact_size;
   return cfg;
 }
 

@@ -50,7 +50,7 @@ Setup plan_bench(const BenchOptions& o, int64_t W, int64_t rank, int node_ranks)
 std::string transport_name(const std::string& flag);
 
 // The one place the benchmark builds its EpConfig: routed experts only (SPEC §1.3: (Ns, S) =
-// (0, 0)).
+// (0, 0)), --transport and --exact-size.
 moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicator& comm,
                                 int64_t experts);
 
