@@ -229,8 +229,9 @@ struct DispatchInputs {
   // for consistency (kInvalidArgument naming the element). See "Scale-in" above. SPEC §1.7.
   std::optional<TensorView> elastic_info;
   // [in/out] int64 (W,), contiguous: for each group_ep rank p, the microseconds this rank waited
-  // for p's data (header, counts and rows phases: from the start of each phase's wait until p's
-  // last message of that phase arrived) are ADDED to performance_info[p]; never zeroed. SPEC §1.8.
+  // for p's data (header, counts and rows phases, and "exact sizes" with EpConfig::exact_size:
+  // from the start of each phase's wait until p's last message of that phase arrived) are ADDED
+  // to performance_info[p]; never zeroed. SPEC §1.8.
   std::optional<TensorView> performance_info;
   // 0: rows travel in x's dtype. 2: dynamic per-row int8 (SPEC §1.5): every (token,
   // destination) copy, shared-expert copies included, is xf = fp32(x_row) (* scales row),
