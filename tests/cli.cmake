@@ -74,6 +74,10 @@ cli_roundtrip(olmoe_scale_uneven 2 "4 1" 64 "--expert-fn scale --hidden 64 --tok
 cli_roundtrip(mixtral_scale_fp16 2 "1" 8 "--preset mixtral-8x7b --expert-fn scale --dtype fp16 --tokens 6")
 cli_roundtrip(olmoe_scale_fp32_gate 4 "2" 64
               "--expert-fn scale --dtype fp32 --routing gate --hidden 128 --tokens 3")
+# --exact-size (EpConfig::exact_size) when saving: the default mode at 4 and 1 ranks reproduces
+# its output byte for byte.
+cli_roundtrip(olmoe_scale_exact_size 2 "4 1" 64 "--expert-fn scale --hidden 64 --tokens 5"
+              "--exact-size")
 
 # Bad expert_ids reach dispatch_v2 unvalidated by the tool; it must fail fast on every rank with
 # its message naming expert_ids, the value and the bound.
@@ -181,6 +185,14 @@ cli_expect_usage_error(combination "--comm-quant int8 cannot be combined with --
                        "run --tp 2 --comm-quant int8")
 cli_expect_usage_error(hierarchy_tp "--comm-alg hierarchy cannot be combined with --tp 2"
                        "run --tp 2 --comm-alg hierarchy")
+cli_expect_usage_error(exact_size_tp "--exact-size cannot be combined with --tp 2"
+                       "run --tp 2 --exact-size")
+# --exact-size with shared-expert ranks, a 2-D mask and int8 rows: checked against the dense
+# reference like the default, and named in the header.
+cli_expect_output(run.exact_size
+                  "moe-ep run: .*quant int8.*exact-size.*\nPASS: "
+                  "${_mpi} -n 3 --oversubscribe ${_exe} run --exact-size --expert-fn scale --tokens 12 --hidden 64 --shared-experts 1 --shared-expert-ranks 1 --mask entries --quant int8"
+                  PROCESSORS 3)
 # --version and --help print once (rank 0) and exit 0.
 cli_expect_output(version "^moe-ep ${PROJECT_VERSION}\n$"
                   "${_mpi} -n 2 --oversubscribe ${_exe} --version" PROCESSORS 2)
@@ -664,6 +676,14 @@ add_test(NAME cli.bench.transport_mpi
                  --hidden 64 --iters 2 --warmup 0 --compare)
 set_tests_properties(cli.bench.transport_mpi PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
   TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  comm_alg fullmesh  --compare  --quant int8\n.*verified\n.*verified\n"
+  FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
+# --exact-size: moe-ep's outputs sized to the rows received, verified like the default, named
+# in the header line; the peak RSS line follows.
+add_test(NAME cli.bench.exact_size
+         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --exact-size --tokens 8,16
+                 --hidden 64 --iters 2 --warmup 0 --quant int8)
+set_tests_properties(cli.bench.exact_size PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
+  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "transport shm  comm_alg fullmesh  --exact-size  --quant int8\n.*verified\n.*verified\n.*peak RSS per rank \\(VmHWM, whole run\\): min"
   FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
 # --compare times int8 dispatch too unless --quant none: the issue's targets include it.
 add_test(NAME cli.bench.compare_times_int8

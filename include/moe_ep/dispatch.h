@@ -139,6 +139,24 @@ struct EpConfig {
   // "Shared-memory transport" below for when a call still uses MPI and for the lifetime of
   // expand_x.
   std::string transport;
+  // Output sizes (not a SPEC argument; SPEC §1.4 defines A). false (default): dispatch_v2's
+  // row-indexed outputs have SPEC §1.4's worst-case sizes, A = G * min(L, K) rows (which grows
+  // with W at a fixed BS), and the shared-memory window holds that many rows per output. true:
+  // sized to the rows this rank actually receives, valid = ep_recv_counts[W*L-1], as DeepEP's
+  // normal mode does: expand_x (valid, H), dynamic_scales, expand_scales (valid,),
+  // assist_info_for_combine (3 * valid,), and a window slot of valid rows; the other outputs
+  // keep their SPEC sizes. The valid rows and every other value are bitwise those of false
+  // (docs/design.md, "Exact-size outputs"). A dispatch_v2 without a handle then agrees once more
+  // after its counts phase (phase "exact sizes": the outputs are sized there, and a failure there
+  // reaches every rank); a cached dispatch (DispatchInputs::handle) sizes them up front.
+  // combine_v2 with true accepts assist_info_for_combine of at least 3 * valid entries (false: it
+  // must be SPEC's max(BS*K, A*128)); expand_x needs at least the valid rows either way.
+  // DispatchBuffers given to dispatch_v2 with true must hold at least the rows the call writes
+  // (kInvalidArgument on every rank otherwise, after the counts phase); the outputs view their
+  // first rows. Must be equal on all ranks (kInvalidArgument on every rank otherwise).
+  // kUnsupported with tp_world_size 2 (the TP peer's rows would have to be known before the
+  // EP exchange).
+  bool exact_size = false;
   // Special experts (SPEC §2.2), Z, C, Q >= 0, E+Z+C+Q < 2^31-1: ids [E, E+Z) zero experts,
   // [E+Z, E+Z+C) copy experts, [E+Z+C, E+Z+C+Q) const experts. Never sent; combine_v2 evaluates
   // them locally. K <= E+Z+C+Q.
@@ -180,7 +198,11 @@ class MOE_EP_API DispatchHandle {
 // buffers, `DispatchBuffers b = buffers_of(first);` then `in.out = &b;` on every call.
 // The views must not overlap an input (x, expert_ids, expert_scales, scales, x_active_mask) or
 // each other. Errors: kInvalidArgument "dispatch_v2: out.expand_scales is fp32[8] but this call
-// writes fp32[12]", a non-contiguous view, an overlap, dynamic_scales with quant_mode 0.
+// writes fp32[12]", a non-contiguous view, an overlap, dynamic_scales with quant_mode 0. With
+// EpConfig::exact_size, expand_x, dynamic_scales, expand_scales and assist_info_for_combine may
+// hold more rows than the call writes (the outputs view their first ones), not fewer: a view too
+// small is kInvalidArgument on this rank (kRemote on the others), raised after the counts phase
+// (the sizes are known only then) unless the call is a cached dispatch.
 struct DispatchBuffers {
   std::optional<TensorView> expand_x, dynamic_scales, assist_info_for_combine, expert_token_nums,
       ep_recv_counts, tp_recv_counts, expand_scales;
@@ -207,8 +229,9 @@ struct DispatchInputs {
   // for consistency (kInvalidArgument naming the element). See "Scale-in" above. SPEC §1.7.
   std::optional<TensorView> elastic_info;
   // [in/out] int64 (W,), contiguous: for each group_ep rank p, the microseconds this rank waited
-  // for p's data (header, counts and rows phases: from the start of each phase's wait until p's
-  // last message of that phase arrived) are ADDED to performance_info[p]; never zeroed. SPEC §1.8.
+  // for p's data (header, counts and rows phases, and "exact sizes" with EpConfig::exact_size:
+  // from the start of each phase's wait until p's last message of that phase arrived) are ADDED
+  // to performance_info[p]; never zeroed. SPEC §1.8.
   std::optional<TensorView> performance_info;
   // 0: rows travel in x's dtype. 2: dynamic per-row int8 (SPEC §1.5): every (token,
   // destination) copy, shared-expert copies included, is xf = fp32(x_row) (* scales row),
@@ -236,7 +259,9 @@ struct DispatchInputs {
 
 // SPEC §1.4. A = G * min(L, K) on a MoE rank, (G / W) * ceil(W / (S / Ns)) on a shared-expert
 // rank, with G = global_bs, or BS * W when global_bs is 0; L = local experts of this rank
-// (E / (W - S) on a MoE rank, 1 on a shared-expert rank). On a shared-expert rank the rows form
+// (E / (W - S) on a MoE rank, 1 on a shared-expert rank). With EpConfig::exact_size, read
+// "valid" (ep_recv_counts[W*L-1]) for "max(1,T)*A" below, assist_info_for_combine is
+// (3 * valid,), and nothing lies past the valid rows. On a shared-expert rank the rows form
 // one block per source rank, in rank order, holding that sender's active tokens in order.
 // All outputs are contiguous and owned by the returned Tensors (they live as long as any copy),
 // except those written into the caller's memory (DispatchInputs::out), which they only view.
@@ -284,7 +309,8 @@ struct CombineInputs {
                                        //      and H must be equal on all ranks
   TensorView expert_ids;               // [in] (BS, K) int32: the same as given to dispatch_v2
                                        //      (other ids: Error(kInvalidArgument) on this rank)
-  TensorView assist_info_for_combine;  // [in] from dispatch_v2, (max(BS*K, A*128),) int32; the
+  TensorView assist_info_for_combine;  // [in] from dispatch_v2, (max(BS*K, A*128),) int32
+                                       //      (EpConfig::exact_size: at least 3 * valid); the
                                        //      source rank of each valid row is checked
   TensorView ep_send_counts;           // [in] dispatch_v2's ep_recv_counts, (W*L*max(1,T),) int32
   TensorView expert_scales;            // [in] (BS, K) fp32 top-K weights, any strides
@@ -354,6 +380,8 @@ MOE_EP_API Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg);
 // before any call (a size query: plan memory, and size the shared-memory window up front with
 // CommOptions::shm_window_bytes so that no call has to grow it). All in bytes.
 struct DispatchWorkspace {
+  // EpConfig::exact_size: every size below is the most a call takes (a call's row outputs and
+  // slot hold its valid rows, at most A), and assist_info_for_combine counts 3 entries per row.
   int64_t recv_rows = 0;       // A (SPEC §1.4); expand_x has max(1,T)*A rows (2A with T = 2)
   int64_t expand_x_bytes = 0;  // max(1,T)*A x H x (1 with quant_mode 2, else x's element size)
   // dispatch_v2's other outputs together: assist_info_for_combine (max(BS*K, A*128) x 4),

@@ -404,6 +404,7 @@ struct EpArgs {
   std::string comm_alg;
   int64_t zero_expert_num, copy_expert_num, const_expert_num;
   std::string transport;
+  bool exact_size;
 };
 
 moe_ep::EpConfig ep_config(const PyCommunicator& group_ep, const EpArgs& e) {
@@ -424,6 +425,7 @@ moe_ep::EpConfig ep_config(const PyCommunicator& group_ep, const EpArgs& e) {
   c.copy_expert_num = e.copy_expert_num;
   c.const_expert_num = e.const_expert_num;
   c.transport = e.transport;
+  c.exact_size = e.exact_size;
   return c;
 }
 
@@ -436,12 +438,12 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
                       int64_t shared_expert_rank_num, int64_t quant_mode, int64_t global_bs,
                       int64_t expert_token_nums_type, const std::string& comm_alg,
                       int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
-                      const std::string& transport, const moe_ep::DispatchHandle* handle,
-                      const std::string& handle_error) {
+                      const std::string& transport, bool exact_size,
+                      const moe_ep::DispatchHandle* handle, const std::string& handle_error) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
-                 zero_expert_num, copy_expert_num, const_expert_num, transport});
+                 zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size});
   moe_ep::DispatchInputs in;
   // A tensor the binding cannot take goes into the collective as this rank's argument error, so
   // the peers raise RemoteError at once instead of waiting for this rank until their deadline.
@@ -489,12 +491,12 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
                       int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
                       int64_t shared_expert_rank_num, int64_t global_bs, int64_t comm_quant_mode,
                       const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
-                      int64_t const_expert_num, const std::string& transport,
+                      int64_t const_expert_num, const std::string& transport, bool exact_size,
                       const moe_ep::DispatchHandle* handle, const std::string& handle_error) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
-                 zero_expert_num, copy_expert_num, const_expert_num, transport});
+                 zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size});
   moe_ep::CombineInputs in;
   try {  // as in dispatch_v2
     in.expand_x = view_of(expand_x, "expand_x");
@@ -543,11 +545,11 @@ nb::dict dispatch_workspace(int64_t bs, int64_t hidden, int64_t top_k, const std
                             int64_t quant_mode, int64_t global_bs, int64_t comm_quant_mode,
                             const std::string& comm_alg, int64_t zero_expert_num,
                             int64_t copy_expert_num, int64_t const_expert_num,
-                            const std::string& transport) {
+                            const std::string& transport, bool exact_size) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
-                 zero_expert_num, copy_expert_num, const_expert_num, transport});
+                 zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size});
   // Any DType's name: dispatch_workspace names a wrong one itself ("dtype = int32 must be ...").
   const DType d = parse_dtype(dtype, "dispatch_workspace", "dtype", /*any_dtype=*/true);
   const moe_ep::DispatchWorkspace w =
@@ -646,9 +648,10 @@ NB_MODULE(_C, m) {
         "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0, "quant_mode"_a = 0,
         "global_bs"_a = 0, "expert_token_nums_type"_a = 1, "comm_alg"_a = "",
         "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
-        "transport"_a = "", "handle"_a = nb::none(), "handle_error"_a = "",
+        "transport"_a = "", "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
         "SPEC §1. Returns (expand_x, dynamic_scales or None, assist_info_for_combine, "
-        "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales, handle); handle: "
+        "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales, handle); exact_size: "
+        "EpConfig::exact_size (outputs sized to the rows received, not SPEC §1.4's A); handle: "
         "a DispatchHandle of an earlier call with the same routing (a cached dispatch, SPEC §7); "
         "handle_error: the caller's message about a handle it could not resolve, reported as this "
         "rank's InvalidArgument inside the collective (the peers raise RemoteError)");
@@ -663,7 +666,7 @@ NB_MODULE(_C, m) {
         "expert_shard_type"_a = 0, "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0,
         "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
         "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "transport"_a = "",
-        "handle"_a = nb::none(), "handle_error"_a = "",
+        "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
         "SPEC §2. Returns x (BS, H). handle: dispatch_v2's DispatchHandle (SPEC §7); then "
         "assist_info_for_combine and ep_send_counts are not read and may be None");
   m.def("dispatch_workspace", &dispatch_workspace, "bs"_a, "hidden"_a, "top_k"_a, "dtype"_a,
@@ -672,7 +675,7 @@ NB_MODULE(_C, m) {
         "expert_shard_type"_a = 0, "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0,
         "quant_mode"_a = 0, "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "",
         "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
-        "transport"_a = "",
+        "transport"_a = "", "exact_size"_a = false,
         "The bytes one dispatch_v2 and its combine_v2 take on this rank (dispatch.h, "
         "DispatchWorkspace). Local: no communication. dtype: x's, by name ('bf16', 'fp16', "
         "'fp32'). Returns {'recv_rows', 'expand_x_bytes', 'other_outputs_bytes', "

@@ -375,11 +375,15 @@ def check_bitwise(what: str, got: Tensor, want: Tensor) -> None:
         )
 
 
-def check_dispatch(spec, world, rank, all_in, out, etn_type=1, quant=False, smooth=None):
-    """Checks dispatch_v2's outputs against the reference layout; returns the expected rows."""
+def check_dispatch(spec, world, rank, all_in, out, etn_type=1, quant=False, smooth=None,
+                   exact=False):
+    """Checks dispatch_v2's outputs against the reference layout; returns the expected rows.
+    exact: exact_size=True, so the row outputs hold the n rows received instead of A."""
     expand_x, dyn, assist, etn, recv, tp_recv, exp_scales = out
     rows = expected_rows(spec, world, rank, all_in)
     a, L, h, n = capacity(spec, world, rank), local_num(spec, world, rank), spec.h, len(rows)
+    if exact:
+        a = n
     mine = all_in[rank]
     check(
         tuple(expand_x.shape) == (a, h),
@@ -392,7 +396,8 @@ def check_dispatch(spec, world, rank, all_in, out, etn_type=1, quant=False, smoo
     )
     bsk = mine.ids.shape[0] * spec.k
     check(
-        tuple(assist.shape) == (max(bsk, a * 128),) and assist.dtype == torch.int32,
+        tuple(assist.shape) == ((3 * n,) if exact else (max(bsk, a * 128),))
+        and assist.dtype == torch.int32,
         lambda: f"assist_info_for_combine {tuple(assist.shape)} {assist.dtype}",
     )
     check(tuple(tp_recv.shape) == (1,) and int(tp_recv[0]) == n, f"tp_recv_counts {tp_recv}")
@@ -440,8 +445,12 @@ def check_dispatch(spec, world, rank, all_in, out, etn_type=1, quant=False, smoo
 
 def fake_run(op, args, kwargs):
     """The op's fake implementation on fake copies of the arguments (no communication):
-    [(shape, dtype)] of its outputs."""
-    with FakeTensorMode() as mode:
+    [(shape, dtype)] of its outputs. With exact_size the row counts are data-dependent sizes
+    (unbacked symbols), which need a ShapeEnv, as torch.compile has."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv() if kwargs.get("exact_size") else None
+    with FakeTensorMode(shape_env=shape_env, static_shapes=True) as mode:
         conv = lambda t: mode.from_tensor(t) if isinstance(t, Tensor) else t  # noqa: E731
         outs = op(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
@@ -449,8 +458,17 @@ def fake_run(op, args, kwargs):
 
 
 def check_fake(op: str, fake, real) -> None:
+    """The fake's shapes and dtypes are the real ones; a data-dependent size (exact_size's row
+    counts: a symbol, or 3 times it) stands for whatever the real call received."""
     real = [(tuple(t.shape), t.dtype) for t in real]
-    check(fake == real, f"{op}: fake outputs {fake} != real {real}")
+
+    def same(f, r):
+        (fs, fd), (rs, rd) = f, r
+        return fd == rd and len(fs) == len(rs) and all(
+            isinstance(a, torch.SymInt) or a == b for a, b in zip(fs, rs))
+
+    check(len(fake) == len(real) and all(same(f, r) for f, r in zip(fake, real)),
+          f"{op}: fake outputs {fake} != real {real}")
 
 
 def agreed(ctx, checks: Callable[[], None]) -> None:
@@ -491,10 +509,11 @@ def run_experts(spec, world, rank, expand_x, etn, etn_type=1, dyn=None) -> Tenso
 
 
 def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True,
-               comm_quant=False):
+               comm_quant=False, exact=False):
     """dispatch_v2 -> experts -> combine_v2 on this rank's inputs of `spec`, everything checked.
     comm_quant: combine_v2 with comm_quant_mode 2, checked bitwise against SPEC §2.3 on the
-    dequantised rows and within dispatch.h's bound of the unquantised sum."""
+    dequantised rows and within dispatch.h's bound of the unquantised sum. exact: both ops with
+    exact_size=True (outputs sized to the rows received)."""
     world, rank = ctx.world, ctx.rank
     all_in = [make_inputs(spec, r) for r in range(world)]
     mine = all_in[rank]
@@ -508,6 +527,8 @@ def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True
         **special_kwargs(spec),
     )
     kw.update(expert_token_nums_type=etn_type, quant_mode=2 if quant else 0, scales=smooth)
+    if exact:
+        kw.update(exact_size=True)
     out = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, **kw)
     y = run_experts(spec, world, rank, out[0], out[3], etn_type, out[1] if quant else None)
     ckw = dict(
@@ -515,6 +536,8 @@ def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True
         global_bs=spec.global_bs, comm_quant_mode=2 if comm_quant else 0,
         **special_kwargs(spec), **special_combine_kwargs(spec, mine),
     )
+    if exact:
+        ckw.update(exact_size=True)
     got = mt.combine_v2(
         y, mine.ids, out[2], out[4], mine.w, ctx.comm, moe_expert_num=spec.e, **ckw
     )
@@ -542,9 +565,9 @@ def round_trip(ctx, spec: Spec, etn_type=1, quant=False, perf=None, wrapper=True
         check_fake("combine_v2", fake_c, (got,))
         check(cached.handle.shape == (1,) and cached.handle.dtype == torch.int64,
               "dispatch_v2's handle is not a (1,) int64 tensor")
-        check_dispatch(spec, world, rank, all_in, cached, etn_type, quant, smooth)
+        check_dispatch(spec, world, rank, all_in, cached, etn_type, quant, smooth, exact)
         check_bitwise("combine_v2 output with the handle", got_h, got)
-        check_dispatch(spec, world, rank, all_in, out, etn_type, quant, smooth)
+        check_dispatch(spec, world, rank, all_in, out, etn_type, quant, smooth, exact)
         check_bitwise("combine_v2 output", got, ref_combine(spec, mine, quant, smooth, comm_quant))
         if comm_quant:
             want = ref_combine(spec, mine, quant, smooth).double()
@@ -757,6 +780,113 @@ def special_experts(ctx):
         spec = Spec(113, bs_all(ctx, 5), k=2, e=w - 1, z=1, c=1, q=1, s=1, ns=1)
         check_special_coverage(spec, w, all_special_token=True)
         round_trip(ctx, spec)
+
+
+@case()
+def exact_size_matches_default(ctx):
+    """exact_size=True (EpConfig::exact_size): the row outputs hold the rows received (expand_x
+    (n, H), dynamic_scales and expand_scales (n,), assist_info_for_combine (3n,)), each checked
+    against the reference like the default's; the valid rows and every other output bitwise the
+    default mode's, and combine_v2's output too (with and without the handle, inside
+    round_trip); the fake gives data-dependent row counts. Masks, int8 (smoothed), comm_quant,
+    uneven BS, shared-expert ranks and special experts."""
+    w = ctx.world
+    runs = [
+        (Spec(120, bs_all(ctx, 6), k=3, e=3 * w, p_off=0.2, mask="2d"), {}),
+        (Spec(121, bs_all(ctx, 5), k=2, e=2 * w, dtype=torch.bfloat16, mask="1d"),
+         dict(quant=True)),
+        (Spec(122, bs_all(ctx, 4), k=3, e=3 * w, smooth=True), dict(quant=True, comm_quant=True)),
+        (Spec(123, tuple((3, 0, 5, 1)[r % 4] for r in range(w)), k=2, e=2 * w,
+              global_bs=w * 6), {}),
+        (Spec(124, bs_all(ctx, 5), k=3, e=2 * w, z=1, c=1, q=1, dtype=torch.float16), {}),
+    ]
+    if w >= 2:
+        runs.append((Spec(125, bs_all(ctx, 4), k=2, e=2 * (w - 1), s=1, ns=1, mask="2d"), {}))
+    for spec, kw in runs:
+        want_d, want_c = round_trip(ctx, spec, **kw)
+        got_d, got_c = round_trip(ctx, spec, exact=True, **kw)
+        valid = int(want_d[4][-1]) if want_d[4].numel() else 0
+
+        def checks():
+            check(tuple(got_d[0].shape) == (valid, spec.h), f"exact expand_x {got_d[0].shape}")
+            (g, _), (d, _) = dispatch_prefixes(got_d), dispatch_prefixes(want_d)
+            for name, a, b in zip(("expand_x", "dynamic_scales", "assist_info_for_combine",
+                                   "expert_token_nums", "ep_recv_counts", "tp_recv_counts",
+                                   "expand_scales"), g, d):
+                n = valid if name in ("dynamic_scales", "expand_scales") and b.numel() else None
+                check_bitwise(f"seed {spec.seed}: exact_size {name} vs the default's",
+                              a[:n] if n is not None else a, b[:n] if n is not None else b)
+            check_bitwise(f"seed {spec.seed}: exact_size combine_v2 vs the default's", got_c,
+                          want_c)
+
+        agreed(ctx, checks)
+
+
+@case(min_world=2)
+def exact_size_errors(ctx):
+    """exact_size must be the same on every rank: InvalidArgumentError naming it on every rank
+    (dispatch_v2 and combine_v2); a combine_v2 without exact_size given exact-size
+    assist_info_for_combine: InvalidArgumentError naming exact_size. Then the communicator works."""
+    spec = Spec(126, bs_all(ctx, 3), k=2, e=2 * ctx.world)
+    mine = make_inputs(spec, ctx.rank)
+    mixed = ctx.rank == 1
+    errors = []
+
+    def expect_error(call):
+        try:
+            call()
+        except moe_ep.Error as err:  # any kind: checked below, so the ranks stay in step
+            errors.append(err)
+
+    expect_error(lambda: mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e,
+                                        exact_size=mixed))
+    d = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, exact_size=True)
+    # With the handle (assist_info_for_combine not read) every rank's own checks pass and the
+    # header agreement finds the values differ; without it and with exact_size False, every
+    # rank's assist_info_for_combine has the wrong size.
+    for exact, handle in ((mixed, d.handle), (False, None)):
+        expect_error(lambda: mt.combine_v2(
+            d.expand_x, mine.ids, d.assist_info_for_combine, d.ep_recv_counts, mine.w, ctx.comm,
+            moe_expert_num=spec.e, exact_size=exact, handle=handle))
+
+    def checks():
+        msgs = [str(e) for e in errors]
+        check(len(errors) == 3, f"{len(errors)} errors raised of 3: {msgs}")
+        check(all(type(e) is moe_ep.InvalidArgumentError for e in errors), f"{errors!r}")
+        for op, msg in zip(("dispatch_v2", "combine_v2"), msgs):
+            check(f"{op}: exact_size differs across ranks" in msg, msg)
+        check("pass exact_size = true to combine_v2 as well" in msgs[-1], msgs[-1])
+
+    agreed(ctx, checks)
+    round_trip(ctx, spec, exact=True)  # still in step
+
+
+@case(only=2)
+def compile_fullgraph_exact_size(ctx):
+    """torch.compile(fullgraph=True) of a layer calling dispatch_v2 / combine_v2 with
+    exact_size=True: the row count is a data-dependent (unbacked) size while tracing; the outputs
+    equal eager's (and their shapes the rows received)."""
+    spec, mine, gid = _opcheck_args(ctx)
+    comm, e = ctx.comm, spec.e
+
+    def layer(x, ids, weights):
+        outs = mt.dispatch_v2(x, ids, comm, moe_expert_num=e, expert_scales=weights,
+                              exact_size=True)
+        y = outs[0] * 2.0
+        out = mt.combine_v2(y, ids, outs[2], outs[4], weights, comm, moe_expert_num=e,
+                            exact_size=True)
+        return (out, *outs)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got, want = compiled(mine.x, mine.ids, mine.w), layer(mine.x, mine.ids, mine.w)
+
+    def checks():
+        valid = int(want[5][-1]) if want[5].numel() else 0
+        check(tuple(want[1].shape) == (valid, spec.h), f"expand_x {tuple(want[1].shape)}")
+        for n, (g, ref) in enumerate(zip(got, want)):
+            check_bitwise(f"compiled output {n}", g, ref)
+
+    agreed(ctx, checks)
 
 
 def scale_in_table(world: int, removed: int, new_s: int, new_e: int) -> Tensor:

@@ -109,9 +109,12 @@ def test_every_world_size_has_the_core_cases():
         assert {"round_trip_fp32", "quant_mode_2", "bad_expert_id_on_one_rank"} <= set(names)
         assert {"comm_quant_mode_2", "special_experts"} <= set(names)
         assert {"workspace_matches_outputs", "shm_window_bytes_option"} <= set(names)
+        assert "exact_size_matches_default" in names
         assert ("elastic_scale_in" in names) == (w >= 2)
     assert "shared_expert_rank" in mpi_dispatch_cases.case_names(2)
     assert "compile_fullgraph" in mpi_dispatch_cases.case_names(2)
+    assert "compile_fullgraph_exact_size" in mpi_dispatch_cases.case_names(2)
+    assert "exact_size_errors" in mpi_dispatch_cases.case_names(2)
     assert "opcheck_dispatch_combine" in mpi_dispatch_cases.case_names(2)
     assert "moe_layer_example" in mpi_dispatch_cases.case_names(4)
     assert "tensor_parallel_pairs" in mpi_dispatch_cases.case_names(4)

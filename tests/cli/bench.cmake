@@ -1,7 +1,7 @@
 # `moe-ep bench --compare` at small sizes, run with cmake -P: it must exit 0, print the
 # verification ("verified"), a table row for each (op, impl) at each swept tokens value, the
-# ratios and the targets, and write the CSV, the JSON and, when gnuplot is installed, a PNG whose
-# series have distinct colours. No timing is asserted (a target may PASS or FAIL); CHECK
+# ratios, the targets and the peak RSS per rank, and write the CSV, the JSON and, when gnuplot is
+# installed, a PNG whose series have distinct colours. No timing is asserted (a target may PASS or FAIL); CHECK
 # (bench_check.py) asserts that what is printed and written is consistent: every check 0 bad,
 # well-formed rows, p50 <= p99, GB/s and ratios computed from the p50s, each verdict agreeing
 # with its value and bound.
@@ -32,7 +32,8 @@ foreach(
   # The format only: CHECK checks each verdict against its value and bound.
   "tokens/rank    32  combine moe-ep/textbook +[0-9.]+ >= 2.0  (PASS|FAIL)\n"
   "tokens/rank    32  dispatch int8/bf16 time +[0-9.]+ <= 0.6  (PASS|FAIL)\n"
-  "THIS RUN'S CONFIGURATION DIFFERS")
+  "THIS RUN'S CONFIGURATION DIFFERS"
+  "\npeak RSS per rank \\(VmHWM, whole run\\): min [1-9][0-9]*\\.[0-9] MB, max [1-9][0-9]*\\.[0-9] MB\n")
   if(NOT out MATCHES "${re}")
     message(FATAL_ERROR "stdout does not match '${re}'")
   endif()

@@ -810,9 +810,17 @@ TEST(CommandLine, ParsesRunAndBench) {
   EXPECT_TRUE(c.run.tokens_given);
   EXPECT_EQ(c.run.warm_repeats, 0);
   EXPECT_EQ(c.run.progress, "on");
+  EXPECT_FALSE(c.run.exact_size);
+  c = parse({"run", "--exact-size"});
+  ASSERT_EQ(c.action, CommandLine::Action::kRun) << c.text;
+  EXPECT_TRUE(c.run.exact_size);
   c = parse({"bench", "--tokens", "8,16"});
   ASSERT_EQ(c.action, CommandLine::Action::kBench) << c.text;
   EXPECT_EQ(c.bench.tokens, (std::vector<int64_t>{8, 16}));
+  EXPECT_FALSE(c.bench.exact_size);
+  c = parse({"bench", "--exact-size"});
+  ASSERT_EQ(c.action, CommandLine::Action::kBench) << c.text;
+  EXPECT_TRUE(c.bench.exact_size);
 }
 
 TEST(CommandLine, ErrorsAreOneLineAndSayWhatIsWrong) {

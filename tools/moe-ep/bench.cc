@@ -3,7 +3,9 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <vector>
 
@@ -17,6 +19,46 @@
 #include "nodes.h"
 
 namespace moe_ep_tool {
+
+namespace {
+
+// This process's peak resident memory so far (VmHWM of /proc/self/status), in bytes; -1 where
+// the file or the line is missing (not Linux). Shared-memory window pages this rank touched
+// count, as they do in the kernel's accounting.
+double peak_rss_bytes() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  double kib = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    long long v = 0;
+    if (std::strncmp(line, "VmHWM:", 6) == 0 && std::sscanf(line + 6, "%lld", &v) == 1) {
+      kib = static_cast<double>(v);
+      break;
+    }
+  }
+  std::fclose(f);
+  return kib < 0 ? -1 : kib * 1024;
+}
+
+// Rank 0 prints the peak RSS per rank over the whole run, min and max over ranks (collective).
+void print_peak_rss(int rank, Watchdog& dog) {
+  double mine[2] = {peak_rss_bytes(), 0};
+  mine[1] = -mine[0];
+  double all[2] = {0, 0};
+  guarded(dog, "the reduction of the peak RSS",
+          [&] { MPI_Allreduce(mine, all, 2, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD); });
+  if (rank != 0) return;
+  if (all[0] < 0) {
+    std::printf("peak RSS per rank: unknown (no VmHWM in /proc/self/status)\n");
+  } else {
+    std::printf("peak RSS per rank (VmHWM, whole run): min %.1f MB, max %.1f MB\n", all[0] / 1e6,
+                -all[1] / 1e6);
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace
 
 int bench_command(const BenchOptions& o) {
   using namespace bench;
@@ -65,6 +107,7 @@ int bench_command(const BenchOptions& o) {
   // early path check could not see) is agreed on by every rank instead of leaving the others in
   // the final barrier until the deadline.
   on_rank_0("writing the results", [&] { write_report(o, setup, rules, sweep, compare); });
+  print_peak_rss(rank, dog);
   return 0;
 }
 

@@ -38,7 +38,8 @@ struct BenchOptions {
   // none, int8: also time dispatch_v2 with quant_mode 2; empty: int8 with --compare (its targets
   // include int8's), else none.
   std::string quant;
-  std::string transport;  // EpConfig::transport: "" ($MOE_EP_TRANSPORT, else shm), shm, mpi
+  std::string transport;    // EpConfig::transport: "" ($MOE_EP_TRANSPORT, else shm), shm, mpi
+  bool exact_size = false;  // EpConfig::exact_size
   // EpConfig::comm_alg of moe-ep's ops; with --compare on two nodes or more the other algorithm
   // is timed too, on the same batch.
   std::string comm_alg = "fullmesh";

@@ -55,7 +55,7 @@ void check_bench_sizes(const BenchOptions& o, const Setup& s) {
   }
 }
 
-// Per rank: every rank's tokens (verification), dispatch's A = W x BS x min(L, K) rows twice
+// Per rank: its tokens, dispatch's A = W x BS x min(L, K) rows twice
 // (expand_x and the expert outputs) plus the int8 copy, and about eight (BS x K)-row buffers
 // (permute, the baselines' send/receive buffers, the combine buffers). Per expert: dispatch_v2's
 // counts and offsets and the router's tables (checks.h).
@@ -66,7 +66,7 @@ void check_bench_memory(const BenchOptions& o, const Setup& s, int node_ranks) {
   const double entries = static_cast<double>(max_bs) * static_cast<double>(K);
   const double A = static_cast<double>(W * max_bs) * static_cast<double>(std::min(s.L, K));
   const double rows_need =
-      row * (static_cast<double>(W * max_bs) + 2.5 * A + 8 * entries) + 4 * A * 128;
+      row * (static_cast<double>(max_bs) + 2.5 * A + 8 * entries) + 4 * A * 128;
   const double experts_need =
       (kDispatchBytesPerExpert + kRouterBytesPerExpert) * static_cast<double>(E);
   const double need = rows_need + experts_need;
@@ -146,6 +146,7 @@ moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicato
   cfg.shared_expert_num = 0;
   cfg.transport = options.transport;
   cfg.comm_alg = comm_alg;
+  cfg.exact_size = options.exact_size;
   return cfg;
 }
 
@@ -159,6 +160,11 @@ TensorView Point::ids_view() const {
 
 TensorView Point::scales_view() const {
   return TensorView::contiguous(const_cast<float*>(scales.data()), DType::kF32, {BS, K});
+}
+
+void Point::token_row(int64_t g, std::byte* row) const {
+  const std::vector<std::byte> r = make_tokens(seed, g, 1, H, dtype);
+  std::copy(r.begin(), r.end(), row);
 }
 
 moe_ep::DispatchInputs Point::dispatch_inputs() const {
@@ -181,7 +187,8 @@ Point make_point(const BenchOptions& o, const Setup& s, int64_t BS, Watchdog& do
   p.dtype = s.dtype;
   p.row_bytes = p.H * static_cast<int64_t>(moe_ep::dtype_size(p.dtype));
   const int64_t W = p.W, K = p.K, L = p.L;
-  p.x_all = make_tokens(o.seed, 0, W * BS, p.H, p.dtype);
+  p.seed = o.seed;
+  p.x_local = make_tokens(o.seed, s.rank * BS, BS, p.H, p.dtype);
   std::vector<int32_t> ids(static_cast<size_t>(BS * K));
   p.scales.resize(static_cast<size_t>(BS * K));
   const Router router(s.layer, s.kind, o.seed, s.real_p);

@@ -59,7 +59,7 @@ Setup plan_bench(const BenchOptions& o, int64_t W, int64_t rank, int node_ranks)
 std::string transport_name(const std::string& flag);
 
 // The one place the benchmark builds its EpConfig: routed experts only (SPEC §1.3: (Ns, S) =
-// (0, 0)), with `comm_alg`.
+// (0, 0)), --transport, --exact-size and `comm_alg`.
 moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicator& comm,
                                 int64_t experts, const std::string& comm_alg);
 
@@ -71,7 +71,10 @@ struct Point {
   int64_t BS = 0, H = 0, K = 0, E = 0, L = 1, W = 1, rank = 0;
   moe_ep::DType dtype = moe_ep::DType::kBF16;
   int64_t row_bytes = 0;
-  std::vector<std::byte> x_all;     // (W x BS, H): every rank's tokens, global token order
+  // (BS, H): this rank's tokens. Other ranks' rows are made again where verification needs them
+  // (token_row): a copy of every rank's tokens would make each rank's memory grow with W.
+  std::vector<std::byte> x_local;
+  uint64_t seed = 0;
   std::vector<int32_t> ids_all;     // (W x BS, K): every rank's expert_ids
   std::vector<float> scales;        // (BS, K): this rank's expert_scales
   std::vector<int32_t> recv_block;  // (W x L): [s L + l] = rows source s sends local expert l
@@ -81,7 +84,9 @@ struct Point {
   int64_t other_send = 0;      // rows sent to other ranks (dispatch)
   int64_t other_recv = 0;      // rows received from other ranks (combine sends them back)
 
-  const std::byte* x() const { return x_all.data() + rank * BS * row_bytes; }
+  const std::byte* x() const { return x_local.data(); }
+  // Global token g's row (g = source rank x BS + token), as its rank made it, into `row`.
+  void token_row(int64_t g, std::byte* row) const;
   const int32_t* ids() const { return ids_all.data() + rank * BS * K; }
   moe_ep::TensorView x_view() const;
   moe_ep::TensorView ids_view() const;
@@ -90,7 +95,7 @@ struct Point {
   moe_ep::DispatchInputs dispatch_inputs() const;
 };
 
-// Collective: x of every rank from the seed (a function of the global token index, not sent),
+// Collective: this rank's x from the seed (a function of the global token index, not sent),
 // this rank's routing, every rank's routing (all-gathered) and the row counts.
 Point make_point(const BenchOptions& o, const Setup& s, int64_t BS, Watchdog& dog);
 

@@ -107,9 +107,10 @@ void Verifier::dispatch_layout() {
              std::to_string(n));
     return;
   }
+  std::vector<std::byte> want(static_cast<size_t>(rb));
   for (int64_t j = 0; j < valid_; ++j) {
-    if (std::memcmp(expand_x() + j * rb, p_.x_all.data() + expected_[j] * rb,
-                    static_cast<size_t>(rb))) {
+    p_.token_row(expected_[j], want.data());
+    if (std::memcmp(expand_x() + j * rb, want.data(), static_cast<size_t>(rb))) {
       fail(kCheckLayout, 1,
            "dispatch_v2 expand_x row " + std::to_string(j) + " is not global token " +
                std::to_string(expected_[j]) + " (SPEC §1.4 order)");
@@ -121,6 +122,8 @@ void Verifier::dispatch_layout() {
 void Verifier::combine_reference() {
   const int64_t W = p_.W, L = p_.L, BS = p_.BS, H = p_.H, K = p_.K, rb = p_.row_bytes;
   ExpertBank bank(ExpertFn::kScale, o_.seed, p_.E, H, 1);
+  // Shaped like expand_x, as a layer's expert outputs are: so the peak RSS line shows what
+  // EpConfig::exact_size changes (A rows, or the valid ones).
   y_ = Tensor::zeros(p_.dtype, {d_.expand_x.size(0), H});
   const int32_t* incl = d_.ep_recv_counts.ptr<int32_t>();
   for (int64_t l = 0; l < L && delivered(); ++l) {
@@ -234,9 +237,11 @@ void Verifier::int8() {
   const int8_t* q = dq.expand_x.ptr<int8_t>();
   const float* dyn = dq.dynamic_scales.ptr<float>();
   std::vector<float> xf(static_cast<size_t>(H)), deq(static_cast<size_t>(H));
+  std::vector<std::byte> row(static_cast<size_t>(rb));
   int64_t bad = 0;
   for (int64_t j = 0; j < valid_ && j < static_cast<int64_t>(expected_.size()); ++j) {
-    const std::byte* src = p_.x_all.data() + expected_[j] * rb;
+    p_.token_row(expected_[j], row.data());
+    const std::byte* src = row.data();
     for (int64_t h = 0; h < H; ++h) xf[h] = moe_ep::load_float(p_.dtype, src, h);
     const float inv = quantize_dequantize_row(xf.data(), H, deq.data());
     bool ok = std::memcmp(&inv, &dyn[j], sizeof(float)) == 0;

@@ -178,6 +178,10 @@ void add_run_parallel_options(CLI::App* run, RunOptions& o) {
                   "how ranks on one machine move rows: shm (MPI-3 shared memory, one copy) or "
                   "mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. Same results")
       ->check(CLI::IsMember({"mpi", "shm"}));
+  run->add_flag("--exact-size", o.exact_size,
+                "EpConfig::exact_size: dispatch_v2's outputs and window slots hold the rows each "
+                "rank receives instead of SPEC §1.4's worst case A (which grows with the ranks); "
+                "the same results. Not with --tp 2");
   run->add_option("--mask", o.mask,
                   "x_active_mask: none (default), prefix (1-D: the last quarter of each rank's "
                   "tokens, rounded, inactive) or entries (2-D: each (token, k) inactive with "
@@ -334,6 +338,10 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
                    "copy) or mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. The "
                    "baselines always use plain MPI")
       ->check(CLI::IsMember({"mpi", "shm"}));
+  bench->add_flag("--exact-size", o.exact_size,
+                  "EpConfig::exact_size: moe-ep's dispatch_v2 outputs and window slots hold the "
+                  "rows each rank receives instead of SPEC §1.4's worst case A (which grows with "
+                  "the ranks); verified like the default");
   bench
       ->add_option("--comm-alg", o.comm_alg,
                    "comm_alg of moe-ep's ops: fullmesh (default) or hierarchy (SPEC §3: a token "
@@ -417,6 +425,11 @@ void validate_shared(const RunOptions& o) {
     throw CLI::ValidationError(
         "--comm-alg hierarchy cannot be combined with --tp 2 (SPEC §3: hierarchy runs without "
         "tensor parallelism)");
+  }
+  if (o.tp == 2 && o.exact_size) {
+    throw CLI::ValidationError(
+        "--exact-size cannot be combined with --tp 2 (exact_size = true does not support "
+        "tp_world_size 2: the TP peer's rows would have to be known before the EP exchange)");
   }
   if (o.tp == 2 && o.comm_quant != "none") {
     throw CLI::ValidationError(

@@ -36,6 +36,7 @@ struct RunOptions {
   std::string comm_quant = "none";    // none, int8 (combine comm_quant_mode 2)
   std::string comm_alg = "fullmesh";  // EpConfig::comm_alg: fullmesh, hierarchy (SPEC §3)
   std::string transport;              // EpConfig::transport: "" (default), mpi, shm
+  bool exact_size = false;            // EpConfig::exact_size
   std::string mask = "none";          // none, prefix, entries; bad-prefix (test hook)
   std::optional<int64_t> global_bs;
   // R physical expert slots holding replicas of busy experts (redundant.h); default: the smallest

@@ -122,6 +122,7 @@ Layer::Layer(const RunOptions& o, const Plan& plan, const LocalBatch& batch, con
   cfg_.copy_expert_num = plan.C;
   cfg_.const_expert_num = plan.Q;
   cfg_.transport = o.transport;
+  cfg_.exact_size = o.exact_size;
   cfg_.comm_alg = o.comm_alg;
   auto view = [](const auto& v, DType dtype, std::initializer_list<int64_t> shape) {
     using T = typename std::decay_t<decltype(v)>::value_type;

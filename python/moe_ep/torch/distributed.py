@@ -312,6 +312,7 @@ def _dispatch_v2_impl(
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
     transport: str = "",
+    exact_size: bool = False,
     handle: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     args = _binding_args("dispatch_v2", locals())
@@ -338,7 +339,7 @@ def _(*args, **kwargs):
 
 def _dispatch_v2_fake(
     x, expert_ids, ep_world_size, ep_rank_id, moe_expert_num, elastic_info, tp_world_size,
-    shared_expert_num, shared_expert_rank_num, quant_mode, global_bs, **_
+    shared_expert_num, shared_expert_rank_num, quant_mode, global_bs, exact_size, **_
 ):
     _ndim("dispatch_v2", "x", x, 2)
     _ndim("dispatch_v2", "expert_ids", expert_ids, 2)
@@ -361,14 +362,19 @@ def _dispatch_v2_fake(
     )
     h = x.shape[1]
     f32, i32 = torch.float32, torch.int32
+    # exact_size: the rows this rank receives, known only when the op runs (a data-dependent
+    # size; torch.compile traces it as an unbacked symbol, at most A).
+    rows = t * a
+    if exact_size:  # the bound only when it is a plain int (not symbolic in BS)
+        rows = torch.library.get_ctx().new_dynamic_size(max=rows if isinstance(rows, int) else None)
     return (
-        x.new_empty((t * a, h), dtype=torch.int8 if quant_mode == 2 else x.dtype),
-        x.new_empty((t * a,) if quant_mode == 2 else (0,), dtype=f32),
-        x.new_empty((max(bs * k, a * 128),), dtype=i32),
+        x.new_empty((rows, h), dtype=torch.int8 if quant_mode == 2 else x.dtype),
+        x.new_empty((rows,) if quant_mode == 2 else (0,), dtype=f32),
+        x.new_empty((3 * rows if exact_size else max(bs * k, a * 128),), dtype=i32),
         x.new_empty((local,), dtype=torch.int64),
         x.new_empty((ep_world_size * local * t,), dtype=i32),
         x.new_empty((t,), dtype=i32),
-        x.new_empty((t * a,), dtype=f32),
+        x.new_empty((rows,), dtype=f32),
         x.new_empty((1,), dtype=torch.int64),
     )
 
@@ -410,6 +416,7 @@ def _combine_v2_impl(
     copy_expert_num: int = 0,
     const_expert_num: int = 0,
     transport: str = "",
+    exact_size: bool = False,
     handle: Optional[Tensor] = None,
 ) -> Tensor:
     args = _binding_args("combine_v2", locals())
@@ -447,6 +454,7 @@ class DispatchOutputs(NamedTuple):
     """dispatch_v2's outputs (SPEC §1.4); unpacks like the SPEC's 7-tuple. What dispatch_v2
     returns also has .handle (DispatchResult)."""
 
+    # exact_size: valid rows instead of max(1,T)*A, 3 * valid entries of assist_info_for_combine
     expand_x: Tensor  # (max(1,T)*A, H): x's dtype, int8 with quant_mode 2
     dynamic_scales: Tensor  # (max(1,T)*A,) fp32 with quant_mode 2, else (0,)
     assist_info_for_combine: Tensor  # (max(BS*K, A*128),) int32: for combine_v2
@@ -490,13 +498,23 @@ def dispatch_v2(
     bits), "" (default): $MOE_EP_TRANSPORT, else "shm"; it must resolve to the same value on
     every rank (EpConfig::transport, include/moe_ep/dispatch.h).
 
+    exact_size (default False; EpConfig::exact_size): True sizes the outputs that count rows to
+    the rows this rank receives, valid = ep_recv_counts[-1], instead of SPEC §1.4's worst case A
+    (which grows with the world size at a fixed BS), as DeepEP's normal mode does: expand_x
+    (valid, H), dynamic_scales and expand_scales (valid,), assist_info_for_combine (3 * valid,);
+    the shared-memory slot holds valid rows too. Every value is that of False. Pass the same to
+    combine_v2, and the same on every rank (InvalidArgumentError on every rank otherwise).
+    UnsupportedError with tp_world_size 2. Under torch.compile the row count is a data-dependent
+    (unbacked) size.
+
     handle: the .handle of an earlier result with the same expert_ids and x_active_mask (a cached
     dispatch, SPEC §7: no counts round; the same outputs).
 
     Returns DispatchResult (expand_x, dynamic_scales ((0,) unless quant_mode 2),
     assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales;
-    SPEC §1.4), which also carries .handle, the plan of this call (SPEC §7). Only the first ep_recv_counts[-1] rows of expand_x are valid (the rows after them
-    are unspecified: left over from earlier calls). No autograd:
+    SPEC §1.4), which also carries .handle, the plan of this call (SPEC §7). Only the first
+    ep_recv_counts[-1] rows of expand_x are valid (the rows after them are unspecified: left
+    over from earlier calls; with exact_size there are none). No autograd:
     dispatch_v2 and combine_v2 are forward-only.
     Errors: moe_ep.InvalidArgumentError / UnsupportedError on this rank's bad arguments,
     RemoteError when another rank's were bad, TimeoutError past the deadline (docs/errors.md).
@@ -539,7 +557,9 @@ def combine_v2(
     (tp_send_counts, x_active_mask, expand_scales, shared_expert_x, elastic_info, ori_x,
     const_expert_alpha_1/2, const_expert_v, performance_info, tp_world_size, tp_rank_id,
     expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_quant_mode,
-    comm_alg, zero/copy/const_expert_num) and transport (as dispatch_v2's). handle: the .handle
+    comm_alg, zero/copy/const_expert_num), transport and exact_size (as dispatch_v2's: with
+    exact_size True, assist_info_for_combine must hold at least 3 * the valid rows, else SPEC's
+    max(BS*K, A*128) entries; expand_x at least the valid rows either way). handle: the .handle
     of the dispatch_v2 result these rows came from (SPEC §7): then only the rows travel (no layout
     round, no per-row checks; the same bits) and assist_info_for_combine / ep_send_counts are not
     read (they may be None). Returns x (BS, H) in expand_x's dtype.
@@ -622,7 +642,8 @@ def dispatch_workspace(
     shared_expert_rank_num, global_bs, comm_alg, zero_expert_num, copy_expert_num,
     const_expert_num, quant_mode: 0 or 2), and combine_v2's comm_quant_mode (0 or 2); no
     elastic_info (a scale-in changes W and A: query with the new world's arguments), and
-    transport as the ops' ("" (default): $MOE_EP_TRANSPORT, else "shm").
+    transport and exact_size as the ops' ("" (default): $MOE_EP_TRANSPORT, else "shm"; with
+    exact_size True the sizes are the most a call takes, each call taking its valid rows).
 
     Returns DispatchWorkspace (recv_rows, expand_x_bytes, other_outputs_bytes, shm_slot_bytes,
     shm_stage_bytes, combine_output_bytes): ints, all but recv_rows in bytes.

@@ -108,10 +108,17 @@ void plan_from_tensors(Combine& c) {
             " exceeds the receive capacity A = ", sh.A, " of this rank");
   const TensorView& ai = c.in.assist_info_for_combine;
   expect_tensor(op, "assist_info_for_combine", ai, {DType::kI32}, 1);
-  const int64_t ai_size = std::max(sh.BS * sh.K, sh.A * 128);
-  if (ai.shape[0] != ai_size)
+  if (c.cfg.exact_size) {  // 3 * valid entries are read
+    if (ai.shape[0] < 3 * c.blocks->valid)
+      invalid(op, ": assist_info_for_combine.shape[0] = ", ai.shape[0],
+              " is less than 3 * the valid rows = 3 * ", c.blocks->valid, " = ",
+              3 * c.blocks->valid, " (exact_size = true; dispatch_v2's output)");
+  } else if (const int64_t ai_size = std::max(sh.BS * sh.K, sh.A * 128); ai.shape[0] != ai_size) {
     invalid(op, ": assist_info_for_combine.shape[0] = ", ai.shape[0], " must equal ",
-            "max(BS * K, A * 128) = ", ai_size, " (dispatch_v2's output)");
+            "max(BS * K, A * 128) = ", ai_size,
+            " (dispatch_v2's output; with exact_size = true it has 3 * the valid rows: pass "
+            "exact_size = true to combine_v2 as well)");
+  }
   // The layout says which source each row goes back to; assist_info must agree.
   for (int64_t b = 0; b < sh.W * sh.L; ++b)
     for (int64_t j = c.blocks->block_offset[b];

@@ -72,6 +72,10 @@ void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int com
             " local experts per MoE rank, but tp_world_size = 2 needs L = 1 (moe_expert_num = ",
             "ep_world_size - shared_expert_rank_num = ",
             cfg.ep_world_size - cfg.shared_expert_rank_num, ")");
+  if (cfg.exact_size && cfg.tp_world_size == 2)
+    unsupported(op,
+                ": exact_size = true does not support tp_world_size = 2 (the TP peer's rows "
+                "would have to be known before the EP exchange); use exact_size = false");
   if (cfg.comm_alg == "hierarchy" && cfg.tp_world_size == 2)
     unsupported(op, ": comm_alg = \"hierarchy\" does not support tp_world_size = 2 (SPEC §3)");
   if (!cfg.comm_alg.empty() && cfg.comm_alg != "fullmesh" && cfg.comm_alg != "hierarchy")

@@ -132,22 +132,27 @@ void check_arguments(Dispatch& c) {
 
 // An output: the caller's view `given` (DispatchInputs::out) after checking it, or allocated.
 // Rows past the valid ones of expand_scales and dynamic_scales are documented as 0: zeroed.
+// `at_least` (EpConfig::exact_size, outputs sized by rows): the view may hold more rows than the
+// call writes; the output views its first ones.
 Tensor output(const char* name, const std::optional<TensorView>* given, DType dtype,
-              const std::vector<int64_t>& shape, bool zero) {
+              const std::vector<int64_t>& shape, bool zero, bool at_least = false) {
   if (given == nullptr || !given->has_value()) {
     return zero ? Tensor::zeros(dtype, shape) : Tensor::empty(dtype, shape);
   }
   const TensorView& v = **given;
   const TensorView want = TensorView::contiguous(nullptr, dtype, shape);
   bool same = v.dtype == dtype && v.ndim == want.ndim;
-  for (int d = 0; same && d < v.ndim; ++d) same = v.shape[d] == want.shape[d];
+  for (int d = 0; same && d < v.ndim; ++d)
+    same = d == 0 && at_least ? v.shape[d] >= want.shape[d] : v.shape[d] == want.shape[d];
   if (!same)
     invalid("dispatch_v2: out.", name, " is ", v.describe(), " but this call writes ",
-            want.describe(), " (sizes: dispatch_workspace)");
+            want.describe(),
+            at_least ? " (exact_size = true: the rows this rank receives; a buffer may hold more)"
+                     : " (sizes: dispatch_workspace)");
   expect_memory("dispatch_v2", name, v);
   if (!v.is_contiguous())
     invalid("dispatch_v2: out.", name, " (", v.describe(), ") is not contiguous");
-  Tensor t = TensorInternals::view(v);
+  Tensor t = TensorInternals::view(at_least ? TensorView::contiguous(v.data, dtype, shape) : v);
   if (zero && t.nbytes() > 0) std::memset(t.data(), 0, t.nbytes());
   return t;
 }
@@ -156,7 +161,8 @@ Tensor output(const char* name, const std::optional<TensorView>* given, DType dt
 // deferred until the window grows), else the caller's memory, else allocated.
 void allocate_expand_x(Dispatch& c, DType dtype, int64_t rows) {
   const std::optional<TensorView>* given = c.in.out ? &c.in.out->expand_x : nullptr;
-  if (given && given->has_value()) output("expand_x", given, dtype, {rows, c.sh.H}, false);
+  const bool exact = c.cfg.exact_size;
+  if (given && given->has_value()) output("expand_x", given, dtype, {rows, c.sh.H}, false, exact);
   if (c.shm_want) {
     const auto& ctx = CommInternals::shm(c.comm);
     if (ctx && given && given->has_value()) c.slot = ctx->adopt((*given)->data, c.slot_need);
@@ -167,9 +173,9 @@ void allocate_expand_x(Dispatch& c, DType dtype, int64_t rows) {
     const bool adopted = c.slot && given && given->has_value() && c.slot->ptr == (*given)->data;
     if (given && given->has_value() && !adopted) {
       if (c.slot || c.shm_defer) {
-        c.copy_to = **given;
+        c.copy_to = exact ? TensorView::contiguous((*given)->data, dtype, {rows, c.sh.H}) : **given;
       } else {
-        c.out.expand_x = output("expand_x", given, dtype, {rows, c.sh.H}, false);
+        c.out.expand_x = output("expand_x", given, dtype, {rows, c.sh.H}, false, exact);
         return;
       }
     }
@@ -177,7 +183,7 @@ void allocate_expand_x(Dispatch& c, DType dtype, int64_t rows) {
   if (c.slot)
     c.out.expand_x = TensorInternals::wrap(c.slot->token, c.slot->ptr, dtype, {rows, c.sh.H});
   else if (!c.shm_defer)
-    c.out.expand_x = output("expand_x", given, dtype, {rows, c.sh.H}, false);
+    c.out.expand_x = output("expand_x", given, dtype, {rows, c.sh.H}, false, exact);
 }
 
 // The caller's buffers (DispatchInputs::out) must not overlap an input or each other: peers
@@ -215,8 +221,34 @@ void check_buffers(const Dispatch& c) {
   }
 }
 
+// The outputs whose sizes count rows: expand_x (a window slot, the caller's memory, or
+// allocated), dynamic_scales, assist_info_for_combine and expand_scales. `rows`: max(1,T)*A
+// (SPEC §1.4), or with EpConfig::exact_size the rows this call receives, known from the counts
+// (or the handle's plan).
+void allocate_rows(Dispatch& c, int64_t rows) {
+  const EpShape& sh = c.sh;
+  const bool exact = c.cfg.exact_size;
+  const DType out_dtype = c.quant ? DType::kI8 : sh.dtype;
+  c.out_rows = rows;
+  c.expand_bytes = rows * sh.H * static_cast<int64_t>(dtype_size(out_dtype));
+  c.slot_need = dispatch_slot_need(c.expand_bytes, rows);
+  allocate_expand_x(c, out_dtype, rows);
+  const DispatchBuffers* b = c.in.out;
+  if (c.quant)
+    c.out.dynamic_scales = output("dynamic_scales", b ? &b->dynamic_scales : nullptr, DType::kF32,
+                                  {rows}, true, exact);
+  // Only the first 3 * valid entries are written (SPEC §1.4: opaque, only those are read).
+  c.out.assist_info_for_combine =
+      output("assist_info_for_combine", b ? &b->assist_info_for_combine : nullptr, DType::kI32,
+             {exact ? 3 * rows : std::max(sh.BS * sh.K, sh.A * 128)}, false, exact);
+  c.out.expand_scales =
+      output("expand_scales", b ? &b->expand_scales : nullptr, DType::kF32, {rows}, true, exact);
+}
+
 // Step 1b: the send plan and the outputs, allocated before the header exchange, so that an
 // allocation failure on one rank is reported to every rank instead of leaving them waiting.
+// With EpConfig::exact_size and no handle, the outputs sized by rows wait for the counts
+// (agree_on_sizes).
 void allocate(Dispatch& c) {
   const EpShape& sh = c.sh;
   if (!c.cached) {
@@ -225,29 +257,20 @@ void allocate(Dispatch& c) {
     c.plan->send = plan_sends(act, sh.pl, sh.rank);
   }
   const SendPlan& send = c.cached ? c.cached->send : c.plan->send;
-  const DType out_dtype = c.quant ? DType::kI8 : sh.dtype;
-  const int64_t rows = tp_rows(c.cfg, sh.A), T = std::max<int64_t>(1, c.cfg.tp_world_size);
-  c.expand_bytes = rows * sh.H * static_cast<int64_t>(dtype_size(out_dtype));
-  c.slot_need = dispatch_slot_need(c.expand_bytes, rows);
+  const int64_t T = std::max<int64_t>(1, c.cfg.tp_world_size);
   c.shm_want = shm_applies(c.hdr.transport, c.cfg, c.world);
   if (c.in.out) check_buffers(c);
-  allocate_expand_x(c, out_dtype, rows);
+  c.sized_late = c.cfg.exact_size && !c.cached;
+  if (!c.sized_late)
+    allocate_rows(c, c.cfg.exact_size ? c.cached->recv.valid : tp_rows(c.cfg, sh.A));
   const DispatchBuffers* b = c.in.out;
   if (c.quant) {
-    c.out.dynamic_scales =
-        output("dynamic_scales", b ? &b->dynamic_scales : nullptr, DType::kF32, {rows}, true);
     const int64_t n = static_cast<int64_t>(send.order.size());
     // With shm the int8 rows for peers on this machine are written straight into their
     // expand_x; the send buffer is allocated later, only if some peer needs MPI.
     if (!c.shm_want) c.qsend = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {n * sh.H}));
     c.qsend_scale = std::make_shared<std::vector<float>>(static_cast<std::size_t>(n));
   }
-  // Only the first 3 * valid entries are written (SPEC §1.4: opaque, only those are read).
-  c.out.assist_info_for_combine =
-      output("assist_info_for_combine", b ? &b->assist_info_for_combine : nullptr, DType::kI32,
-             {std::max(sh.BS * sh.K, sh.A * 128)}, false);
-  c.out.expand_scales =
-      output("expand_scales", b ? &b->expand_scales : nullptr, DType::kF32, {rows}, true);
   c.out.ep_recv_counts = output("ep_recv_counts", b ? &b->ep_recv_counts : nullptr, DType::kI32,
                                 {sh.W * sh.L * T}, false);
   c.out.tp_recv_counts =
@@ -263,7 +286,7 @@ Where slot_where(const Dispatch& c) {
   w.gen = c.slot->gen;
   w.rows = c.slot->offset;
   w.extra = c.slot->offset + dispatch_meta_offset(c.expand_bytes);
-  w.capacity = tp_rows(c.cfg, c.sh.A);
+  w.capacity = c.out_rows;
   return w;
 }
 
@@ -278,6 +301,14 @@ DispatchOutputs removed_outputs(const Dispatch& c) {
   out.ep_recv_counts = Tensor::zeros(DType::kI32, {0});
   out.tp_recv_counts = Tensor::zeros(DType::kI32, {1});
   return out;
+}
+
+// expand_x's slot, deferred until the windows grew (shm_defer): there is room now.
+void take_deferred_slot(Dispatch& c) {
+  c.slot = c.shm->try_alloc(c.slot_need);
+  MOE_EP_CHECK(c.slot.has_value());
+  c.out.expand_x = TensorInternals::wrap(c.slot->token, c.slot->ptr,
+                                         c.quant ? DType::kI8 : c.sh.dtype, {c.out_rows, c.sh.H});
 }
 
 // Step 2: the agreement; then the windows. Returns false on a rank removed by a scale-in.
@@ -306,13 +337,7 @@ bool agree(Dispatch& c) {
   if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
   MOE_EP_CHECK(c.shm_want);
   c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.slot_need);
-  if (c.shm_defer) {
-    c.slot = c.shm->try_alloc(c.slot_need);
-    MOE_EP_CHECK(c.slot.has_value());
-    c.out.expand_x =
-        TensorInternals::wrap(c.slot->token, c.slot->ptr, c.quant ? DType::kI8 : c.sh.dtype,
-                              {tp_rows(c.cfg, c.sh.A), c.sh.H});
-  }
+  if (c.shm_defer) take_deferred_slot(c);
   c.where = rows_where(c.comm, c.op, *c.shm, c.headers, c.world.peers, c.me, slot_where(c));
   return true;
 }
@@ -349,13 +374,21 @@ void plan_merges(Dispatch& c) {
   }
 }
 
+// Receiver d's rows must fit its slot (`capacity` rows; -1: not known yet), before any lands.
+void check_slot_rows(const Dispatch& c, int d, int64_t rows, int64_t capacity) {
+  if (capacity >= 0 && rows > capacity)
+    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[d], " would receive ", rows,
+         " rows in a slot of ", capacity, " (please report this bug)");
+}
+
 // The first row, in receiver d's expand_x, of each block this rank sends it, from the counts of
 // every source for d's local experts (`counts_of(s, l)`): block (l, me) follows d's blocks of its
 // local experts before l (from every source), then the blocks of l from the sources before this
 // rank (SPEC §1.4's expert-major order). Also checks that d's rows fit its slot (`capacity`),
-// before any row lands past it.
+// before any row lands past it, and sets `total` to them.
 template <class CountsOf>
-std::vector<int64_t> rows_at(const Dispatch& c, int d, CountsOf counts_of, int64_t capacity) {
+std::vector<int64_t> rows_at(const Dispatch& c, int d, CountsOf counts_of, int64_t capacity,
+                             int64_t& total) {
   const int64_t ld = c.sh.pl.local_experts(d);
   std::vector<int64_t> o(static_cast<std::size_t>(ld), 0);
   int64_t before = 0;  // rows of d's blocks of local experts < l
@@ -368,9 +401,8 @@ std::vector<int64_t> rows_at(const Dispatch& c, int d, CountsOf counts_of, int64
     }
     o[l] = at;
   }
-  if (capacity >= 0 && before > capacity)
-    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[d], " would receive ", before,
-         " rows in a slot of ", capacity, " (please report this bug)");
+  check_slot_rows(c, d, before, capacity);
+  total = before;
   return o;
 }
 
@@ -403,11 +435,13 @@ void gather_counts(Dispatch& c, std::vector<int32_t>& from_source) {
     p.distinct_from[q] = static_cast<int32_t>(rows);  // shared memory: no merged tokens
   }
   p.block_row.assign(W, {});
+  c.dest_rows.assign(W, -1);
   for (int d = 0; d < W; ++d) {
     const int64_t db = c.sh.pl.block_base(d);
     const int64_t cap = c.where[d].gen >= 0 ? c.where[d].capacity : -1;
     p.block_row[d] = rows_at(
-        c, d, [&](int s, int64_t l) { return int64_t{(*shared)[s * T + db + l]}; }, cap);
+        c, d, [&](int s, int64_t l) { return int64_t{(*shared)[s * T + db + l]}; }, cap,
+        c.dest_rows[d]);
   }
 }
 
@@ -530,6 +564,26 @@ void plan_receives(Dispatch& c) {
       fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[q], " announced ", p.distinct_from[q],
            " distinct tokens for its ", p.recv.source_rows[q], " rows (please report this bug)");
   if (c.shm && !one_node) send_block_rows(c);
+}
+
+// Step 3d, EpConfig::exact_size without a handle (phase "exact sizes"): the outputs sized by
+// rows are allocated now that the counts give this rank's rows, then every rank agrees once more,
+// as in step 2: a failure here (memory, or a caller's buffer too small) reaches every rank, and
+// the header says where this rank's slot lies, or asks for a window generation (the agreement's
+// usual shm_grow). Then the slots are placed as in step 2 and checked against the counts.
+void agree_on_sizes(Dispatch& c) {
+  c.hdr.where = Where{};
+  c.hdr.shm_grow = 0;
+  capture(c.hdr, c.local, [&] { allocate_rows(c, c.p->recv.valid); });
+  c.hdr.where = slot_where(c);
+  const std::vector<OpHeader> headers = agree_on_headers(
+      c.comm, c.world.peers, c.op, c.hdr, c.local ? &*c.local : nullptr, c.perf, "exact sizes");
+  if (!c.shm) return;
+  c.shm = &ensure_shm(c.comm, c.op, headers, c.world.peers, c.slot_need);
+  if (c.shm_defer) take_deferred_slot(c);
+  c.where = rows_where(c.comm, c.op, *c.shm, headers, c.world.peers, c.me, slot_where(c));
+  for (int d = 0; d < c.W && !c.dest_rows.empty(); ++d)
+    check_slot_rows(c, d, c.dest_rows[d], c.where[d].gen >= 0 ? c.where[d].capacity : -1);
 }
 
 // The link each destination's rows take this call: into its window when it has a slot (a
@@ -998,6 +1052,7 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   if (!agree(c)) return removed_outputs(c);
   plan_receives(c);
   if (c.plan) c.plan->id = id;
+  if (c.sized_late) agree_on_sizes(c);
   move_rows(c);
   finish(c);
   return std::move(c.out);

@@ -50,6 +50,11 @@ struct Dispatch {
   // The caller's expand_x (DispatchInputs::out) when the rows land elsewhere first (a window
   // slot): the valid rows are copied there at the end.
   std::optional<TensorView> copy_to;
+  // Rows of expand_x (and of expand_scales, dynamic_scales): max(1,T)*A, or with
+  // EpConfig::exact_size the rows this call receives. sized_late: exact_size without a handle,
+  // so those outputs are allocated after the counts phase (phase "exact sizes").
+  int64_t out_rows = 0;
+  bool sized_late = false;
   int64_t expand_bytes = 0, slot_need = 0, stream_min = 0;
   // 2. agree
   std::vector<OpHeader> headers;
@@ -65,6 +70,7 @@ struct Dispatch {
   // 3. counts (or the cached plan)
   const EpPlan* p = nullptr;            // plan or cached
   std::vector<int32_t> distinct_count;  // new plan: per destination, the rows on the wire
+  std::vector<int64_t> dest_rows;       // one machine: the rows each destination receives (else -1)
   int64_t out_row_bytes = 0;            // of expand_x (int8 with quant_mode 2)
   // 4. rows: per destination, the link its rows take (null: this rank itself).
   std::vector<const Link*> to;

@@ -42,6 +42,7 @@ OpHeader base_header(int32_t op, const EpConfig& cfg, const TensorView& bs_of,
   h.K = expert_ids.ndim == 2 ? expert_ids.shape[1] : -1;
   h.dtype = static_cast<int64_t>(rows.dtype);
   h.quant_mode = static_cast<int32_t>(quant_mode);
+  h.exact_size = cfg.exact_size ? 1 : 0;
   return h;
 }
 
@@ -87,7 +88,7 @@ void check_quant_modes(const char* op, const std::vector<OpHeader>& h,
 
 std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
                                        const char* op, const OpHeader& mine, const Error* local,
-                                       int64_t* perf) {
+                                       int64_t* perf, const char* phase) {
   const int W = static_cast<int>(peers.size());
   const int me =
       static_cast<int>(std::find(peers.begin(), peers.end(), comm.rank()) - peers.begin());
@@ -96,7 +97,7 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
   auto sent = std::make_shared<OpHeader>(mine);
   (*headers)[me] = mine;
   {
-    Exchange ex(comm, op, "header");
+    Exchange ex(comm, op, phase);
     ex.keep_alive(headers);
     ex.keep_alive(sent);
     for (int p = 0; p < W; ++p) {
@@ -170,6 +171,11 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
       invalid(op, ": the ranks passed different dispatch handles: rank ", peers[0], " passed ",
               handle(h[0].plan), ", rank ", peers[p], " passed ", handle(h[p].plan),
               " (every rank must pass the handle of the same dispatch_v2 call, or none)");
+  for (int p = 1; p < W; ++p)
+    if (h[p].exact_size != h[0].exact_size)
+      invalid(op, ": exact_size differs across ranks: rank ", peers[0], " has ",
+              h[0].exact_size ? "true" : "false", ", rank ", peers[p], " has ",
+              h[p].exact_size ? "true" : "false", " (every rank must pass the same value)");
   for (int p = 1; p < W; ++p)
     if (h[p].shm_node_ranks != h[0].shm_node_ranks)
       invalid(op, ": MOE_EP_SHM_NODE_RANKS differs across ranks: rank ", peers[0], " has ",

@@ -45,7 +45,7 @@ struct OpHeader {
   int64_t transport = 0;   // TransportCode, must be equal on all ranks
   int32_t shm_grow = 0;    // shm: this rank's window segment is too small (or there is none yet)
   int32_t shm_node_ranks = 0;  // $MOE_EP_SHM_NODE_RANKS (0: unset), must be equal on all ranks
-  int32_t pad = 0;
+  int32_t exact_size = 0;      // EpConfig::exact_size, must be equal on all ranks
   uint64_t plan = 0;  // the DispatchHandle's plan this call uses (0: none), equal on all ranks
   uint64_t smooth_hash = 0;  // comm_alg "hierarchy" with smoothing scales: their hash (dispatch.cc)
   Where where;               // shm: where this rank's rows lie (see Where)
@@ -81,9 +81,11 @@ void capture(OpHeader& h, std::optional<Error>& local, F&& f) {
 //     global_bs, H, K, dtype, transport, $MOE_EP_SHM_NODE_RANKS, the handle, ...): throws
 //     Error(kInvalidArgument) on every rank naming the argument, two ranks and their values.
 // `perf` (optional, indexed by communicator rank): the wait for each peer's header is added to it.
+// `phase` names the exchange in a timeout ("header"; dispatch_v2's second agreement with
+// EpConfig::exact_size: "exact sizes").
 std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vector<int>& peers,
                                        const char* op, const OpHeader& mine, const Error* local,
-                                       int64_t* perf = nullptr);
+                                       int64_t* perf = nullptr, const char* phase = "header");
 
 // After the agreement. BS may differ across ranks only with global_bs = W * m, m >= max BS, and
 // then every token must be active (SPEC §1.3, §1.6); bs_name names BS's tensor.

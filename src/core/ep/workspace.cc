@@ -41,8 +41,9 @@ DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hi
   DispatchWorkspace w;
   w.recv_rows = sh.A;
   w.expand_x_bytes = rows * sh.H * (quant_mode == 2 ? 1 : esize);
-  w.other_outputs_bytes = std::max(sh.BS * sh.K, sh.A * 128) * 4 +
-                          rows * 4 * (quant_mode == 2 ? 2 : 1) +
+  // exact_size: a call takes its valid rows, at most these (assist_info_for_combine 3 per row).
+  const int64_t assist = cfg.exact_size ? 3 * rows : std::max(sh.BS * sh.K, sh.A * 128);
+  w.other_outputs_bytes = assist * 4 + rows * 4 * (quant_mode == 2 ? 2 : 1) +
                           sh.W * sh.L * std::max<int64_t>(1, cfg.tp_world_size) * 4 +
                           std::max<int64_t>(1, cfg.tp_world_size) * 4 + sh.L * 8;
   if (shm_applies(transport, cfg, world)) {
