@@ -267,14 +267,23 @@ void Verifier::hierarchy() {
   const moe_ep::DispatchOutputs d = moe_ep::dispatch_v2(din_, cfg);
   const int64_t valid = d.ep_recv_counts.ptr<int32_t>()[p_.W * p_.L - 1];
   v_.total[kCheckHierarchy] = valid_ + p_.BS * H;
-  if (valid != valid_ || (valid > 0 && std::memcmp(d.expand_x.data(), expand_x(),
-                                                   static_cast<size_t>(valid * rb)) != 0)) {
+  const bool rows_ok =
+      valid == valid_ && (valid == 0 || std::memcmp(d.expand_x.data(), expand_x(),
+                                                    static_cast<size_t>(valid * rb)) == 0);
+  if (!rows_ok)
     fail(kCheckHierarchy, std::max<int64_t>(1, valid),
          "dispatch_v2 with comm_alg hierarchy delivered other rows than fullmesh (" +
              std::to_string(valid) + " rows against " + std::to_string(valid_) + ")");
+  // combine_v2 is collective: every rank calls it, whatever its own rows' verdict (its errors
+  // reach every rank alike).
+  Tensor out;
+  try {
+    out = moe_ep::combine_v2(combine_inputs(din_, d, y_), cfg);
+  } catch (const moe_ep::Error& e) {
+    fail(kCheckHierarchy, 1, std::string("combine_v2 with comm_alg hierarchy: ") + e.what());
     return;
   }
-  const Tensor out = moe_ep::combine_v2(combine_inputs(din_, d, y_), cfg);
+  if (!rows_ok) return;
   LayerSpec spec;
   spec.experts = p_.E;
   spec.hierarchy = true;

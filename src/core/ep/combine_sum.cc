@@ -182,7 +182,8 @@ void own_node_partials(const CombineSum& a, const NodePartials& np, int64_t firs
                        float* own) {
   const int64_t H = a.sh->H;
   const Activity act{&a.in->expert_ids, a.mask};
-  parallel(threads_if((last - first) * H > (1 << 16)), [&] {
+  // Threads by the whole batch, not the slice (a slice alone may be below the threshold).
+  parallel(threads_if(a.sh->BS * H > (1 << 16)), [&] {
     std::vector<float> c(static_cast<std::size_t>(H));
 #pragma omp for schedule(static)
     for (int64_t i = first; i < last; ++i)

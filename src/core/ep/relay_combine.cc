@@ -410,7 +410,8 @@ void sum_partials(const Combine& c, const Partials& p, int64_t t0, int64_t t1, c
   float* out = c.cq ? f32.ptr<float>() : reinterpret_cast<float*>(to);
   if (!c.cq && T * H > 0) std::memset(out, 0, static_cast<std::size_t>(T * H * 4));
   if (!p.terms.empty())
-    parallel(threads_if(T * H > (1 << 16)), [&] {
+    // Threads by the source's tokens, not the chunk's (a chunk alone is below the threshold).
+    parallel(threads_if(p.tokens() * H > (1 << 16)), [&] {
 #pragma omp for schedule(static)
       for (int64_t t = t0; t < t1; ++t)
         relay_partial(out + (t - t0) * H, p.terms.data() + p.first[t], p.first[t + 1] - p.first[t],
@@ -487,7 +488,8 @@ void exchange_partials(Combine& c, Relay& r) {
     ex.keep_alive(scales);
     for (int64_t t = 0; t < T; t += chunk) {
       const int64_t k = std::min(chunk, T - t);
-      sum_partials(c, p, t, t + k, rows->ptr<char>() + t * prow, scales->data() + t);
+      sum_partials(c, p, t, t + k, rows->ptr<char>() + t * prow,
+                   c.cq ? scales->data() + t : nullptr);
       to.put_block(ex, rows->ptr<char>() + t * prow, k, row, kTagRelayPartial);
       if (c.cq) to.post(ex, scales->data() + t, to_int(k), MPI_FLOAT, kTagRelayPartial);
       ex.progress();
