@@ -372,8 +372,12 @@ std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
 }
 
 // A relay's partials for source s: one per token of its entries, in their order, computed and
-// sent in chunks of kChunkBytes, so the first is on the wire while the next is summed.
-constexpr int64_t kChunkBytes = 256 << 10;
+// sent in chunks of kChunkBytes, so the first is on the wire while the next is summed. A chunk
+// stays below OpenMPI's TCP eager limit (btl_tcp_eager_limit, 64 KB with its header): a larger
+// message waits for the receiver's rendezvous reply, which queues behind the partials flowing
+// the other way on the same link. Measured on 2 hosts x 2 ranks at 1 Gbit/s (docs/
+// performance.md, "Across machines"): combine p50 41 ms with 60 KB chunks, 64 ms with 256 KB.
+constexpr int64_t kChunkBytes = 60 << 10;
 int64_t chunk_tokens(const Combine& c) {
   const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H;
   return prow > 0 ? std::max<int64_t>(1, kChunkBytes / prow) : INT32_MAX;
