@@ -26,6 +26,7 @@ enum Tag : int {
   kTagRelayBack = 0x4d15,     // combine_v2: an owner's rows (and their checks) to the relay
   kTagRelayPartial = 0x4d16,  // combine_v2: a relay's partial sums to the source
   kTagRelayStatus = 0x4d17,   // combine_v2: the tokens of the partials, or what disagreed
+  kTagScaleGrads = 0x4d18,    // combine_v2_backward: dot(grad_out, y) per row, to its source
   // Sharded ops (src/sharding)
   kTagShardHeader = 0x4d21,
   kTagShardData = 0x4d22,

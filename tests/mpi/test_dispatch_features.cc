@@ -21,10 +21,12 @@
 #include <thread>
 #include <vector>
 
+#include "moe_ep/backward.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
 #include "mpi/common.h"
+#include "ref/ep_backward_ref.h"
 #include "ref/ep_ref.h"
 #include "ref/numeric.h"
 
@@ -343,6 +345,96 @@ void handle_round_trip(const Batch& b, const DispatchOutputs& out,
   }
 }
 
+// The experts applied to the reference's rows of every rank (valid rows): what each owner's
+// run_experts gives, for the oracle of the backward.
+std::vector<std::vector<unsigned char>> reference_expert_rows(
+    const Batch& b, const std::vector<ref::EpRankDispatch>& dispatched) {
+  const int64_t row_bytes = b.spec.H * esize(b.spec.dtype);
+  const ref::ExpertFn moe = ref::scale_expert(b.spec.E), shared = shared_expert();
+  std::vector<std::vector<unsigned char>> rows;
+  for (const ref::EpRankDispatch& d : dispatched) {
+    rows.emplace_back(std::max<int64_t>(1, d.valid * row_bytes));
+    for (int64_t j = 0; j < d.valid; ++j) {
+      const int64_t e = d.row_expert[j];
+      (e < 0 ? shared : moe)(e, b.spec.dtype, d.expand_x.data() + j * row_bytes,
+                             rows.back().data() + j * row_bytes, b.spec.H);
+    }
+  }
+  return rows;
+}
+
+// SPEC §6 over the handle of `out` (dispatch_v2 of b) with the experts' outputs y:
+// dispatch_v2_backward of grad_expand_x = y, and combine_v2_backward of grad_out = the batch's
+// shared_expert_x values, against ref/ep_backward_ref.h bit for bit.
+void backward_round_trip(const Batch& b, const DispatchOutputs& out, const Tensor& y) {
+  const int rank = comm()->rank();
+  const int64_t H = b.spec.H, row_bytes = H * esize(b.spec.dtype), BS = b.bs[rank];
+  const auto ins = ref_inputs(b);
+  const auto dispatched = ref::dispatch_reference(ins, b.world);
+  const int64_t valid = dispatched[rank].valid;
+  {
+    SCOPED_TRACE("dispatch_v2_backward");
+    DispatchBackwardInputs in;
+    in.grad_expand_x = y.view();
+    in.expert_ids = b.inputs[rank].expert_ids;
+    in.x_active_mask = b.inputs[rank].x_active_mask;
+    in.handle = &out.handle;
+    const Tensor gx = dispatch_v2_backward(in, config(b));
+    const int64_t G = comm_alg() == "hierarchy" ? node_ranks(b.W) : 0;
+    const auto want = ref::dispatch_backward_reference(ins, b.world, dispatched,
+                                                       reference_expert_rows(b, dispatched), G);
+    ASSERT_EQ(gx.size(0), BS);
+    ASSERT_EQ(gx.nbytes(), want[rank].size());
+    EXPECT_TRUE(same_bytes(gx.data(), want[rank].data(), gx.nbytes()))
+        << "grad_x differs from SPEC §6 computed by the reference";
+  }
+  SCOPED_TRACE("combine_v2_backward");
+  std::vector<std::vector<unsigned char>> grad_out;
+  for (int r = 0; r < b.W; ++r) grad_out.push_back(b.sx[r]);
+  const ref::EpRankInput& mine = b.inputs[rank];
+  CombineBackwardInputs in;
+  in.grad_out = TensorView::contiguous(grad_out[rank].data(), b.spec.dtype, {BS, H});
+  in.expand_x = y.view();
+  in.expert_ids = mine.expert_ids;
+  in.expert_scales = *mine.expert_scales;
+  in.x_active_mask = mine.x_active_mask;
+  in.shared_expert_x = b.spec.shared_x;
+  in.ori_x = mine.ori_x;
+  in.const_expert_alpha_1 = b.world.alpha_1;
+  in.const_expert_alpha_2 = b.world.alpha_2;
+  in.const_expert_v = b.world.v;
+  in.handle = &out.handle;
+  const CombineBackwardOutputs g = combine_v2_backward(in, config(b));
+  const auto want = ref::combine_backward_reference(ins, b.world, dispatched, grad_out,
+                                                    ref::scale_expert(b.spec.E))[rank];
+  ASSERT_EQ(g.grad_expand_x.size(0), y.size(0));
+  EXPECT_TRUE(same_bytes(g.grad_expand_x.data(), want.grad_expand_x.data(), valid * row_bytes))
+      << "grad_expand_x differs from the reference";
+  const std::vector<unsigned char> zeros((y.size(0) - valid) * row_bytes, 0);
+  EXPECT_TRUE(same_bytes(g.grad_expand_x.ptr<unsigned char>() + valid * row_bytes, zeros.data(),
+                         zeros.size()))
+      << "grad_expand_x is not 0 past the valid rows";
+  EXPECT_EQ(values<float>(g.grad_expert_scales), want.grad_expert_scales);
+  EXPECT_EQ(g.grad_shared_expert_x.defined(), b.spec.shared_x);
+  if (b.spec.shared_x) {
+    EXPECT_TRUE(
+        same_bytes(g.grad_shared_expert_x.data(), want.grad_shared_expert_x.data(), BS * row_bytes))
+        << "grad_shared_expert_x differs";
+  }
+  EXPECT_EQ(g.grad_ori_x.defined(), b.spec.C > 0 || b.spec.Q > 0);
+  if (g.grad_ori_x.defined()) {
+    EXPECT_TRUE(same_bytes(g.grad_ori_x.data(), want.grad_ori_x.data(), BS * row_bytes))
+        << "grad_ori_x differs";
+  }
+  if (b.spec.Q > 0) {
+    EXPECT_TRUE(same_bytes(g.grad_const_expert_alpha_1.data(), want.grad_alpha_1.data(),
+                           want.grad_alpha_1.size()));
+    EXPECT_TRUE(same_bytes(g.grad_const_expert_alpha_2.data(), want.grad_alpha_2.data(),
+                           want.grad_alpha_2.size()));
+    EXPECT_TRUE(same_bytes(g.grad_const_expert_v.data(), want.grad_v.data(), want.grad_v.size()));
+  }
+}
+
 // dispatch (both types), the experts, combine: everything against the reference.
 void round_trip(const Batch& b) {
   const int rank = comm()->rank();
@@ -366,6 +458,7 @@ void round_trip(const Batch& b) {
   EXPECT_TRUE(same_bytes(x.data(), combined[rank].data(), x.nbytes()))
       << "combine_v2 differs from SPEC §2.3 computed by the reference";
   handle_round_trip(b, out, combined[rank]);
+  backward_round_trip(b, out, y);
   if (rank == 0) {
     uint64_t h = 1469598103934665603ull;
     for (const auto& part : combined) h ^= fnv1a(part.data(), part.size()) + (h << 6);
@@ -914,6 +1007,60 @@ TEST_F(Features, ElasticTableInconsistentOnOneRank) {
 // and the two algorithms must agree bit for bit.
 
 class Hierarchy : public Features {};
+
+// SPEC §6: the backward ops need the forward's handle; a bad argument on one rank reaches the
+// others through the agreement (kRemote naming it), so no rank waits for its deadline.
+TEST_F(Features, BackwardWithoutHandleOnOneRank) {
+  const Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank(), bad = world_size() - 1;
+  const DispatchOutputs out = dispatch_v2(dispatch_inputs(b, rank), config(b));
+  DispatchBackwardInputs in;
+  in.grad_expand_x = out.expand_x;
+  in.expert_ids = b.inputs[rank].expert_ids;
+  in.handle = rank == bad ? nullptr : &out.handle;
+  expect_error([&] { dispatch_v2_backward(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"dispatch_v2_backward: handle is required"});
+}
+
+TEST_F(Features, CombineBackwardGradOutWrongShapeOnOneRank) {
+  const Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank(), bad = world_size() - 1;
+  const DispatchOutputs out = dispatch_v2(dispatch_inputs(b, rank), config(b));
+  std::vector<float> g(5 * b.spec.H, 1.0f);
+  CombineBackwardInputs in;
+  in.grad_out = TensorView::contiguous(g.data(), DType::kF32, {rank == bad ? 5 : 4, b.spec.H});
+  in.expand_x = out.expand_x;
+  in.expert_ids = b.inputs[rank].expert_ids;
+  in.expert_scales = *b.inputs[rank].expert_scales;
+  in.handle = &out.handle;
+  expect_error([&] { combine_v2_backward(in, config(b)); }, bad, ErrorKind::kInvalidArgument,
+               {"combine_v2_backward: grad_out.shape[0] = 5 must equal 4"});
+}
+
+// Calling a backward op where another rank calls the forward one is named on every rank.
+TEST_F(Features, BackwardAgainstForwardIsNamed) {
+  if (world_size() < 2) GTEST_SKIP() << "needs two ranks";
+  const Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank();
+  const DispatchOutputs out = dispatch_v2(dispatch_inputs(b, rank), config(b));
+  try {
+    if (rank == 0) {
+      DispatchBackwardInputs in;
+      in.grad_expand_x = out.expand_x;
+      in.expert_ids = b.inputs[rank].expert_ids;
+      in.handle = &out.handle;
+      dispatch_v2_backward(in, config(b));
+    } else {
+      CombineInputs in = combine_inputs(b, rank, out, out.expand_x);
+      in.handle = &out.handle;
+      combine_v2(in, config(b));
+    }
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find("dispatch_v2_backward"), std::string::npos) << e.what();
+  }
+}
 
 EpConfig with_alg(EpConfig c, const char* alg) {
   c.comm_alg = alg;

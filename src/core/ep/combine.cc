@@ -78,7 +78,8 @@ void check_shared_expert_x(const char* op, const TensorView& t, const EpShape& s
 void check_sum_inputs(Combine& c) {
   const CombineInputs& in = c.in;
   const char* op = c.op;
-  const int64_t C = c.cfg.copy_expert_num, Q = c.cfg.const_expert_num;
+  const int64_t C = c.unit_terms ? 0 : c.cfg.copy_expert_num,
+                Q = c.unit_terms ? 0 : c.cfg.const_expert_num;
   check_expert_scales(op, in.expert_scales, c.sh.BS, c.sh.K);
   if (in.shared_expert_x) check_shared_expert_x(op, *in.shared_expert_x, c.sh);
   if ((C > 0 || Q > 0) && !in.ori_x)
@@ -692,11 +693,14 @@ void move_all_rows(Combine& c) {
 
 namespace moe_ep {
 
-Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
-  using namespace detail;
-  Combine c(in, cfg, require_comm(Combine::op, cfg));
-  c.hdr =
-      base_header(kOpCombine, cfg, in.expert_ids, in.expand_x, in.expert_ids, in.comm_quant_mode);
+namespace detail {
+
+Tensor run_combine(const CombineInputs& in, const EpConfig& cfg, const char* op, int32_t code,
+                   bool unit_terms) {
+  Combine c(in, cfg, require_comm(op, cfg));
+  c.op = op;
+  c.unit_terms = unit_terms;
+  c.hdr = base_header(code, cfg, in.expert_ids, in.expand_x, in.expert_ids, in.comm_quant_mode);
   capture(c.hdr, c.local, [&] {
     check_arguments(c);
     if (!c.world.removed) allocate(c);
@@ -713,9 +717,10 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   sum.in = &in;
   sum.mask = c.mask;
   sum.sh = &c.sh;
-  sum.zero = cfg.zero_expert_num;
-  sum.copy = cfg.copy_expert_num;
-  sum.consts = cfg.const_expert_num;
+  // Unit terms: every special expert is a zero expert (dispatch sent it nothing to give back).
+  sum.zero = unit_terms ? c.sh.pl.special : cfg.zero_expert_num;
+  sum.copy = unit_terms ? 0 : cfg.copy_expert_num;
+  sum.consts = unit_terms ? 0 : cfg.const_expert_num;
   sum.out = c.out.ptr<char>();
   NodePartials np;
   std::vector<float> own;  // hierarchy: this node's partials, while the others' travel
@@ -752,6 +757,12 @@ Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
   }
   finish_reading(c);
   return c.out;
+}
+
+}  // namespace detail
+
+Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
+  return detail::run_combine(in, cfg, "combine_v2", detail::kOpCombine, false);
 }
 
 }  // namespace moe_ep

@@ -30,7 +30,9 @@ struct BackMeta {
 
 // One combine_v2 call: its arguments and what each step leaves for the next.
 struct Combine {
-  static constexpr const char* op = "combine_v2";
+  const char* op = "combine_v2";  // or the op that runs this route (run_combine)
+  // dispatch_v2_backward: every weight is 1 and the special experts add nothing.
+  bool unit_terms = false;
   const CombineInputs& in;
   const EpConfig& cfg;
   const Communicator& comm;
@@ -108,5 +110,10 @@ struct Combine {
 // tokens from the relays of the other nodes, each relay's rows of the owners of its node summed per
 // (token, node) in phases "relay weights", "relay rows" and "relay partials". Fills c.partials.
 void relay_partials(Combine& c);
+
+// combine_v2's route run by `op` (its name in errors) with header op code `code` (kOpCombine, or
+// kOpDispatchBackward with unit_terms: every weight 1, special experts adding nothing).
+Tensor run_combine(const CombineInputs& in, const EpConfig& cfg, const char* op, int32_t code,
+                   bool unit_terms);
 
 }  // namespace moe_ep::detail

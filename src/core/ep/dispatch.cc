@@ -1040,11 +1040,14 @@ DispatchBuffers buffers_of(const DispatchOutputs& o) {
   return b;
 }
 
-DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
-  using namespace detail;
-  Dispatch c(in, cfg, require_comm(Dispatch::op, cfg));
+namespace detail {
+
+DispatchOutputs run_dispatch(const DispatchInputs& in, const EpConfig& cfg, const char* op,
+                             int32_t code) {
+  Dispatch c(in, cfg, require_comm(op, cfg));
+  c.op = op;
   const uint64_t id = next_plan_id(c.comm);
-  c.hdr = base_header(kOpDispatch, cfg, in.x, in.x, in.expert_ids, in.quant_mode);
+  c.hdr = base_header(code, cfg, in.x, in.x, in.expert_ids, in.quant_mode);
   capture(c.hdr, c.local, [&] {
     check_arguments(c);
     if (!c.world.removed) allocate(c);
@@ -1056,6 +1059,12 @@ DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
   move_rows(c);
   finish(c);
   return std::move(c.out);
+}
+
+}  // namespace detail
+
+DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
+  return detail::run_dispatch(in, cfg, "dispatch_v2", detail::kOpDispatch);
 }
 
 }  // namespace moe_ep

@@ -24,7 +24,7 @@ namespace moe_ep::detail {
 
 // One dispatch_v2 call: its arguments and what each step leaves for the next.
 struct Dispatch {
-  static constexpr const char* op = "dispatch_v2";
+  const char* op = "dispatch_v2";  // or the op that runs this route (run_dispatch)
   const DispatchInputs& in;
   const EpConfig& cfg;
   const Communicator& comm;
@@ -119,5 +119,10 @@ std::shared_ptr<RelayIn> exchange_relay(Dispatch& c);
 // expand_x), and each rank's receives of the rows relayed to it.
 void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx);
 void relay_copies(Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in);
+
+// dispatch_v2's route run by `op` (its name in errors) with header op code `code` (kOpDispatch,
+// or kOpCombineBackward, whose grad_out travels it).
+DispatchOutputs run_dispatch(const DispatchInputs& in, const EpConfig& cfg, const char* op,
+                             int32_t code);
 
 }  // namespace moe_ep::detail

@@ -15,7 +15,18 @@ namespace moe_ep::detail {
 namespace {
 
 const char* op_name(int32_t op) {
-  return op == kOpDispatch ? "dispatch_v2" : op == kOpCombine ? "combine_v2" : "an unknown op";
+  switch (op) {
+    case kOpDispatch:
+      return "dispatch_v2";
+    case kOpCombine:
+      return "combine_v2";
+    case kOpDispatchBackward:
+      return "dispatch_v2_backward";
+    case kOpCombineBackward:
+      return "combine_v2_backward";
+    default:
+      return "an unknown op";
+  }
 }
 
 }  // namespace
@@ -145,7 +156,7 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
       {"K (expert_ids.shape[1])", &OpHeader::K},
       {"elastic_info (hash of the table)", &OpHeader::elastic},
   };
-  const bool dispatch = mine.op == kOpDispatch;
+  const bool dispatch = mine.op == kOpDispatch || mine.op == kOpCombineBackward;
   for (const Field& f : fields)
     for (int p = 1; p < W; ++p)
       if (h[p].*f.member != h[0].*f.member)

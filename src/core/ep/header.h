@@ -19,6 +19,8 @@ namespace moe_ep::detail {
 
 constexpr int32_t kOpDispatch = 1;
 constexpr int32_t kOpCombine = 2;
+constexpr int32_t kOpDispatchBackward = 3;  // combine_v2's route (backward.cc)
+constexpr int32_t kOpCombineBackward = 4;   // dispatch_v2's route (backward.cc)
 
 // Where a rank's rows lie in its shared-memory window, as its header (or phase "where") tells
 // the peers on its machine: byte offsets in its segment of window generation `gen` (-1: none).
@@ -32,7 +34,7 @@ struct Where {
 // The fixed-size header every rank sends every other rank before an op moves data.
 struct OpHeader {
   int32_t magic = 0x4d4f4550;  // "MOEP"
-  int32_t op = 0;              // kOpDispatch, kOpCombine
+  int32_t op = 0;              // kOpDispatch, kOpCombine, kOp*Backward
   int32_t ok = 1;              // 0: local validation failed, see kind and message
   int32_t kind = 0;            // ErrorKind of the local failure
   int64_t ep_world_size = 0, moe_expert_num = 0, tp_world_size = 0, shared_expert_num = 0,
