@@ -6,10 +6,11 @@
 // and errors (kInvalidArgument on this rank, kRemote on the others, kTimeout naming the rank and
 // phase; include/moe_ep/dispatch.h). cfg must be the forward's EpConfig (every field), and
 // `handle` the DispatchHandle that dispatch_v2 returned (required: kInvalidArgument when absent or
-// not defined). Supported: everything the forward supports except tp_world_size 2, elastic_info
-// and performance_info (kUnsupported), and the quantised forms: these ops take no quant_mode;
-// with quant_mode 2 or comm_quant_mode 2 in the forward there is no gradient to give (SPEC §6; the
-// Python front raises Unsupported for them).
+// not defined). Supported: everything the forward supports (tp_world_size 2 too) except
+// elastic_info (a scale-in handle is refused: kInvalidArgument, its world differs) and
+// performance_info (not an argument here), and the quantised forms: these ops take no
+// quant_mode; with quant_mode 2 or comm_quant_mode 2 in the forward there is no gradient to give
+// (SPEC §6).
 #pragma once
 
 #include <cstdint>
@@ -40,7 +41,10 @@ struct DispatchBackwardInputs {
 // copies in s order), each added as fp32, rounded once to nearest even; inactive tokens and
 // special-expert entries (never sent) give nothing. With comm_alg "hierarchy" the terms on each
 // node are summed first and the nodes' sums added in node order (SPEC §3's re-association, as
-// combine_v2 does). It moves the bytes of combine_v2. Collective over cfg.group_ep.
+// combine_v2 does). With tp_world_size 2, grad_expand_x holds this rank's rows then its TP peer's
+// (dispatch_v2's layout), and each of this rank's rows first becomes rne(fp32(the row on TP rank
+// 0) + fp32(its copy on TP rank 1)) (combine_v2's reduce-scatter, the all-gather's transpose).
+// It moves the bytes of combine_v2. Collective over cfg.group_ep (and group_tp).
 MOE_EP_API Tensor dispatch_v2_backward(const DispatchBackwardInputs& in, const EpConfig& cfg);
 
 struct CombineBackwardInputs {
@@ -68,9 +72,15 @@ struct CombineBackwardInputs {
 struct CombineBackwardOutputs {
   // (R, H), R = expand_x.shape[0]: the row of entry (i, k) is rne(expert_scales[i,k] *
   // fp32(grad_out[i])), a shared-expert copy's row is grad_out[i]; rows past the valid ones 0.
+  // With tp_world_size 2 the TP peer's rows (after this rank's) likewise, from the peer group's
+  // grad_out: each partial's gradient is the sum's.
   Tensor grad_expand_x;
   // (BS, K) fp32: dot(fp32(grad_out[i]), fp32(y_ik)) in the order of permute.h's grad_probs (16
-  // lanes, then a pairwise fold), computed on the rank that holds y_ik (one fp32 travels back);
+  // lanes, then a pairwise fold; y_ik with tp_world_size 2: the pair's rounded sum, as combine_v2
+  // weighted it, formed again by the same reduce-scatter of expand_x; expand_x must then hold the
+  // pair's rows, else kInvalidArgument on this rank after the dispatch step, which its TP peer
+  // sees as a Timeout in phase "tp reduce-scatter"), computed on the rank that holds y_ik (one
+  // fp32 travels back);
   // copy expert: dot(grad_out[i], ori_x[i]); const expert q: dot(grad_out[i], c) with c the fp32
   // value combine_v2 forms (fp32(alpha_1[q] * ori_x[i]) + fp32(alpha_2[q] * v[q])); 0 for an
   // inactive entry and a zero expert.

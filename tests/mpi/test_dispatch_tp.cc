@@ -12,10 +12,12 @@
 #include <string>
 #include <vector>
 
+#include "moe_ep/backward.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
 #include "mpi/common.h"
+#include "ref/ep_backward_ref.h"
 #include "ref/ep_ref.h"
 #include "ref/numeric.h"
 
@@ -184,6 +186,59 @@ Case make_case(Grouping grouping, int64_t BS0, int64_t BS1, int64_t m, uint64_t 
   return c;
 }
 
+// SPEC §6 with TP over the handle of `d`: dispatch_v2_backward of the partials y is combine_v2
+// with unit weights (the pair's reduce-scatter, then the sum); combine_v2_backward of grad_out =
+// each group's x gives this rank's rows and the peer's (rne(w * g) from each group's grad_out)
+// and grad_expert_scales against the pair's sums.
+void backward_round_trip(Case& c, const DispatchOutputs& d, const Tensor& y,
+                         const ref::ExpertFn& p0, const ref::ExpertFn& p1) {
+  const TpWorld& w = c.w;
+  const int t = w.tp_rank;
+  Group& g = c.g[t];
+  const EpConfig cfg = config(w, g, true);
+  const int64_t H = g.H, row_bytes = H * 2;
+  {
+    SCOPED_TRACE("dispatch_v2_backward");
+    DispatchBackwardInputs in;
+    in.grad_expand_x = y;
+    in.expert_ids = TensorView::contiguous(g.ids[w.ep_rank].data(), DType::kI32, {g.BS, g.K});
+    in.handle = &d.handle;
+    const Tensor gx = dispatch_v2_backward(in, cfg);
+    Group unit = g;
+    for (auto& s : unit.scales) std::fill(s.begin(), s.end(), 1.0f);
+    const auto want = ref::combine_reference(unit.inputs(), ref::tp_sum_expert(p0, p1));
+    ASSERT_EQ(gx.nbytes(), want[w.ep_rank].size());
+    EXPECT_EQ(std::memcmp(gx.data(), want[w.ep_rank].data(), gx.nbytes()), 0);
+  }
+  SCOPED_TRACE("combine_v2_backward");
+  CombineBackwardInputs in;
+  in.grad_out = TensorView::contiguous(g.x[w.ep_rank].data(), DType::kBF16, {g.BS, H});
+  in.expand_x = y;
+  in.expert_ids = TensorView::contiguous(g.ids[w.ep_rank].data(), DType::kI32, {g.BS, g.K});
+  in.expert_scales = TensorView::contiguous(g.scales[w.ep_rank].data(), DType::kF32, {g.BS, g.K});
+  in.handle = &d.handle;
+  const CombineBackwardOutputs o = combine_v2_backward(in, cfg);
+  std::vector<ref::CombineBackwardRef> want[2];
+  for (int u = 0; u < 2; ++u) {
+    std::vector<std::vector<unsigned char>> grad_out;
+    for (const auto& x : c.g[u].x)
+      grad_out.emplace_back(reinterpret_cast<const unsigned char*>(x.data()),
+                            reinterpret_cast<const unsigned char*>(x.data() + x.size()));
+    ref::EpWorld world;
+    world.E = c.g[u].E;
+    world.global_bs = c.g[u].global_bs;
+    want[u] = ref::combine_backward_reference(c.g[u].inputs(), world, c.ref[u], grad_out,
+                                              ref::tp_sum_expert(p0, p1));
+  }
+  EXPECT_EQ(test::values<float>(o.grad_expert_scales), want[t][w.ep_rank].grad_expert_scales);
+  std::vector<unsigned char> rows = want[t][w.ep_rank].grad_expand_x;
+  const auto& peer = want[1 - t][w.ep_rank].grad_expand_x;
+  rows.insert(rows.end(), peer.begin(), peer.end());
+  rows.resize(static_cast<std::size_t>(y.size(0) * row_bytes), 0);
+  ASSERT_EQ(o.grad_expand_x.nbytes(), rows.size());
+  EXPECT_EQ(std::memcmp(o.grad_expand_x.data(), rows.data(), rows.size()), 0);
+}
+
 void round_trip(Grouping grouping, uint64_t seed) {
   Case c = make_case(grouping, 5, 3, 5, seed);
   const TpWorld& w = c.w;
@@ -223,6 +278,7 @@ void round_trip(Grouping grouping, uint64_t seed) {
   Tensor out_h = combine_v2(hin, cfg);
   ASSERT_EQ(out_h.nbytes(), want[w.ep_rank].size());
   EXPECT_EQ(std::memcmp(out_h.data(), want[w.ep_rank].data(), out_h.nbytes()), 0);
+  backward_round_trip(c, d, y, p0, p1);
 }
 
 TEST(DispatchTp, HandMadeLayout) {

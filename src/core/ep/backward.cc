@@ -18,6 +18,7 @@
 #include "core/ep/dispatch_call.h"
 #include "core/ep/handle.h"
 #include "core/ep/header.h"
+#include "core/ep/tp.h"
 #include "core/validate.h"
 #include "kernels/cpu/convert.h"
 #include "transport/exchange.h"
@@ -39,8 +40,7 @@ const EpPlan& forward_plan(const char* op, const DispatchHandle* handle, const E
             "moves rows along the forward's layout");
   if (!handle->defined())
     invalid(op, ": handle is not defined (default-made, or of a rank removed by a scale-in)");
-  if (cfg.tp_world_size == 2)
-    unsupported(op, ": tp_world_size = 2 is not supported by the backward ops in this build");
+  (void)cfg;  // checked against the plan by the collective step
   return *HandleInternals::plan(*handle);
 }
 
@@ -113,15 +113,36 @@ void check_combine_backward(CombineBackward& b) {
   }
 }
 
+// The y rows of this rank's own dispatch rows: expand_x's, or with tp_world_size 2 the pair's sums
+// (SPEC §2: rs_out, the rows combine_v2 weighted), formed by the same reduce-scatter.
+std::shared_ptr<Tensor> tp_sums(const CombineBackward& b, const DispatchOutputs& g) {
+  if (b.cfg.tp_world_size != 2) return nullptr;
+  const int32_t* tp = g.tp_recv_counts.ptr<int32_t>();
+  const int64_t own = tp[b.cfg.tp_rank_id], peer = tp[1 - b.cfg.tp_rank_id];
+  if (b.in.expand_x.shape[0] < own + peer)
+    invalid(kCombineBackward, ": expand_x.shape[0] = ", b.in.expand_x.shape[0],
+            " is less than the rows of the TP pair's dispatch, ", own, " + ", peer);
+  CombineInputs ci;
+  ci.expand_x = b.in.expand_x;
+  EpShape sh;
+  sh.dtype = b.dtype;
+  sh.H = b.H;
+  return tp_reduce_scatter(kCombineBackward, b.cfg, ci, sh, own, peer);
+}
+
 // The owner's part: grad_expand_x rows from the dispatched grad_out rows `g` (rne(w * g) on a MoE
-// rank, g on a shared-expert rank) and, per row, dot(g, y) for its source. Rows past the valid
-// ones are 0.
+// rank, g on a shared-expert rank; with tp_world_size 2 the TP peer's rows too) and, per row of
+// this rank's own dispatch, dot(g, y) for its source. Rows past the valid ones are 0.
 Tensor owner_rows(const CombineBackward& b, const DispatchOutputs& g, std::vector<float>& dots) {
-  const int64_t R = b.in.expand_x.shape[0], valid = b.plan->recv.valid, H = b.H;
+  const int32_t* tp = g.tp_recv_counts.ptr<int32_t>();
+  const int64_t R = b.in.expand_x.shape[0], own = b.plan->recv.valid, H = b.H;
+  const int64_t valid = b.cfg.tp_world_size == 2 ? int64_t{tp[0]} + tp[1] : own;
+  const std::shared_ptr<Tensor> sums = tp_sums(b, g);
+  const TensorView ys = sums ? sums->view() : b.in.expand_x;
   const bool shared_rank = b.cfg.ep_rank_id < b.cfg.shared_expert_rank_num;
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(b.dtype));
   Tensor out = Tensor::empty(b.dtype, {R, H});
-  dots.assign(static_cast<std::size_t>(valid), 0.0f);
+  dots.assign(static_cast<std::size_t>(own), 0.0f);
   const char* grows = g.expand_x.ptr<char>();
   const float* w = g.expand_scales.ptr<float>();
   char* orows = out.ptr<char>();
@@ -134,9 +155,11 @@ Tensor owner_rows(const CombineBackward& b, const DispatchOutputs& g, std::vecto
         std::memcpy(dst, grow, static_cast<std::size_t>(row_bytes));
         continue;
       }
-      const void* y = row_ptr(b.in.expand_x, j);
-      scale_dot_rows_f32(&dots[static_cast<std::size_t>(j)], &dst, b.dtype, grow, b.dtype, &w[j],
-                         &y, b.dtype, 1, H);
+      // The TP peer's rows: the gradient only (their dots are the peer's).
+      float discard = 0;
+      const void* y = row_ptr(j < own ? ys : b.in.expand_x, j < own ? j : 0);
+      scale_dot_rows_f32(j < own ? &dots[static_cast<std::size_t>(j)] : &discard, &dst, b.dtype,
+                         grow, b.dtype, &w[j], &y, b.dtype, 1, H);
     }
   });
   if (R > valid)
