@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "moe_ep/backward.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
@@ -534,6 +535,77 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
   return to_python(std::move(r));
 }
 
+// SPEC §6 (backward.h). Like the forward ops, a tensor the binding cannot take becomes this rank's
+// caller_error inside the collective.
+nb::object dispatch_v2_backward(const InArray& grad_expand_x, const InArray& expert_ids,
+                                const PyCommunicator& group_ep, const EpArgs& ep,
+                                const OptIn& x_active_mask, const moe_ep::DispatchHandle* handle,
+                                const std::string& handle_error) {
+  const moe_ep::EpConfig cfg = ep_config(group_ep, ep);
+  moe_ep::DispatchBackwardInputs in;
+  try {
+    in.grad_expand_x = view_of(grad_expand_x, "grad_expand_x");
+    in.expert_ids = view_of(expert_ids, "expert_ids");
+    in.x_active_mask = view_of(x_active_mask, "x_active_mask");
+  } catch (const moe_ep::Error& e) {
+    in = moe_ep::DispatchBackwardInputs{};
+    in.caller_error = moe_ep::Error(e.kind(), std::string("dispatch_v2_backward: ") + e.what());
+  }
+  in.handle = handle;
+  if (!handle_error.empty() && !in.caller_error)
+    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, handle_error);
+  InUse ep_guard(&group_ep, "dispatch_v2_backward", "group_ep");
+  InUse tp_guard(ep.group_tp ? &*ep.group_tp : nullptr, "dispatch_v2_backward", "group_tp");
+  Tensor r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::dispatch_v2_backward(in, cfg);
+  }
+  return to_python(std::move(r));
+}
+
+nb::tuple combine_v2_backward(const InArray& grad_out, const InArray& expand_x,
+                              const InArray& expert_ids, const InArray& expert_scales,
+                              const PyCommunicator& group_ep, const EpArgs& ep,
+                              const OptIn& x_active_mask, bool shared_expert_x, const OptIn& ori_x,
+                              const OptIn& const_expert_alpha_1, const OptIn& const_expert_alpha_2,
+                              const OptIn& const_expert_v, const moe_ep::DispatchHandle* handle,
+                              const std::string& handle_error) {
+  const moe_ep::EpConfig cfg = ep_config(group_ep, ep);
+  moe_ep::CombineBackwardInputs in;
+  try {
+    in.grad_out = view_of(grad_out, "grad_out");
+    in.expand_x = view_of(expand_x, "expand_x");
+    in.expert_ids = view_of(expert_ids, "expert_ids");
+    in.expert_scales = view_of(expert_scales, "expert_scales");
+    in.x_active_mask = view_of(x_active_mask, "x_active_mask");
+    in.ori_x = view_of(ori_x, "ori_x");
+    in.const_expert_alpha_1 = view_of(const_expert_alpha_1, "const_expert_alpha_1");
+    in.const_expert_alpha_2 = view_of(const_expert_alpha_2, "const_expert_alpha_2");
+    in.const_expert_v = view_of(const_expert_v, "const_expert_v");
+  } catch (const moe_ep::Error& e) {
+    in = moe_ep::CombineBackwardInputs{};
+    in.caller_error = moe_ep::Error(e.kind(), std::string("combine_v2_backward: ") + e.what());
+  }
+  in.shared_expert_x = shared_expert_x;
+  in.handle = handle;
+  if (!handle_error.empty() && !in.caller_error)
+    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, handle_error);
+  InUse ep_guard(&group_ep, "combine_v2_backward", "group_ep");
+  InUse tp_guard(ep.group_tp ? &*ep.group_tp : nullptr, "combine_v2_backward", "group_tp");
+  moe_ep::CombineBackwardOutputs r;
+  {
+    nb::gil_scoped_release release;
+    r = moe_ep::combine_v2_backward(in, cfg);
+  }
+  return nb::make_tuple(
+      to_python(std::move(r.grad_expand_x)), to_python(std::move(r.grad_expert_scales)),
+      to_python(std::move(r.grad_shared_expert_x)), to_python(std::move(r.grad_ori_x)),
+      to_python(std::move(r.grad_const_expert_alpha_1)),
+      to_python(std::move(r.grad_const_expert_alpha_2)),
+      to_python(std::move(r.grad_const_expert_v)));
+}
+
 // The size query (dispatch.h, DispatchWorkspace). Local: reads the communicator's rank and size
 // only, so it needs neither the other ranks nor the in-use guard of the collective ops.
 nb::dict dispatch_workspace(int64_t bs, int64_t hidden, int64_t top_k, const std::string& dtype,
@@ -656,8 +728,8 @@ NB_MODULE(_C, m) {
         "handle_error: the caller's message about a handle it could not resolve, reported as this "
         "rank's InvalidArgument inside the collective (the peers raise RemoteError)");
   m.def("combine_v2", &combine_v2, "expand_x"_a, "expert_ids"_a, "assist_info_for_combine"_a.none(),
-        "ep_send_counts"_a.none(), "expert_scales"_a, "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a,
-        "moe_expert_num"_a, nb::kw_only(), "tp_send_counts"_a = nb::none(),
+        "ep_send_counts"_a.none(), "expert_scales"_a, "group_ep"_a, "ep_world_size"_a,
+        "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(), "tp_send_counts"_a = nb::none(),
         "x_active_mask"_a = nb::none(), "expand_scales"_a = nb::none(),
         "shared_expert_x"_a = nb::none(), "elastic_info"_a = nb::none(), "ori_x"_a = nb::none(),
         "const_expert_alpha_1"_a = nb::none(), "const_expert_alpha_2"_a = nb::none(),
@@ -669,6 +741,64 @@ NB_MODULE(_C, m) {
         "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
         "SPEC §2. Returns x (BS, H). handle: dispatch_v2's DispatchHandle (SPEC §7); then "
         "assist_info_for_combine and ep_send_counts are not read and may be None");
+  // The backward ops take the EP arguments by keyword, as the forward ones do.
+  m.def(
+      "dispatch_v2_backward",
+      [](const InArray& grad_expand_x, const InArray& expert_ids, const PyCommunicator& group_ep,
+         int64_t ep_world_size, int64_t ep_rank_id, int64_t moe_expert_num,
+         const OptIn& x_active_mask, std::optional<PyCommunicator> group_tp, int64_t tp_world_size,
+         int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
+         int64_t shared_expert_rank_num, int64_t global_bs, const std::string& comm_alg,
+         int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
+         const std::string& transport, bool exact_size, const moe_ep::DispatchHandle* handle,
+         const std::string& handle_error) {
+        return dispatch_v2_backward(
+            grad_expand_x, expert_ids, group_ep,
+            {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
+             expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
+             zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size},
+            x_active_mask, handle, handle_error);
+      },
+      "grad_expand_x"_a, "expert_ids"_a, "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a,
+      "moe_expert_num"_a, nb::kw_only(), "x_active_mask"_a = nb::none(), "group_tp"_a = nb::none(),
+      "tp_world_size"_a = 0, "tp_rank_id"_a = 0, "expert_shard_type"_a = 0,
+      "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0, "global_bs"_a = 0,
+      "comm_alg"_a = "", "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
+      "transport"_a = "", "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
+      "SPEC §6 (backward.h). Returns grad_x (BS, H). handle: the forward dispatch_v2's "
+      "DispatchHandle (required)");
+  m.def(
+      "combine_v2_backward",
+      [](const InArray& grad_out, const InArray& expand_x, const InArray& expert_ids,
+         const InArray& expert_scales, const PyCommunicator& group_ep, int64_t ep_world_size,
+         int64_t ep_rank_id, int64_t moe_expert_num, const OptIn& x_active_mask,
+         bool shared_expert_x, const OptIn& ori_x, const OptIn& const_expert_alpha_1,
+         const OptIn& const_expert_alpha_2, const OptIn& const_expert_v,
+         std::optional<PyCommunicator> group_tp, int64_t tp_world_size, int64_t tp_rank_id,
+         int64_t expert_shard_type, int64_t shared_expert_num, int64_t shared_expert_rank_num,
+         int64_t global_bs, const std::string& comm_alg, int64_t zero_expert_num,
+         int64_t copy_expert_num, int64_t const_expert_num, const std::string& transport,
+         bool exact_size, const moe_ep::DispatchHandle* handle, const std::string& handle_error) {
+        return combine_v2_backward(
+            grad_out, expand_x, expert_ids, expert_scales, group_ep,
+            {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
+             expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
+             zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size},
+            x_active_mask, shared_expert_x, ori_x, const_expert_alpha_1, const_expert_alpha_2,
+            const_expert_v, handle, handle_error);
+      },
+      "grad_out"_a, "expand_x"_a, "expert_ids"_a, "expert_scales"_a, "group_ep"_a,
+      "ep_world_size"_a, "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(),
+      "x_active_mask"_a = nb::none(), "shared_expert_x"_a = false, "ori_x"_a = nb::none(),
+      "const_expert_alpha_1"_a = nb::none(), "const_expert_alpha_2"_a = nb::none(),
+      "const_expert_v"_a = nb::none(), "group_tp"_a = nb::none(), "tp_world_size"_a = 0,
+      "tp_rank_id"_a = 0, "expert_shard_type"_a = 0, "shared_expert_num"_a = 1,
+      "shared_expert_rank_num"_a = 0, "global_bs"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
+      "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "transport"_a = "", "exact_size"_a = false,
+      "handle"_a = nb::none(), "handle_error"_a = "",
+      "SPEC §6 (backward.h). Returns (grad_expand_x, grad_expert_scales, grad_shared_expert_x, "
+      "grad_ori_x, grad_const_expert_alpha_1, grad_const_expert_alpha_2, grad_const_expert_v); "
+      "None where the forward had no such input. handle: required");
   m.def("dispatch_workspace", &dispatch_workspace, "bs"_a, "hidden"_a, "top_k"_a, "dtype"_a,
         "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(),
         "group_tp"_a = nb::none(), "tp_world_size"_a = 0, "tp_rank_id"_a = 0,

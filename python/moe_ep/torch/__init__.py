@@ -2,8 +2,9 @@
 
 Importing this module registers the custom ops ``torch.ops.moe_ep.*`` (SPEC §4: token_permute,
 token_permute_grad, token_permute_grad_v2, token_unpermute, _token_unpermute,
-token_unpermute_grad, token_unpermute_grad_v2; SPEC §1-2: dispatch_v2, combine_v2), their fake
-implementations for torch.compile, autograd for permute and unpermute, and the DTensor sharding
+token_unpermute_grad, token_unpermute_grad_v2; SPEC §1-2: dispatch_v2, combine_v2; SPEC §6:
+dispatch_v2_backward, combine_v2_backward), their fake implementations for torch.compile,
+autograd for permute, unpermute, dispatch_v2 and combine_v2, and the DTensor sharding
 rules of SPEC §5 (generated from the C++ strategy table). dispatch_workspace is dispatch_v2's size
 query (local, a plain function).
 

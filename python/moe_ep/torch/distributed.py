@@ -15,7 +15,14 @@ Both ops are collective over group_ep: every rank calls them in the same order. 
 one rank raises moe_ep.InvalidArgumentError there and moe_ep.RemoteError on the others; every wait
 has a deadline (moe_ep.TimeoutError; $MOE_EP_TIMEOUT_S, default 300 s). After a TimeoutError the
 communicator is unusable (messages of the abandoned call may still arrive): release_group(comm)
-on every rank, or use another communicator. Neither op has autograd.
+on every rank, or use another communicator.
+
+Autograd (SPEC §6): through the wrappers without performance_info, x gets its gradient from
+dispatch_v2, and expand_x, expert_scales, shared_expert_x, ori_x and the const tables from
+combine_v2, by the collective custom ops dispatch_v2_backward / combine_v2_backward (so every
+rank must run the backward, in the same order, as it ran the forward). combine_v2's backward
+needs handle= (the .handle of its dispatch_v2): without it, InvalidArgumentError when the
+gradient is taken; with quant_mode 2 or comm_quant_mode 2, UnsupportedError.
 The fake implementations give the SPEC §1.4 output shapes, so torch.compile can trace a layer that
 calls them (not with elastic_info, whose output shapes depend on the table's values). The wrappers
 trace too (fullgraph) once their communicators are registered: torch.compile cannot trace into
@@ -444,6 +451,211 @@ _combine_v2_functional = torch.library.custom_op(
     "moe_ep::_combine_v2_functional", _combine_v2_impl, mutates_args=()
 )
 _combine_v2_functional.register_fake(_combine_v2_fake)
+# dispatch_v2 likewise without performance_info: autograd can be registered only on a functional
+# op, and this is the one the wrapper calls when no performance_info is given.
+_dispatch_v2_functional = torch.library.custom_op(
+    "moe_ep::_dispatch_v2_functional", _dispatch_v2_impl, mutates_args=()
+)
+
+
+@_dispatch_v2_functional.register_fake
+def _(*args, **kwargs):
+    bound = inspect.signature(_dispatch_v2_impl).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return _dispatch_v2_fake(**bound.arguments)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward ops (SPEC §6, include/moe_ep/backward.h), and autograd for the functional forward
+# ops through them. Each takes the forward's EP arguments and its handle tensor.
+
+_EP_ARGS = (
+    "group_tp", "tp_world_size", "tp_rank_id", "expert_shard_type", "shared_expert_num",
+    "shared_expert_rank_num", "global_bs", "comm_alg", "zero_expert_num", "copy_expert_num",
+    "const_expert_num", "transport", "exact_size",
+)
+
+
+def _dispatch_v2_backward_impl(
+    grad_expand_x: Tensor,
+    expert_ids: Tensor,
+    group_ep: int,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    x_active_mask: Optional[Tensor] = None,
+    group_tp: int = 0,
+    tp_world_size: int = 0,
+    tp_rank_id: int = 0,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    global_bs: int = 0,
+    comm_alg: str = "",
+    zero_expert_num: int = 0,
+    copy_expert_num: int = 0,
+    const_expert_num: int = 0,
+    transport: str = "",
+    exact_size: bool = False,
+    handle: Optional[Tensor] = None,
+) -> Tensor:
+    args = _binding_args("dispatch_v2_backward", locals())
+    args["handle"], args["handle_error"] = _handle_of("dispatch_v2_backward", handle)
+    return tt(_C.dispatch_v2_backward(**args))
+
+
+_dispatch_v2_backward_op = torch.library.custom_op(
+    "moe_ep::dispatch_v2_backward", _dispatch_v2_backward_impl, mutates_args=()
+)
+
+
+@_dispatch_v2_backward_op.register_fake
+def _(grad_expand_x, expert_ids, *args, **kwargs):
+    _ndim("dispatch_v2_backward", "grad_expand_x", grad_expand_x, 2)
+    _ndim("dispatch_v2_backward", "expert_ids", expert_ids, 2)
+    return grad_expand_x.new_empty((expert_ids.shape[0], grad_expand_x.shape[1]))
+
+
+def _combine_v2_backward_impl(
+    grad_out: Tensor,
+    expand_x: Tensor,
+    expert_ids: Tensor,
+    expert_scales: Tensor,
+    group_ep: int,
+    ep_world_size: int,
+    ep_rank_id: int,
+    moe_expert_num: int,
+    x_active_mask: Optional[Tensor] = None,
+    shared_expert_x: bool = False,
+    ori_x: Optional[Tensor] = None,
+    const_expert_alpha_1: Optional[Tensor] = None,
+    const_expert_alpha_2: Optional[Tensor] = None,
+    const_expert_v: Optional[Tensor] = None,
+    group_tp: int = 0,
+    tp_world_size: int = 0,
+    tp_rank_id: int = 0,
+    expert_shard_type: int = 0,
+    shared_expert_num: int = 1,
+    shared_expert_rank_num: int = 0,
+    global_bs: int = 0,
+    comm_alg: str = "",
+    zero_expert_num: int = 0,
+    copy_expert_num: int = 0,
+    const_expert_num: int = 0,
+    transport: str = "",
+    exact_size: bool = False,
+    handle: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    args = _binding_args("combine_v2_backward", locals())
+    args["handle"], args["handle_error"] = _handle_of("combine_v2_backward", handle)
+    outs = _C.combine_v2_backward(**args)
+    # A custom op returns tensors only, none aliasing another: an absent gradient is an empty one.
+    return tuple(grad_out.new_empty((0,)) if o is None else tt(o) for o in outs)
+
+
+_combine_v2_backward_op = torch.library.custom_op(
+    "moe_ep::combine_v2_backward", _combine_v2_backward_impl, mutates_args=()
+)
+
+
+@_combine_v2_backward_op.register_fake
+def _(grad_out, expand_x, expert_ids, expert_scales, *args, **kwargs):
+    bound = inspect.signature(_combine_v2_backward_impl).bind(
+        grad_out, expand_x, expert_ids, expert_scales, *args, **kwargs
+    )
+    bound.apply_defaults()
+    a = bound.arguments
+    bs, h = expert_ids.shape[0], expand_x.shape[1]
+    q = a["const_expert_num"]
+    none = lambda: grad_out.new_empty((0,))  # noqa: E731
+    rows = lambda n: grad_out.new_empty((n, h))  # noqa: E731
+    return (
+        expand_x.new_empty(expand_x.shape),
+        grad_out.new_empty((bs, expert_ids.shape[1]), dtype=torch.float32),
+        rows(bs) if a["shared_expert_x"] else none(),
+        rows(bs) if a["copy_expert_num"] > 0 or q > 0 else none(),
+        *(rows(q) if q > 0 else none() for _ in range(3)),
+    )
+
+
+def _bound(impl, inputs) -> Dict[str, object]:
+    bound = inspect.signature(impl).bind(*inputs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _dispatch_setup(ctx, inputs, output) -> None:
+    a = _bound(_dispatch_v2_impl, inputs)
+    ctx.ep = {k: a[k] for k in ("group_ep", "ep_world_size", "ep_rank_id", "moe_expert_num",
+                                *_EP_ARGS)}
+    ctx.quant_mode = a["quant_mode"]
+    ctx.rows = (output[0].shape, output[0].dtype)
+    ctx.save_for_backward(a["expert_ids"], a["x_active_mask"], output[7])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _dispatch_backward(ctx, grad_expand_x, *_):
+    if ctx.quant_mode == 2:
+        raise UnsupportedError(
+            "dispatch_v2: no gradient with quant_mode = 2 (SPEC §6: int8 rows have no gradient)"
+        )
+    expert_ids, mask, handle = ctx.saved_tensors
+    if grad_expand_x is None:  # the rows fed nothing that needs a gradient: still collective
+        grad_expand_x = torch.zeros(ctx.rows[0], dtype=ctx.rows[1])
+    grad_x = torch.ops.moe_ep.dispatch_v2_backward(
+        grad_expand_x.contiguous(), expert_ids, x_active_mask=mask, handle=handle, **ctx.ep
+    )
+    return (grad_x,) + (None,) * (len(inspect.signature(_dispatch_v2_impl).parameters) - 1)
+
+
+_COMBINE_GRADS = ("expand_x", "expert_scales", "shared_expert_x", "ori_x",
+                  "const_expert_alpha_1", "const_expert_alpha_2", "const_expert_v")
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    a = _bound(_combine_v2_impl, inputs)
+    ctx.ep = {k: a[k] for k in ("group_ep", "ep_world_size", "ep_rank_id", "moe_expert_num",
+                                *_EP_ARGS)}
+    ctx.comm_quant_mode = a["comm_quant_mode"]
+    sx = a["shared_expert_x"]
+    ctx.shared_shape = None if sx is None else sx.shape
+    ctx.names = list(a)
+    ctx.save_for_backward(
+        a["expand_x"], a["expert_ids"], a["expert_scales"], a["x_active_mask"], a["ori_x"],
+        a["const_expert_alpha_1"], a["const_expert_alpha_2"], a["const_expert_v"], a["handle"],
+    )
+
+
+def _combine_backward(ctx, grad_out):
+    if ctx.comm_quant_mode == 2:
+        raise UnsupportedError(
+            "combine_v2: no gradient with comm_quant_mode = 2 "
+            "(SPEC §6: int8 rows have no gradient)"
+        )
+    expand_x, ids, scales, mask, ori_x, a1, a2, v, handle = ctx.saved_tensors
+    if handle is None:
+        raise InvalidArgumentError(
+            "combine_v2: its backward needs handle= (the .handle of the dispatch_v2 these rows "
+            "came from): SPEC §6's backward moves rows along the forward's layout"
+        )
+    outs = torch.ops.moe_ep.combine_v2_backward(
+        grad_out.contiguous(), expand_x, ids, scales, x_active_mask=mask,
+        shared_expert_x=ctx.shared_shape is not None, ori_x=ori_x, const_expert_alpha_1=a1,
+        const_expert_alpha_2=a2, const_expert_v=v, handle=handle, **ctx.ep,
+    )
+    grads = dict(zip(_COMBINE_GRADS, outs))
+    if ctx.shared_shape is not None:
+        grads["shared_expert_x"] = grads["shared_expert_x"].reshape(ctx.shared_shape)
+    for name in _COMBINE_GRADS[2:]:
+        if grads[name].numel() == 0 and grads[name].dim() == 1 and name != "shared_expert_x":
+            grads[name] = None  # the forward had no such input
+    if ctx.shared_shape is None:
+        grads["shared_expert_x"] = None
+    return tuple(grads.get(n) for n in ctx.names)
+
+
+_dispatch_v2_functional.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_combine_v2_functional.register_autograd(_combine_backward, setup_context=_combine_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,13 +726,15 @@ def dispatch_v2(
     assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales;
     SPEC §1.4), which also carries .handle, the plan of this call (SPEC §7). Only the first
     ep_recv_counts[-1] rows of expand_x are valid (the rows after them are unspecified: left
-    over from earlier calls; with exact_size there are none). No autograd:
-    dispatch_v2 and combine_v2 are forward-only.
+    over from earlier calls; with exact_size there are none). Differentiable in x (SPEC §6;
+    not with performance_info, which takes the op without autograd).
     Errors: moe_ep.InvalidArgumentError / UnsupportedError on this rank's bad arguments,
     RemoteError when another rank's were bad, TimeoutError past the deadline (docs/errors.md).
     """
     gid, size, rank = _resolve(group_ep)
-    outs = torch.ops.moe_ep.dispatch_v2(
+    with_perf = kwargs.get("performance_info") is not None
+    op = torch.ops.moe_ep.dispatch_v2 if with_perf else torch.ops.moe_ep._dispatch_v2_functional
+    outs = op(
         x,
         expert_ids,
         gid,
@@ -562,7 +776,9 @@ def combine_v2(
     max(BS*K, A*128) entries; expand_x at least the valid rows either way). handle: the .handle
     of the dispatch_v2 result these rows came from (SPEC §7): then only the rows travel (no layout
     round, no per-row checks; the same bits) and assist_info_for_combine / ep_send_counts are not
-    read (they may be None). Returns x (BS, H) in expand_x's dtype.
+    read (they may be None). Returns x (BS, H) in expand_x's dtype. Differentiable (SPEC §6) in
+    expand_x, expert_scales, shared_expert_x, ori_x and the const tables when handle is given
+    (without performance_info).
     """
     gid, size, rank = _resolve(group_ep)
     with_perf = kwargs.get("performance_info") is not None

@@ -1,0 +1,347 @@
+"""Autograd through moe_ep.torch.dispatch_v2 / combine_v2 (SPEC §6), run under mpirun by
+test_autograd_mpi.py: each case prints "CASE name rank=r OK" or "FAIL: ...".
+
+The oracle is the same MoE layer computed densely in one process with plain PyTorch autograd on
+the global batch (every rank builds it from one seed): a softmax top-k router, experts
+y = tanh(x @ A_e), a shared expert added as shared_expert_x, an optional 2-D mask. The
+gradients of x, of the router's and shared expert's weights (summed over ranks, as data
+parallelism does) and of each rank's own experts' weights must equal the dense ones within 1e-5
+relative (fp32); the bf16 case checks the backward ops' bits against plain torch on the
+dispatched rows instead.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+import moe_ep
+import moe_ep.torch as mt
+
+
+@dataclass
+class Layer:
+    """One MoE layer's global batch and parameters (identical on every rank)."""
+
+    world: int
+    h: int
+    e: int
+    k: int
+    bs: List[int]
+    x: List[Tensor]
+    target: List[Tensor]
+    mask: Optional[List[Tensor]]
+    router: Tensor
+    experts: Tensor  # (E, H, H)
+    shared: Tensor  # (H, H)
+
+    @property
+    def global_bs(self) -> int:
+        return self.world * max(self.bs)
+
+
+def make_layer(world: int, bs: List[int], *, h=16, experts_per_rank=4, k=3, mask=False,
+               seed=7) -> Layer:
+    g = torch.Generator().manual_seed(seed)
+    e = experts_per_rank * world
+    x = [torch.randn(n, h, generator=g) for n in bs]
+    target = [torch.randn(n, h, generator=g) for n in bs]
+    masks = None
+    if mask:  # per entry, every token keeps one (BS differs across ranks)
+        masks = []
+        for n in bs:
+            m = torch.rand(n, k, generator=g) > 0.3
+            m[:, 0] = True
+            masks.append(m)
+    return Layer(world, h, e, k, bs, x, target, masks,
+                 router=torch.randn(h, e, generator=g) * 0.5,
+                 experts=torch.randn(e, h, h, generator=g) / h**0.5,
+                 shared=torch.randn(h, h, generator=g) / h**0.5)
+
+
+def route(layer: Layer, x: Tensor, router: Tensor):
+    probs = torch.softmax(x @ router, dim=-1)
+    w, ids = torch.topk(probs, layer.k, dim=-1)
+    return w, ids.to(torch.int32)
+
+
+def dense_grads(layer: Layer):
+    """The whole layer in one process: grads of every rank's x, the router, the experts and the
+    shared expert."""
+    xs = [x.clone().requires_grad_() for x in layer.x]
+    router = layer.router.clone().requires_grad_()
+    experts = layer.experts.clone().requires_grad_()
+    shared = layer.shared.clone().requires_grad_()
+    loss = 0
+    for r, x in enumerate(xs):
+        w, ids = route(layer, x, router)
+        out = x @ shared  # the shared expert, then the K terms in k order
+        acc = torch.zeros_like(out)
+        for kk in range(layer.k):
+            y = torch.tanh(torch.einsum("nh,nhj->nj", x, experts[ids[:, kk].long()]))
+            term = w[:, kk : kk + 1] * y
+            if layer.mask is not None:
+                term = term * layer.mask[r][:, kk : kk + 1]
+            acc = acc + term
+        loss = loss + ((acc + out) * layer.target[r]).sum()
+    loss.backward()
+    return [x.grad for x in xs], router.grad, experts.grad, shared.grad
+
+
+def ep_grads(comm, layer: Layer, rank: int, loss_fn=None):
+    """The layer over moe-ep on this rank: grads of its x, its share of the router's and shared
+    expert's (summed over ranks after), and of the experts it hosts. loss_fn: ep_loss, or a
+    compiled form of it."""
+    x = layer.x[rank].clone().requires_grad_()
+    router = layer.router.clone().requires_grad_()
+    experts = layer.experts.clone().requires_grad_()
+    shared = layer.shared.clone().requires_grad_()
+    (loss_fn or ep_loss)(comm, layer, rank, x, router, experts, shared).backward()
+    return x.grad, router.grad, experts.grad, shared.grad
+
+
+def ep_loss(comm, layer: Layer, rank: int, x, router, experts, shared):
+    w, ids = route(layer, x, router)
+    mask = layer.mask[rank] if layer.mask is not None else None
+    kw = dict(global_bs=layer.global_bs, x_active_mask=mask)
+    d = mt.dispatch_v2(x, ids, comm, moe_expert_num=layer.e, expert_scales=w.detach(), **kw)
+    local = layer.e // layer.world
+    counts = d.expert_token_nums.tolist()
+    segments, start = [], 0
+    for l, n in enumerate(counts):  # this rank's experts on their rows
+        rows = d.expand_x[start : start + n]
+        segments.append(torch.tanh(rows @ experts[rank * local + l]))
+        start += n
+    pad = d.expand_x.new_zeros((d.expand_x.shape[0] - start, layer.h))
+    y = torch.cat(segments + [pad])
+    out = mt.combine_v2(y, ids, d.assist_info_for_combine, d.ep_recv_counts, w, comm,
+                        moe_expert_num=layer.e, shared_expert_x=x @ shared, handle=d.handle, **kw)
+    return (out * layer.target[rank]).sum()
+
+
+def allreduce(comm, t: Tensor) -> Tensor:
+    from mpi4py import MPI
+
+    buf = t.contiguous().clone()
+    comm.Allreduce(MPI.IN_PLACE, buf.numpy(), op=MPI.SUM)
+    return buf
+
+
+def check_close(what: str, got: Tensor, want: Tensor, rtol: float = 1e-5) -> None:
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    err = float((got - want).abs().max()) if want.numel() else 0.0
+    if got.shape != want.shape or err > rtol * max(scale, 1e-30):
+        raise AssertionError(f"{what}: max error {err} over {rtol} x {scale} (shape "
+                             f"{tuple(got.shape)} vs {tuple(want.shape)})")
+
+
+def layer_case(comm, layer: Layer, loss_fn=None) -> None:
+    rank, world = comm.Get_rank(), comm.Get_size()
+    gx, grouter, gexperts, gshared = ep_grads(comm, layer, rank, loss_fn)
+    dx, drouter, dexperts, dshared = dense_grads(layer)
+    local = layer.e // world
+    mine = slice(rank * local, (rank + 1) * local)
+    check_close("grad of x", gx, dx[rank])
+    check_close("grad of this rank's experts", gexperts[mine], dexperts[mine])
+    others = torch.cat([gexperts[: mine.start], gexperts[mine.stop :]])
+    if others.numel() and float(others.abs().max()) != 0:
+        raise AssertionError("experts of other ranks got a gradient here")
+    check_close("grad of the router (summed over ranks)", allreduce(comm, grouter), drouter)
+    check_close("grad of the shared expert (summed over ranks)", allreduce(comm, gshared), dshared)
+
+
+CASES: Dict[str, Callable] = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+@case
+def layer_even(comm):
+    layer_case(comm, make_layer(comm.Get_size(), [5] * comm.Get_size()))
+
+
+@case
+def layer_mask_2d_zero_tokens(comm):
+    """The acceptance case: a 2-D mask and the last rank without tokens."""
+    w = comm.Get_size()
+    bs = [6] * w
+    if w > 1:
+        bs[-1] = 0
+    layer_case(comm, make_layer(w, bs, mask=True, seed=11))
+
+
+@case
+def compiled_layer(comm):
+    """The layer's forward and backward traced by torch.compile (AOTAutograd, the eager
+    backend: the ops' fakes and their registered backward), against the dense layer. The expert
+    loop reads expert_token_nums (a graph break); the communicator is registered first."""
+    mt.group_id(comm)
+    torch._dynamo.reset()
+    w = comm.Get_size()
+    layer_case(comm, make_layer(w, [5] * w, mask=True, seed=13),
+               torch.compile(ep_loss, backend="aot_eager"))
+
+
+@case
+def bf16_bits(comm):
+    """bf16: the backward ops' results are the same bits as plain torch on the dispatched rows:
+    grad_x = sum over k of the gradient rows (dispatch_v2_backward), grad of expert_scales =
+    dot products (combine_v2_backward)."""
+    w = comm.Get_size()
+    rank = comm.Get_rank()
+    layer = make_layer(w, [4] * w, h=8, k=2, seed=5)
+    x = layer.x[rank].to(torch.bfloat16).requires_grad_()
+    wts, ids = route(layer, layer.x[rank], layer.router)
+    d = mt.dispatch_v2(x, ids, comm, moe_expert_num=layer.e, expert_scales=wts)
+    y = d.expand_x * 2
+    out = mt.combine_v2(y, ids, d.assist_info_for_combine, d.ep_recv_counts, wts, comm,
+                        moe_expert_num=layer.e, handle=d.handle)
+    out.float().sum().backward()
+    # d out / d x = sum_k w_k * 2, rounded twice (w * g into bf16, then the row sum into bf16)
+    g_rows = (wts * 1.0).to(torch.bfloat16).float() * 2
+    want = g_rows.sum(dim=1, keepdim=True).to(torch.bfloat16).expand_as(x)
+    if not torch.equal(x.grad, want):
+        raise AssertionError(f"bf16 grad_x {x.grad[:2]} != {want[:2]}")
+
+
+@case
+def combine_without_handle_has_no_backward(comm):
+    layer = make_layer(comm.Get_size(), [3] * comm.Get_size())
+    rank = comm.Get_rank()
+    x = layer.x[rank].clone().requires_grad_()
+    w, ids = route(layer, x, layer.router)
+    d = mt.dispatch_v2(x, ids, comm, moe_expert_num=layer.e, expert_scales=w.detach())
+    out = mt.combine_v2(d.expand_x, ids, d.assist_info_for_combine, d.ep_recv_counts, w.detach(),
+                        comm, moe_expert_num=layer.e)
+    try:
+        out.sum().backward()
+    except moe_ep.InvalidArgumentError as e:
+        if "needs handle=" not in str(e):
+            raise
+        return
+    raise AssertionError("no error")
+
+
+@case
+def opcheck_differentiable_ops(comm):
+    """torch.library.opcheck on the functional dispatch_v2 / combine_v2 with inputs that need a
+    gradient (so its autograd and AOT checks run the backward), and on the backward ops. At
+    world size 2 only (the op calls do not depend on W). dispatch_v2's AOT check compares the
+    meaningful prefixes (mpi_dispatch_cases.opcheck_dispatch's reason)."""
+    if comm.Get_size() != 2:
+        return
+    import torch.utils._pytree as pytree
+    from torch.testing._internal.optests.aot_autograd import aot_autograd_check
+
+    from mpi_dispatch_cases import dispatch_prefixes
+
+    rank = comm.Get_rank()
+    layer = make_layer(2, [4, 4], h=8, k=2, seed=3)
+    gid = mt.group_id(comm)
+    x = layer.x[rank].clone().requires_grad_()
+    w, ids = route(layer, layer.x[rank], layer.router)
+    w = w.detach().requires_grad_()
+    d_args = (x, ids, gid, 2, rank, layer.e)
+    op = torch.ops.moe_ep._dispatch_v2_functional.default
+    rest = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(op, d_args, {"expert_scales": w.detach()}, test_utils=rest)
+
+    def func(*a, **kw):
+        # The check's loss is |sum| of each output: the rows past the valid ones (unspecified,
+        # SPEC §1.4) are zeroed so that its sign, hence the gradient, depends on the valid ones.
+        a, kw = pytree.tree_map_only(Tensor, torch.clone, (a, kw))
+        outs = op(*a, **kw)
+        valid = outs[4][-1] if outs[4].numel() else 0
+        keep = (torch.arange(outs[0].shape[0]) < valid).unsqueeze(1)
+        return (outs[0] * keep, *outs[1:])
+
+    def equal(got, want, msg=None):  # the outputs, then (with the same function) the grads
+        if len(got) != 8:
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=msg)
+            return
+        (g, gs), (v, vs) = dispatch_prefixes(got), dispatch_prefixes(want)
+        assert gs == vs, f"{msg}: shapes {gs} != {vs}"
+        torch.testing.assert_close(g, v, rtol=0, atol=0, msg=msg)
+
+    aot_autograd_check(func, d_args, {"expert_scales": w.detach()}, dynamic=True,
+                       check_gradients="auto", assert_equals_fn=equal)
+
+    d = mt.dispatch_v2(x.detach(), ids, comm, moe_expert_num=layer.e, expert_scales=w.detach())
+    y = (d.expand_x * 0.5).requires_grad_()
+    c_args = (y, ids, None, None, w, gid, 2, rank, layer.e)
+    sx = torch.randn(4, 8).requires_grad_()
+    torch.library.opcheck(torch.ops.moe_ep._combine_v2_functional.default, c_args,
+                          {"shared_expert_x": sx, "handle": d.handle})
+    g = torch.randn(4, 8)
+    torch.library.opcheck(torch.ops.moe_ep.dispatch_v2_backward.default,
+                          (d.expand_x, ids, gid, 2, rank, layer.e), {"handle": d.handle})
+    torch.library.opcheck(torch.ops.moe_ep.combine_v2_backward.default,
+                          (g, y.detach(), ids, w.detach(), gid, 2, rank, layer.e),
+                          {"shared_expert_x": True, "handle": d.handle})
+
+
+@case
+def train_moe_example(comm):
+    """examples/python/train_moe.py with its defaults (50 Adam steps), run as __main__ in the
+    4-rank launch (only there: it costs seconds): exit status 0 on every rank, PASS on rank 0."""
+    if comm.Get_size() != 4:
+        return
+    import contextlib
+    import io
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "python" / "train_moe.py"
+    buf, argv = io.StringIO(), sys.argv
+    sys.argv = [str(path)]
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_path(str(path), run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code
+    finally:
+        sys.argv = argv
+    lines = buf.getvalue().splitlines()
+    for line in lines:
+        say(f"train_moe.py rank={comm.Get_rank()}: {line}")
+    if status != 0 or (comm.Get_rank() == 0 and "PASS" not in lines):
+        raise AssertionError(f"train_moe.py exited with {status!r}: {lines[-3:]}")
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def main(argv) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(1)
+    failed = 0
+    for name in list(argv) or list(CASES):
+        t0 = time.perf_counter()
+        try:
+            CASES[name](comm)
+            say(f"CASE {name} rank={comm.Get_rank()} OK ({time.perf_counter() - t0:.2f} s)")
+        except Exception as err:  # report and go on: the other ranks made the same calls
+            failed += 1
+            why = f"{type(err).__name__}: {err}".replace("\n", " | ")
+            say(f"CASE {name} rank={comm.Get_rank()} FAIL: {why}")
+            traceback.print_exc()
+    say(f"DONE rank={comm.Get_rank()} failed={failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
