@@ -56,3 +56,13 @@ def test_train_moe_example():
     proc, results = _launch(4)
     assert results.get("train_moe_example") == {r: "OK" for r in range(4)}, _tail(proc.stdout)
     assert re.search(r"^train_moe\.py rank=0: PASS$", proc.stdout, re.M), _tail(proc.stdout)
+
+
+def test_ascend_single_op_example():
+    """The seed's single-op example ported to moe_ep.torch_npu by swapping its import and its
+    group set-up (examples/python/ascend_single_op.py, README "Porting torch_npu code") runs
+    under 4 ranks and its combine output equals a dense reference on every rank."""
+    proc, results = _launch(4)
+    assert results.get("ascend_single_op_example") == {r: "OK" for r in range(4)}, _tail(
+        proc.stdout)
+    assert re.search(r"^ascend_single_op\.py rank=0: PASS", proc.stdout, re.M), _tail(proc.stdout)
