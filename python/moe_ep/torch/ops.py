@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from moe_ep import InvalidArgumentError, _C
+from moe_ep import InvalidArgumentError, UnsupportedError, _C
 from moe_ep.torch._convert import dl, dtype_name, tt
 
 # ---------------------------------------------------------------------------------------------
@@ -83,6 +83,15 @@ def _check_restore_shape(op: str, restore_shape: Optional[List[int]], rows: int)
         )
 
 
+def _reject_padded(op: str, padded_mode: bool) -> None:
+    """padded_mode is reported before any other check (real and fake alike)."""
+    if padded_mode:
+        raise UnsupportedError(
+            f"{op}: padded_mode = True is not supported (Megatron's capacity layout, SPEC §4.1; "
+            "only padded_mode = False is implemented)"
+        )
+
+
 def _empty_grad_probs(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
@@ -106,6 +115,7 @@ def token_permute(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.1. tokens (N, H); indices (N,) or (N, topK) int32/int64.
     Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32)."""
+    _reject_padded("token_permute", padded_mode)
     tokens, indices = _inputs("token_permute", tokens=tokens, indices=indices)
     p, s = _C.token_permute(tokens, indices, num_out_tokens, padded_mode)
     return tt(p), tt(s)
@@ -113,6 +123,7 @@ def token_permute(
 
 @token_permute.register_fake
 def _(tokens, indices, num_out_tokens=None, padded_mode=False):
+    _reject_padded("token_permute", padded_mode)
     _ndim("permute", "tokens", tokens, 2)
     _ndim("permute", "indices", indices, 1, 2)
     m = indices.numel()
@@ -157,6 +168,7 @@ def token_permute_grad(
 ) -> Tensor:
     """SPEC §4.3. Returns grad_tokens (N, H) in tokens' dtype (only tokens' shape and dtype are
     used)."""
+    _reject_padded("token_permute_grad", padded_mode)
     args = _inputs(
         "token_permute_grad",
         tokens=tokens,
@@ -169,6 +181,7 @@ def token_permute_grad(
 
 @token_permute_grad.register_fake
 def _(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode=False):
+    _reject_padded("token_permute_grad", padded_mode)
     _ndim("permute_grad", "tokens", tokens, 2)
     _ndim("permute_grad", "grad_permuted_tokens", grad_permuted_tokens, 2)
     return tokens.new_empty((tokens.shape[0], grad_permuted_tokens.shape[1]))
@@ -185,6 +198,7 @@ def token_permute_grad_v2(
 ) -> Tensor:
     """SPEC §4.3 with sizes instead of tensors. Returns grad_tokens (tokens_rows, H) in
     tokens_dtype."""
+    _reject_padded("token_permute_grad_v2", padded_mode)
     name = dtype_name("token_permute_grad_v2", "tokens_dtype", tokens_dtype)
     grad, si = _inputs(
         "token_permute_grad_v2",
@@ -196,6 +210,7 @@ def token_permute_grad_v2(
 
 @token_permute_grad_v2.register_fake
 def _(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype, num_topk, padded_mode=False):
+    _reject_padded("token_permute_grad_v2", padded_mode)
     _ndim("permute_grad_v2", "grad_permuted_tokens", grad_permuted_tokens, 2)
     return grad_permuted_tokens.new_empty(
         (tokens_rows, grad_permuted_tokens.shape[1]), dtype=tokens_dtype
@@ -216,6 +231,7 @@ def token_unpermute(
 ) -> Tensor:
     """SPEC §4.2. permuted_tokens (P, H); sorted_indices (M,) int32; probs (N, topK) or None.
     Returns out (N, H) (N = M without probs) in permuted_tokens' dtype."""
+    _reject_padded("token_unpermute", padded_mode)
     _check_restore_shape("token_unpermute", restore_shape, _unpermute_rows(sorted_indices, probs))
     args = _inputs(
         "token_unpermute",
@@ -228,6 +244,7 @@ def token_unpermute(
 
 @token_unpermute.register_fake
 def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    _reject_padded("token_unpermute", padded_mode)
     _unpermute_ndims("unpermute", permuted_tokens, sorted_indices, probs)
     rows = _unpermute_rows(sorted_indices, probs)
     return permuted_tokens.new_empty((rows, permuted_tokens.shape[1]))
@@ -243,6 +260,7 @@ def _token_unpermute(
 ) -> Tuple[Tensor, Tensor]:
     """torch_npu's _npu_moe_token_unpermute: token_unpermute plus a copy of permuted_tokens kept
     for the backward. Returns (out (N, H), permuted_tokens_for_backward (P, H))."""
+    _reject_padded("_token_unpermute", padded_mode)
     _check_restore_shape("_token_unpermute", restore_shape, _unpermute_rows(sorted_indices, probs))
     args = _inputs(
         "_token_unpermute",
@@ -256,6 +274,7 @@ def _token_unpermute(
 
 @_token_unpermute.register_fake
 def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    _reject_padded("_token_unpermute", padded_mode)
     _unpermute_ndims("unpermute_with_saved", permuted_tokens, sorted_indices, probs)
     rows = _unpermute_rows(sorted_indices, probs)
     return (
@@ -338,6 +357,7 @@ def token_unpermute_grad(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.3. Returns (grad_permuted_tokens (P, H), grad_probs (N, topK) in probs' dtype, or
     an empty (0,) tensor without probs)."""
+    _reject_padded("token_unpermute_grad", padded_mode)
     _check_restore_shape("token_unpermute_grad", restore_shape, grad_out.shape[0])
     args = _inputs(
         "token_unpermute_grad",
@@ -352,6 +372,7 @@ def token_unpermute_grad(
 
 @token_unpermute_grad.register_fake
 def _(permuted_tokens, grad_out, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    _reject_padded("token_unpermute_grad", padded_mode)
     _unpermute_ndims("unpermute_grad", permuted_tokens, sorted_indices, probs)
     _ndim("unpermute_grad", "grad_out", grad_out, 2)
     gp = grad_out.new_empty((permuted_tokens.shape[0], grad_out.shape[1]))
@@ -371,6 +392,7 @@ def token_unpermute_grad_v2(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.3 with sizes instead of tensors; permuted_tokens is required only with probs.
     Returns as token_unpermute_grad."""
+    _reject_padded("token_unpermute_grad_v2", padded_mode)
     _check_restore_shape("token_unpermute_grad_v2", restore_shape, grad_out.shape[0])
     name = dtype_name("token_unpermute_grad_v2", "permuted_dtype", permuted_dtype)
     g, si, pr, x = _inputs(
@@ -395,6 +417,7 @@ def _(
     restore_shape=None,
     permuted_tokens=None,
 ):
+    _reject_padded("token_unpermute_grad_v2", padded_mode)
     _unpermute_ndims("unpermute_grad_v2", permuted_tokens, sorted_indices, probs)
     _ndim("unpermute_grad_v2", "grad_out", grad_out, 2)
     gp = grad_out.new_empty((permuted_rows, grad_out.shape[1]), dtype=permuted_dtype)
