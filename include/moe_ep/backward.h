@@ -6,11 +6,11 @@
 // and errors (kInvalidArgument on this rank, kRemote on the others, kTimeout naming the rank and
 // phase; include/moe_ep/dispatch.h). cfg must be the forward's EpConfig (every field), and
 // `handle` the DispatchHandle that dispatch_v2 returned (required: kInvalidArgument when absent or
-// not defined). Supported: everything the forward supports (tp_world_size 2 too) except
-// elastic_info (a scale-in handle is refused: kInvalidArgument, its world differs) and
-// performance_info (not an argument here), and the quantised forms: these ops take no
-// quant_mode; with quant_mode 2 or comm_quant_mode 2 in the forward there is no gradient to give
-// (SPEC §6).
+// not defined). Supported: everything the forward supports (tp_world_size 2 too) except a
+// handle whose dispatch had elastic_info or quant_mode 2 (kUnsupported: int8 rows have no
+// gradient, SPEC §6) and performance_info (not an argument here). comm_quant_mode is combine's
+// and not in the handle: these ops compute the gradient of the unquantised combine (the Python
+// front raises Unsupported after a combine with comm_quant_mode 2).
 #pragma once
 
 #include <cstdint>
@@ -24,10 +24,10 @@
 namespace moe_ep {
 
 struct DispatchBackwardInputs {
-  // [in] (R, H), dispatch_v2's x dtype (bf16/fp16/fp32), R >= the valid rows of the handle's
-  // dispatch (its expand_x's rows: any R from the valid rows up); rows may be strided, stride(1)
-  // == 1. The gradient of expand_x, row for row in dispatch's layout; rows past the valid ones
-  // are not read.
+  // [in] (R, H), bf16/fp16/fp32 (grad_x comes back in this dtype: pass x's), R >= the valid
+  // rows of the handle's dispatch (with tp_world_size 2 its own and its TP peer's); rows may be
+  // strided, stride(1) == 1. The gradient of expand_x, row for row in dispatch's layout; rows past
+  // the valid ones are not read.
   TensorView grad_expand_x;
   TensorView expert_ids;                    // [in] (BS, K) int32: the dispatch's (checked)
   std::optional<TensorView> x_active_mask;  // [in] the dispatch's (checked)
@@ -77,10 +77,8 @@ struct CombineBackwardOutputs {
   Tensor grad_expand_x;
   // (BS, K) fp32: dot(fp32(grad_out[i]), fp32(y_ik)) in the order of permute.h's grad_probs (16
   // lanes, then a pairwise fold; y_ik with tp_world_size 2: the pair's rounded sum, as combine_v2
-  // weighted it, formed again by the same reduce-scatter of expand_x; expand_x must then hold the
-  // pair's rows, else kInvalidArgument on this rank after the dispatch step, which its TP peer
-  // sees as a Timeout in phase "tp reduce-scatter"), computed on the rank that holds y_ik (one
-  // fp32 travels back);
+  // weighted it, formed again by the same reduce-scatter of expand_x, which must then hold the
+  // pair's rows), computed on the rank that holds y_ik (one fp32 travels back);
   // copy expert: dot(grad_out[i], ori_x[i]); const expert q: dot(grad_out[i], c) with c the fp32
   // value combine_v2 forms (fp32(alpha_1[q] * ori_x[i]) + fp32(alpha_2[q] * v[q])); 0 for an
   // inactive entry and a zero expert.

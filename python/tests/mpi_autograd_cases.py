@@ -193,9 +193,9 @@ def compiled_layer(comm):
 
 @case
 def bf16_bits(comm):
-    """bf16: the backward ops' results are the same bits as plain torch on the dispatched rows:
-    grad_x = sum over k of the gradient rows (dispatch_v2_backward), grad of expert_scales =
-    dot products (combine_v2_backward)."""
+    """bf16: grad_x is the same bits as plain torch computes from the formulas: the gradient
+    rows rne(w_k * g) (combine_v2_backward) summed over k in fp32 and rounded once
+    (dispatch_v2_backward)."""
     w = comm.Get_size()
     rank = comm.Get_rank()
     layer = make_layer(w, [4] * w, h=8, k=2, seed=5)

@@ -1037,6 +1037,23 @@ TEST_F(Features, CombineBackwardGradOutWrongShapeOnOneRank) {
                {"combine_v2_backward: grad_out.shape[0] = 5 must equal 4"});
 }
 
+// SPEC §6: int8 rows have no gradient; a quant_mode 2 handle is refused on every rank, before
+// any data moves.
+TEST_F(Features, BackwardOfQuantisedDispatchIsUnsupported) {
+  const Batch b = make_batch(small_spec(), world_size());
+  const int rank = world_rank();
+  DispatchInputs din = dispatch_inputs(b, rank);
+  din.quant_mode = 2;
+  const DispatchOutputs out = dispatch_v2(din, config(b));
+  Tensor grad = Tensor::zeros(DType::kF32, {out.expand_x.size(0), b.spec.H});
+  DispatchBackwardInputs in;
+  in.grad_expand_x = grad;
+  in.expert_ids = b.inputs[rank].expert_ids;
+  in.handle = &out.handle;
+  test::expect_collective_error([&] { dispatch_v2_backward(in, config(b)); }, rank, -1,
+                                ErrorKind::kUnsupported, {"quant_mode = 2"});
+}
+
 // Calling a backward op where another rank calls the forward one is named on every rank.
 TEST_F(Features, BackwardAgainstForwardIsNamed) {
   if (world_size() < 2) GTEST_SKIP() << "needs two ranks";

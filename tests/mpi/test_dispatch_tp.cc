@@ -218,6 +218,24 @@ void backward_round_trip(Case& c, const DispatchOutputs& d, const Tensor& y,
   in.expert_scales = TensorView::contiguous(g.scales[w.ep_rank].data(), DType::kF32, {g.BS, g.K});
   in.handle = &d.handle;
   const CombineBackwardOutputs o = combine_v2_backward(in, cfg);
+  {  // expand_x without the TP peer's rows on the TP rank 0 ranks: refused before any data
+     // moves (InvalidArgument there, Remote on every other rank of both EP groups)
+    SCOPED_TRACE("combine_v2_backward with expand_x short of the pair's rows");
+    const int32_t* tp = d.tp_recv_counts.ptr<int32_t>();
+    const bool bad = t == 0 && int64_t{tp[0]} + tp[1] > 0;
+    CombineBackwardInputs shorter = in;
+    if (bad) shorter.expand_x.shape[0] = int64_t{tp[0]} + tp[1] - 1;
+    try {
+      combine_v2_backward(shorter, cfg);
+      EXPECT_FALSE(bad) << "no error";
+    } catch (const Error& e) {
+      if (bad)
+        EXPECT_NE(std::string(e.what()).find("this rank's and its TP peer's"), std::string::npos)
+            << e.what();
+      else
+        EXPECT_EQ(e.kind(), ErrorKind::kRemote) << e.what();
+    }
+  }
   std::vector<ref::CombineBackwardRef> want[2];
   for (int u = 0; u < 2; ++u) {
     std::vector<std::vector<unsigned char>> grad_out;

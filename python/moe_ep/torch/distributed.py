@@ -20,7 +20,9 @@ on every rank, or use another communicator.
 Autograd (SPEC §6): through the wrappers without performance_info, x gets its gradient from
 dispatch_v2, and expand_x, expert_scales, shared_expert_x, ori_x and the const tables from
 combine_v2, by the collective custom ops dispatch_v2_backward / combine_v2_backward (so every
-rank must run the backward, in the same order, as it ran the forward). combine_v2's backward
+rank must run the backward, in the same order, as it ran the forward: keep every rank's graph
+the same shape, e.g. run each local expert on its slice of expand_x even when it is empty, so
+that no rank's graph skips dispatch_v2's backward). combine_v2's backward
 needs handle= (the .handle of its dispatch_v2): without it, InvalidArgumentError when the
 gradient is taken; with quant_mode 2 or comm_quant_mode 2, UnsupportedError.
 The fake implementations give the SPEC §1.4 output shapes, so torch.compile can trace a layer that

@@ -40,16 +40,26 @@ const EpPlan& forward_plan(const char* op, const DispatchHandle* handle, const E
             "moves rows along the forward's layout");
   if (!handle->defined())
     invalid(op, ": handle is not defined (default-made, or of a rank removed by a scale-in)");
+  const EpPlan& plan = *HandleInternals::plan(*handle);
+  if (plan.quant_mode == 2)
+    unsupported(op, ": the handle's dispatch_v2 had quant_mode = 2: its int8 rows have no ",
+                "gradient (SPEC §6)");
+  if (plan.elastic)
+    unsupported(op, ": the handle's dispatch_v2 had elastic_info; the backward ops do not ",
+                "support a scale-in");
   (void)cfg;  // checked against the plan by the collective step
-  return *HandleInternals::plan(*handle);
+  return plan;
 }
 
-// Rows of a backward input: (rows >= the forward's valid rows, H), a float dtype.
+// Rows of a backward input: (rows >= the forward's valid rows, with tp_world_size 2 its own and
+// its TP peer's, H), a float dtype.
 void check_grad_rows(const char* op, const char* name, const TensorView& t, const EpPlan& plan) {
   expect_rows(op, name, t);
-  if (t.shape[0] < plan.recv.valid)
+  const int64_t rows = plan.recv.valid + plan.tp_peer_rows;
+  if (t.shape[0] < rows)
     invalid(op, ": ", name, ".shape[0] = ", t.shape[0],
-            " is less than the valid rows of the handle's dispatch_v2, ", plan.recv.valid);
+            " is less than the valid rows of the handle's dispatch_v2, ", rows,
+            plan.tp_peer_rows > 0 ? " (this rank's and its TP peer's)" : "");
 }
 
 // Runs `check`; its error, if any, for the caller_error of the collective call that follows.
@@ -119,9 +129,8 @@ std::shared_ptr<Tensor> tp_sums(const CombineBackward& b, const DispatchOutputs&
   if (b.cfg.tp_world_size != 2) return nullptr;
   const int32_t* tp = g.tp_recv_counts.ptr<int32_t>();
   const int64_t own = tp[b.cfg.tp_rank_id], peer = tp[1 - b.cfg.tp_rank_id];
-  if (b.in.expand_x.shape[0] < own + peer)
-    invalid(kCombineBackward, ": expand_x.shape[0] = ", b.in.expand_x.shape[0],
-            " is less than the rows of the TP pair's dispatch, ", own, " + ", peer);
+  // The rows were checked against the plan before the dispatch step (check_grad_rows).
+  MOE_EP_CHECK(b.in.expand_x.shape[0] >= own + peer);
   CombineInputs ci;
   ci.expand_x = b.in.expand_x;
   EpShape sh;

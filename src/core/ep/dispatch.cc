@@ -1012,6 +1012,10 @@ void finish(Dispatch& c) {
   p.tp_serial = c.cfg.group_tp ? CommInternals::serial(*c.cfg.group_tp) : 0;
   p.cfg = c.cfg;
   p.world_hash = c.world.hash;
+  p.quant_mode = c.in.quant_mode;
+  p.elastic = c.in.elastic_info.has_value();
+  if (c.cfg.tp_world_size == 2)
+    p.tp_peer_rows = c.out.tp_recv_counts.ptr<int32_t>()[1 - c.cfg.tp_rank_id];
   p.transport = c.headers[0].transport;
   p.sh = c.sh;
   p.G = c.G;

@@ -27,6 +27,11 @@ struct EpPlan {
   int mask_ndim = 0;                // 0: no x_active_mask
   std::vector<uint8_t> mask;        // its elements, row-major
   EpShape sh;
+  // What the backward ops (backward.cc) refuse or need: the dispatch's quant_mode, whether it had
+  // elastic_info, and with tp_world_size 2 the TP peer's rows appended to its expand_x.
+  int64_t quant_mode = 0;
+  bool elastic = false;
+  int64_t tp_peer_rows = 0;
   // This rank as a sender (dispatch) and, in combine_v2, as the source the rows come back to.
   SendPlan send;
   // This rank as a receiver (dispatch) and, in combine_v2, as the owner that sends them back.
