@@ -192,6 +192,54 @@ def compiled_layer(comm):
 
 
 @case
+def special_experts_and_shared_expert_x(comm):
+    """combine_v2's other differentiable inputs (SPEC §6): ori_x through copy and const experts,
+    the const tables, a 3-D shared_expert_x and expert_scales, with a zero expert and -1 ids,
+    against the same combine written in plain torch (fp32, 1e-5 relative)."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    e, z, cp, q, h, bs, k = 2 * world, 1, 1, 2, 8, 6, 3
+    g = torch.Generator().manual_seed(31 + rank)
+    x = torch.randn(bs, h, generator=g)
+    ids = torch.stack([torch.randperm(e + z + cp + q, generator=g)[:k] for _ in range(bs)]).int()
+    ids[0, 1] = -1  # an inactive entry
+    w0 = torch.rand(bs, k, generator=g) + 0.5
+    tables = [torch.randn(q, h, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+    sx0 = torch.randn(2, bs // 2, h, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (x, w0, sx0, *tables)]
+    xl, w, sx, a1, a2, v = leaves
+    special = dict(zero_expert_num=z, copy_expert_num=cp, const_expert_num=q)
+    d = mt.dispatch_v2(xl, ids, comm, moe_expert_num=e, expert_scales=w.detach(), **special)
+    y = d.expand_x * 3
+    out = mt.combine_v2(y, ids, d.assist_info_for_combine, d.ep_recv_counts, w, comm,
+                        moe_expert_num=e, shared_expert_x=sx, ori_x=xl, const_expert_alpha_1=a1,
+                        const_expert_alpha_2=a2, const_expert_v=v, handle=d.handle, **special)
+    target = torch.randn(bs, h, generator=g)
+    got = torch.autograd.grad((out * target).sum(), leaves)
+
+    dl = [t.clone().requires_grad_() for t in (x, w0, sx0, *tables)]
+    dx, dw, dsx, da1, da2, dv = dl
+    acc = torch.zeros(bs, h)
+    for kk in range(k):
+        for i in range(bs):
+            eid = int(ids[i, kk])
+            if eid < 0 or e <= eid < e + z:
+                continue
+            if eid < e:
+                val = 3 * dx[i]
+            elif eid < e + z + cp:
+                val = dx[i]
+            else:
+                qq = eid - e - z - cp
+                val = da1[qq] * dx[i] + da2[qq] * dv[qq]
+            acc = acc.index_add(0, torch.tensor([i]), (dw[i, kk] * val)[None])
+    dense = acc + dsx.reshape(bs, h)
+    want = torch.autograd.grad((dense * target).sum(), dl)
+    names = ("x", "expert_scales", "shared_expert_x", "alpha_1", "alpha_2", "v")
+    for name, a, b in zip(names, got, want):
+        check_close(f"grad of {name}", a, b)
+
+
+@case
 def bf16_bits(comm):
     """bf16: grad_x is the same bits as plain torch computes from the formulas: the gradient
     rows rne(w_k * g) (combine_v2_backward) summed over k in fp32 and rounded once
