@@ -23,6 +23,7 @@ from torch import Tensor
 
 import moe_ep
 import moe_ep.torch as mt
+from mpi_report import say
 
 
 @dataclass
@@ -424,11 +425,6 @@ def torch_npu_names(comm):
     permuted, sorted_indices = torch_npu.npu_moe_token_permute(layer.x[rank], ids)
     back = torch_npu.npu_moe_token_unpermute(permuted, sorted_indices, w.detach())
     torch.testing.assert_close(back, layer.x[rank] * w.detach().sum(1, keepdim=True))
-
-
-def say(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main(argv) -> int:

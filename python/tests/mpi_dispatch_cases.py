@@ -42,6 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_ep
 import moe_ep.torch as mt
+from mpi_report import say
 
 # ---------------------------------------------------------------------------------------------
 # Inputs, regenerated identically on every rank from (seed, rank).
@@ -1842,13 +1843,6 @@ def moe_layer_example(ctx):
     lines = buf.getvalue().splitlines()
     check(status == 0, f"moe_layer.py exited with {status!r}: {lines}")
     check(ctx.rank != 0 or "PASS" in lines, f"no PASS line from moe_layer.py: {lines}")
-
-
-def say(line: str) -> None:
-    # one write per line: mpirun forwards each rank's writes as they come, and print() makes
-    # two (text, then newline) when stdout is unbuffered
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def main(argv: Sequence[str]) -> int:

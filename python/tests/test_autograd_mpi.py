@@ -24,7 +24,7 @@ def _launch(world: int):
     proc = _mpirun(world, str(HERE / "mpi_autograd_cases.py"))
     results: dict = {}
     for m in re.finditer(r"^CASE (\S+) rank=(\d+) (OK|FAIL: .*?)(?: \([\d.]+ s\))?$",
-                         proc.stdout, re.M):
+                         proc.report, re.M):
         results.setdefault(m.group(1), {})[int(m.group(2))] = m.group(3)
     return proc, results
 
@@ -32,7 +32,7 @@ def _launch(world: int):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_launch_completes(world):
     proc, _ = _launch(world)
-    done = re.findall(r"^DONE rank=(\d+) failed=(\d+)$", proc.stdout, re.M)
+    done = re.findall(r"^DONE rank=(\d+) failed=(\d+)$", proc.report, re.M)
     assert sorted(int(r) for r, _ in done) == list(range(world)), _tail(proc.stdout + proc.stderr)
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
 
@@ -55,7 +55,7 @@ def test_train_moe_example():
     train_moe_example of the 4-rank launch; rank 0 printed PASS."""
     proc, results = _launch(4)
     assert results.get("train_moe_example") == {r: "OK" for r in range(4)}, _tail(proc.stdout)
-    assert re.search(r"^train_moe\.py rank=0: PASS$", proc.stdout, re.M), _tail(proc.stdout)
+    assert re.search(r"^train_moe\.py rank=0: PASS$", proc.report, re.M), _tail(proc.stdout)
 
 
 def test_ascend_single_op_example():
@@ -65,4 +65,4 @@ def test_ascend_single_op_example():
     proc, results = _launch(4)
     assert results.get("ascend_single_op_example") == {r: "OK" for r in range(4)}, _tail(
         proc.stdout)
-    assert re.search(r"^ascend_single_op\.py rank=0: PASS", proc.stdout, re.M), _tail(proc.stdout)
+    assert re.search(r"^ascend_single_op\.py rank=0: PASS", proc.report, re.M), _tail(proc.stdout)

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -45,19 +46,25 @@ def _env() -> dict:
 
 
 def _mpirun(np_: int, *argv: str) -> subprocess.CompletedProcess:
+    """Runs a case script; .report holds the lines its ranks wrote with mpi_report.say(), whole
+    (in stdout, mpirun may cut one rank's line with another's)."""
     cmd = [MPIRUN, "-n", str(np_)]
     if "Open MPI" in _mpirun_version():
         cmd.append("--oversubscribe")
     cmd += [sys.executable, *argv]
-    try:
-        return subprocess.run(
-            cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(
-            f"{' '.join(cmd)} did not finish in {LAUNCH_TIMEOUT_S} s\n"
-            f"stdout:\n{e.stdout}\nstderr:\n{e.stderr}"
-        )
+    with tempfile.TemporaryDirectory(prefix="moe-ep-report-") as folder:
+        try:
+            proc = subprocess.run(
+                cmd, env=dict(_env(), MOE_EP_TEST_REPORT_DIR=folder), cwd=ROOT,
+                capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(
+                f"{' '.join(cmd)} did not finish in {LAUNCH_TIMEOUT_S} s\n"
+                f"stdout:\n{e.stdout}\nstderr:\n{e.stderr}"
+            )
+        proc.report = "".join(p.read_text() for p in sorted(Path(folder).glob("*.log")))
+    return proc
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,7 +78,7 @@ def _launch(world: int):
     proc = _mpirun(world, str(CASES_SCRIPT))
     results: dict = {}
     for m in re.finditer(r"^CASE (\S+) rank=(\d+) (OK|FAIL: .*?)(?: \([\d.]+ s\))?$",
-                         proc.stdout, re.M):
+                         proc.report, re.M):
         results.setdefault(m.group(1), {})[int(m.group(2))] = m.group(3)
     return proc, results
 
@@ -84,7 +91,7 @@ def _tail(text: str, n: int = 4000) -> str:
 def test_launch_completes(world):
     """Every rank reached the end, and the launch exited 0."""
     proc, _ = _launch(world)
-    done = re.findall(r"^DONE rank=(\d+) failed=(\d+)$", proc.stdout, re.M)
+    done = re.findall(r"^DONE rank=(\d+) failed=(\d+)$", proc.report, re.M)
     assert sorted(int(r) for r, _ in done) == list(range(world)), _tail(proc.stdout + proc.stderr)
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
 
@@ -128,4 +135,4 @@ def test_moe_layer_example():
     assert results.get("moe_layer_example") == {r: "OK" for r in range(4)}, _tail(
         proc.stdout + proc.stderr
     )
-    assert re.search(r"^moe_layer\.py rank=0: PASS$", proc.stdout, re.M), _tail(proc.stdout)
+    assert re.search(r"^moe_layer\.py rank=0: PASS$", proc.report, re.M), _tail(proc.stdout)
