@@ -33,6 +33,17 @@ struct Sum {
   }
 };
 
+// Entry p of a 1-D or 2-D view in row-major order.
+int64_t flat_integer(const TensorView& t, int64_t p) {
+  if (t.ndim == 1) return integer(t, p);
+  return integer(t, p / t.shape[1], p % t.shape[1]);
+}
+float flat_value(const TensorView& t, int64_t p) {
+  if (t.ndim == 1) return load(t.dtype, t.data, p * t.strides[0]);
+  return value(t, p / t.shape[1], p % t.shape[1]);
+}
+int64_t entries(const TensorView& t) { return t.ndim == 1 ? t.shape[0] : t.shape[0] * t.shape[1]; }
+
 // grad_probs' dot products (permute.h): 16 partial sums from +0, lane l adding the products of
 // elements l, l+16, ... in order, then a fixed tree: lane[l] += lane[l+w] for w = 8, 4, 2, 1.
 constexpr int64_t kDotLanes = 16;
@@ -144,6 +155,67 @@ UnpermuteGradRefResult unpermute_grad(const TensorView& grad_out, const TensorVi
         for (int64_t l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
       store(probs->dtype, r.grad_probs.data(), j, lane[0]);
     }
+  }
+  return r;
+}
+
+PermuteRefResult permute_padded(const TensorView& tokens, const TensorView& table) {
+  const int64_t m = entries(table), h = tokens.shape[1];
+  PermuteRefResult r;
+  r.sorted_indices = Tensor::zeros(DType::kI32, {m});
+  r.permuted_tokens = Tensor::zeros(tokens.dtype, {m, h});
+  for (int64_t p = 0; p < m; ++p) {
+    const int64_t t = flat_integer(table, p);
+    r.sorted_indices.ptr<int32_t>()[p] = static_cast<int32_t>(t);
+    for (int64_t c = 0; c < h; ++c)
+      store(tokens.dtype, r.permuted_tokens.data(), p * h + c, value(tokens, t, c));
+  }
+  return r;
+}
+
+Tensor scatter_padded(const TensorView& src, const TensorView& table,
+                      const std::optional<TensorView>& probs, int64_t n, DType out_dtype) {
+  const int64_t m = entries(table), h = src.shape[1];
+  Tensor out = Tensor::zeros(out_dtype, {n, h});
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < h; ++c) {
+      Sum sum;
+      for (int64_t p = 0; p < m; ++p) {
+        if (flat_integer(table, p) != t) continue;
+        sum.add(probs ? flat_value(*probs, p) * value(src, p, c) : value(src, p, c));
+      }
+      store(out_dtype, out.data(), t * h + c, sum.total);
+    }
+  return out;
+}
+
+UnpermuteGradRefResult unpermute_grad_padded(const TensorView& grad_out, const TensorView& table,
+                                             DType permuted_dtype,
+                                             const std::optional<TensorView>& probs,
+                                             const std::optional<TensorView>& permuted_tokens) {
+  const int64_t m = entries(table), h = grad_out.shape[1];
+  UnpermuteGradRefResult r;
+  r.grad_permuted_tokens = Tensor::zeros(permuted_dtype, {m, h});
+  if (probs) {
+    std::vector<int64_t> shape(probs->shape.begin(), probs->shape.begin() + probs->ndim);
+    r.grad_probs = Tensor::zeros(probs->dtype, shape);
+  }
+  for (int64_t p = 0; p < m; ++p) {
+    const int64_t t = flat_integer(table, p);
+    for (int64_t c = 0; c < h; ++c) {
+      const float g = value(grad_out, t, c);
+      store(permuted_dtype, r.grad_permuted_tokens.data(), p * h + c,
+            probs ? g * flat_value(*probs, p) : g);
+    }
+    if (!probs) continue;
+    float lane[kDotLanes] = {};
+    for (int64_t c = 0; c < h; ++c) {
+      const float term = value(grad_out, t, c) * value(*permuted_tokens, p, c);
+      lane[c % kDotLanes] = lane[c % kDotLanes] + term;
+    }
+    for (int64_t w = kDotLanes / 2; w >= 1; w /= 2)
+      for (int64_t l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
+    store(probs->dtype, r.grad_probs.data(), p, lane[0]);
   }
   return r;
 }

@@ -39,4 +39,19 @@ UnpermuteGradRefResult unpermute_grad(const TensorView& grad_out, const TensorVi
                                       const std::optional<TensorView>& probs,
                                       const std::optional<TensorView>& permuted_tokens);
 
+// padded_mode (SPEC §4.1): `table` holds token ids (int32/int64, 1-D or 2-D, read row-major:
+// slot p is its p-th entry); probs, when given, one weight per slot in the same order.
+// permuted[p] = tokens[table.flat[p]]; sorted_indices = table flattened, int32.
+PermuteRefResult permute_padded(const TensorView& tokens, const TensorView& table);
+// out (n, H) in out_dtype: out[t] = sum over the slots p with table.flat[p] == t, in increasing
+// p, of probs.flat[p] * src[p] (unweighted without probs). unpermute and permute_grad alike.
+Tensor scatter_padded(const TensorView& src, const TensorView& table,
+                      const std::optional<TensorView>& probs, int64_t n, DType out_dtype);
+// grad_permuted (M, H) in permuted_dtype: probs.flat[p] * grad_out[table.flat[p]] (a copy
+// without probs); grad_probs in probs' shape: dot(grad_out[table.flat[p]], permuted[p]).
+UnpermuteGradRefResult unpermute_grad_padded(const TensorView& grad_out, const TensorView& table,
+                                             DType permuted_dtype,
+                                             const std::optional<TensorView>& probs,
+                                             const std::optional<TensorView>& permuted_tokens);
+
 }  // namespace moe_ep::ref

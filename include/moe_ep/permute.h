@@ -27,7 +27,19 @@
 //   tokens'; grad_out: permuted_tokens'); the _v2 dtype arguments must agree with them.
 // - Row offsets are 64-bit: rows * H may exceed 2^31.
 // - Outputs are freshly allocated, contiguous, owned by the returned Tensor.
-// - padded_mode = true raises Error(kUnsupported) (SPEC §4.1 marks it Megatron-only).
+// - padded_mode = true (SPEC §4.1; Megatron-LM's capacity layout, which Ascend's kernel lacks):
+//   indices is a table of token ids, one per capacity slot, int32/int64, 1-D or 2-D (typically
+//   (num_experts, capacity)), every id in [0, N); M = its entry count, taken in row-major order.
+//   permute gathers permuted[p] = tokens[indices.flat[p]] (M rows, none dropped: num_out_tokens
+//   must be None, 0 or M) and returns sorted_indices = indices flattened, int32. In every other
+//   op sorted_indices is that table (int32/int64, 1-D or 2-D, values in [0, N), repeats allowed),
+//   the permuted side has exactly M rows, and probs, when given, holds one weight per slot (M
+//   entries, 1-D or 2-D; grad_probs comes back in its shape). unpermute needs restore_shape =
+//   [N, H] (N is the output rows) and sums out[t] = sum over the slots p holding t, in increasing
+//   p, of probs.flat[p] * permuted[p] (fp32 as below; 0 for a token no slot holds);
+//   permute_grad is the same sum unweighted; unpermute_grad gives grad_permuted[p] =
+//   probs.flat[p] * grad_out[S[p]] and grad_probs.flat[p] = dot(grad_out[S[p]], permuted[p]).
+//   permute_grad checks that sorted_indices equals indices; num_topk is unused.
 // - Bad input raises Error(kInvalidArgument) naming the op, the parameter, the value and the bound;
 //   e.g. "permute: indices[2,0] = -1 is outside [0, 2147483648)". docs/errors.md lists each
 //   check.
@@ -88,8 +100,8 @@ struct UnpermuteArgs {
   TensorView sorted_indices;        // [in] (M,) int32, distinct values in [0, max(P, M))
   std::optional<TensorView> probs;  // [in] optional (N, topK) float, N*topK == M
   bool padded_mode = false;
-  // [in] optional; when given it must equal the output's shape {N, H} (it only matters for the
-  // unsupported padded mode).
+  // [in] the output's shape {N, H}: optional (and then checked) without padded_mode, required
+  // with it (it alone gives N).
   std::optional<std::vector<int64_t>> restore_shape;
 };
 MOE_EP_API Tensor unpermute(const UnpermuteArgs& args);  // (N, H), permuted_tokens' dtype

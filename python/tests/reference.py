@@ -175,3 +175,51 @@ def _blocked_dot(a: Tensor, b: Tensor) -> Tensor:
     for w in (8, 4, 2, 1):
         lanes[:, :w] = lanes[:, :w] + lanes[:, w : 2 * w]
     return lanes[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# padded_mode (SPEC §4.1): Megatron-LM's permute_with_padded_tokens / unpermute_with_padded_tokens,
+# with the order moe-ep fixes for the sums (a token's slots in increasing slot order, fp32).
+
+
+def permute_padded(tokens: Tensor, table: Tensor) -> Tuple[Tensor, Tensor]:
+    """permuted[p] = tokens[table.flat[p]]; sorted_indices = the table flattened, int32."""
+    ids = table.reshape(-1).long()
+    return tokens[ids], ids.to(torch.int32)
+
+
+def unpermute_padded(src: Tensor, table: Tensor, probs: Optional[Tensor], n: int,
+                     out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """out[t] = sum over the slots p holding t, in increasing p, of probs.flat[p] * src[p] (fp32,
+    the first term starting the sum, one rounding); unweighted without probs (permute_grad)."""
+    acc = _acc_dtype(src.dtype)
+    ids = table.reshape(-1).long()
+    m = ids.numel()
+    total = _RunningSum((n, src.shape[1]), acc)
+    w = probs.reshape(-1).to(acc) if probs is not None else None
+    for p in range(m):
+        term = src[p].to(acc)
+        if w is not None:
+            term = w[p] * term
+        present = torch.zeros((n, 1), dtype=torch.bool)
+        present[ids[p]] = True
+        total.add(term.expand(n, -1), present)
+    return total.total.to(out_dtype or src.dtype)
+
+
+def unpermute_grad_padded(grad_out: Tensor, table: Tensor, probs: Optional[Tensor],
+                          permuted: Optional[Tensor],
+                          permuted_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """grad_permuted[p] = probs.flat[p] * grad_out[table.flat[p]] (a copy without probs);
+    grad_probs.flat[p] = the blocked dot of grad_out[table.flat[p]] and permuted[p], in probs'
+    shape and dtype."""
+    ids = table.reshape(-1).long()
+    g = grad_out[ids]
+    dtype = permuted_dtype or grad_out.dtype
+    if probs is None:
+        return g.to(dtype), None
+    acc = _acc_dtype(grad_out.dtype)
+    w = probs.reshape(-1, 1).to(acc)
+    grad_permuted = (g.to(acc) * w).to(dtype)
+    dot = _blocked_dot(g.to(acc), permuted.to(acc))
+    return grad_permuted, dot.to(probs.dtype).reshape(probs.shape)

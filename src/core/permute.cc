@@ -12,12 +12,16 @@
 
 #include "base/check.h"
 #include "base/threads.h"
+#include "core/permute_padded.h"
 #include "core/validate.h"
 #include "kernels/cpu/permute.h"
 
 namespace moe_ep {
 namespace {
 
+using detail::check_float_dtype;
+using detail::check_output_size;
+using detail::check_same_dtype;
 using detail::expect_dtype;
 using detail::expect_memory;
 using detail::expect_ndim;
@@ -43,33 +47,6 @@ constexpr std::size_t kKeepScratchBytes = std::size_t{64} << 20;
 template <typename T>
 void release_if_large(std::vector<T>& v) {
   if (v.capacity() * sizeof(T) > kKeepScratchBytes) std::vector<T>().swap(v);
-}
-
-void check_padded(const char* op, bool padded_mode) {
-  if (padded_mode)
-    detail::unsupported(op,
-                        ": padded_mode = true is not supported (Megatron's capacity layout, "
-                        "SPEC §4.1; only padded_mode = false is implemented)");
-}
-
-void check_float_dtype(const char* op, const char* name, DType dtype) {
-  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32)
-    invalid(op, ": ", name, " ", dtype_name(dtype), " is not one of {bf16, fp16, fp32}");
-}
-
-void check_same_dtype(const char* op, const char* name, DType dtype, const char* other_name,
-                      DType other) {
-  if (dtype != other)
-    invalid(op, ": ", name, " dtype ", dtype_name(dtype), " must equal ", other_name, " ",
-            dtype_name(other));
-}
-
-// An output of rows x h elements of dtype must fit in 2^63 bytes; Tensor::empty does not check.
-void check_output_size(const char* op, const char* what, int64_t rows, int64_t h, DType dtype) {
-  int64_t elems = 0, bytes = 0;
-  if (__builtin_mul_overflow(rows, h, &elems) ||
-      __builtin_mul_overflow(elems, static_cast<int64_t>(dtype_size(dtype)), &bytes))
-    invalid(op, ": ", what, " = [", rows, ", ", h, "] ", dtype_name(dtype), " exceeds 2^63 bytes");
 }
 
 // M = rows * topk; sorted_indices is int32, so M may not exceed 2^31.
@@ -272,7 +249,7 @@ void check_unpermute_grad_entries(const char* op, detail::UnpermuteGradProblem& 
 }
 
 UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& args, bool save) {
-  check_padded(op, args.padded_mode);
+  if (args.padded_mode) return detail::unpermute_padded(op, args, save);
   const TensorView& x = args.permuted_tokens;
   const TensorView& si = args.sorted_indices;
   expect_rows(op, "permuted_tokens", x);
@@ -306,8 +283,8 @@ UnpermuteWithSavedResult unpermute_impl(const char* op, const UnpermuteArgs& arg
 }  // namespace
 
 PermuteResult permute(const PermuteArgs& args) {
+  if (args.padded_mode) return detail::permute_padded(args);
   const char* op = "permute";
-  check_padded(op, args.padded_mode);
   const TensorView& tokens = args.tokens;
   const TensorView& indices = args.indices;
   expect_rows(op, "tokens", tokens);
@@ -375,8 +352,8 @@ PermuteResult permute(const PermuteArgs& args) {
 }
 
 Tensor permute_grad(const PermuteGradArgs& args) {
+  if (args.padded_mode) return detail::permute_grad_padded(args);
   const char* op = "permute_grad";
-  check_padded(op, args.padded_mode);
   const TensorView& tokens = args.tokens;
   const TensorView& grad = args.grad_permuted_tokens;
   expect_dtype(op, "tokens", tokens, {DType::kBF16, DType::kF16, DType::kF32});
@@ -395,8 +372,8 @@ Tensor permute_grad(const PermuteGradArgs& args) {
 }
 
 Tensor permute_grad_v2(const PermuteGradV2Args& args) {
+  if (args.padded_mode) return detail::permute_grad_v2_padded(args);
   const char* op = "permute_grad_v2";
-  check_padded(op, args.padded_mode);
   const TensorView& grad = args.grad_permuted_tokens;
   expect_rows(op, "grad_permuted_tokens", grad);
   if (args.tokens_rows < 0) invalid(op, ": tokens_rows = ", args.tokens_rows, " must be >= 0");
@@ -418,8 +395,8 @@ UnpermuteWithSavedResult unpermute_with_saved(const UnpermuteArgs& args) {
 }
 
 UnpermuteGradResult unpermute_grad(const UnpermuteGradArgs& args) {
+  if (args.padded_mode) return detail::unpermute_grad_padded(args);
   const char* op = "unpermute_grad";
-  check_padded(op, args.padded_mode);
   const TensorView& g = args.grad_out;
   const TensorView& x = args.permuted_tokens;
   const TensorView& si = args.sorted_indices;
@@ -443,8 +420,8 @@ UnpermuteGradResult unpermute_grad(const UnpermuteGradArgs& args) {
 }
 
 UnpermuteGradResult unpermute_grad_v2(const UnpermuteGradV2Args& args) {
+  if (args.padded_mode) return detail::unpermute_grad_v2_padded(args);
   const char* op = "unpermute_grad_v2";
-  check_padded(op, args.padded_mode);
   const TensorView& g = args.grad_out;
   const TensorView& si = args.sorted_indices;
   expect_rows(op, "grad_out", g);

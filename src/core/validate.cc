@@ -58,4 +58,23 @@ void expect_rows(const char* op, const char* name, const TensorView& t) {
                 " is not 1 (rows may be strided, each row must be contiguous)");
 }
 
+void check_float_dtype(const char* op, const char* name, DType dtype) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16 && dtype != DType::kF32)
+    invalid(op, ": ", name, " ", dtype_name(dtype), " is not one of {bf16, fp16, fp32}");
+}
+
+void check_same_dtype(const char* op, const char* name, DType dtype, const char* other_name,
+                      DType other) {
+  if (dtype != other)
+    invalid(op, ": ", name, " dtype ", dtype_name(dtype), " must equal ", other_name, " ",
+            dtype_name(other));
+}
+
+void check_output_size(const char* op, const char* what, int64_t rows, int64_t h, DType dtype) {
+  int64_t elems = 0, bytes = 0;
+  if (__builtin_mul_overflow(rows, h, &elems) ||
+      __builtin_mul_overflow(elems, static_cast<int64_t>(dtype_size(dtype)), &bytes))
+    invalid(op, ": ", what, " = [", rows, ", ", h, "] ", dtype_name(dtype), " exceeds 2^63 bytes");
+}
+
 }  // namespace moe_ep::detail

@@ -29,4 +29,12 @@ void expect_shape(const char* op, const char* name, const TensorView& t);
 // Sizes >= 0 (expect_shape), non-null data when numel > 0, non-negative strides.
 void expect_memory(const char* op, const char* name, const TensorView& t);
 
+// "permute_grad_v2: tokens_dtype int32 is not one of {bf16, fp16, fp32}" (a dtype argument).
+void check_float_dtype(const char* op, const char* name, DType dtype);
+// "permute_grad: grad_permuted_tokens dtype fp16 must equal tokens dtype bf16"
+void check_same_dtype(const char* op, const char* name, DType dtype, const char* other_name,
+                      DType other);
+// An output of rows x h elements of dtype must fit in 2^63 bytes; Tensor::empty does not check.
+void check_output_size(const char* op, const char* what, int64_t rows, int64_t h, DType dtype);
+
 }  // namespace moe_ep::detail

@@ -353,6 +353,69 @@ TEST(Sharding, GradProbsPartialIsFp32AndSumsToTheFullValue) {
   EXPECT_TRUE(same_bits(full, want.grad_probs));
 }
 
+// padded_mode (SPEC §4.1, Megatron's capacity layout) under both strategies: the gathered outputs
+// equal the single-process op's; grad_probs (the table's shape) is Partial under S, and its sum is
+// within fp32 summation error of the single-process dot product.
+TEST(Sharding, PaddedModeUnderBothStrategies) {
+  const Communicator& m = *mesh();
+  const int64_t n = 6, h = 10, e = 3, c = 4;
+  const Tensor tokens = random_rows(DType::kF32, n, h, 31);
+  const Tensor y = random_rows(DType::kF32, e * c, h, 32);
+  const Tensor grad_out = random_rows(DType::kF32, n, h, 33);
+  const Tensor probs = random_rows(DType::kF32, e, c, 34);
+  Tensor table = Tensor::empty(DType::kI64, {e, c});
+  SplitMix64 rng{35};
+  for (int64_t i = 0; i < e * c; ++i) table.ptr<int64_t>()[i] = rng.below(n - 1);
+  const PermuteResult wp = moe_ep::permute({.tokens = tokens.view(),
+                                            .indices = table.view(),
+                                            .num_out_tokens = std::nullopt,
+                                            .padded_mode = true});
+  const Tensor wu = moe_ep::unpermute({.permuted_tokens = y.view(),
+                                       .sorted_indices = table.view(),
+                                       .probs = probs.view(),
+                                       .padded_mode = true,
+                                       .restore_shape = std::vector<int64_t>{n, h}});
+  const moe_ep::UnpermuteGradResult wg = moe_ep::unpermute_grad({.permuted_tokens = y.view(),
+                                                                 .grad_out = grad_out.view(),
+                                                                 .sorted_indices = table.view(),
+                                                                 .probs = probs.view(),
+                                                                 .padded_mode = true,
+                                                                 .restore_shape = std::nullopt});
+  for (const Placement p : {Replicate(), Shard(1)}) {
+    SCOPED_TRACE(pname(p));
+    const Placement r = Replicate();
+    auto rp = sharded::permute(
+        m, {.tokens = place(tokens, p), .indices = place(table, r), .padded_mode = true});
+    const int st = checked_strategy(rp.choice, p, tokens.numel());
+    expect_full(rp.permuted_tokens, wp.permuted_tokens, hidden(st), "padded permute");
+    expect_full(rp.sorted_indices, wp.sorted_indices, r, "padded permute sorted_indices");
+    auto ru = sharded::unpermute(m, {.permuted_tokens = place(y, p),
+                                     .sorted_indices = place(table, r),
+                                     .probs = place(probs, r),
+                                     .padded_mode = true,
+                                     .restore_shape = std::vector<int64_t>{n, h}});
+    expect_full(ru.out, wu, hidden(checked_strategy(ru.choice, p, y.numel())), "padded unpermute");
+    auto rg = sharded::unpermute_grad(m, {.permuted_tokens = place(y, p),
+                                          .grad_out = place(grad_out, p),
+                                          .sorted_indices = place(table, r),
+                                          .probs = place(probs, r),
+                                          .padded_mode = true});
+    const int sg = checked_strategy(rg.choice, p, y.numel());
+    expect_full(rg.grad_permuted_tokens, wg.grad_permuted_tokens, hidden(sg),
+                "padded unpermute_grad grad_permuted_tokens");
+    ASSERT_TRUE(rg.grad_probs.has_value());
+    EXPECT_EQ(pname(rg.grad_probs->placement), sg ? "Partial(sum)" : "Replicate");
+    const Tensor got = full_tensor(m, *rg.grad_probs, "grad_probs");
+    ASSERT_EQ(got.ndim(), 2);
+    ASSERT_EQ(got.size(0), e);
+    ASSERT_EQ(got.size(1), c);
+    for (int64_t i = 0; i < e * c; ++i) {
+      const double a = got.ptr<float>()[i], b = wg.grad_probs.ptr<float>()[i];
+      EXPECT_LE(std::fabs(a - b), sg ? 1e-5 * (1 + std::fabs(b)) : 0.0) << "grad_probs " << i;
+    }
+  }
+}
+
 TEST(Sharding, PartialGradOutIsReduceScatteredToStrategyS) {
   // grad_out arrives as a Partial (e.g. from a row-parallel layer): rank 0 holds the values, the
   // others zeros, so the sum is exact and the result must equal the single-process op bitwise.

@@ -915,30 +915,6 @@ TEST(PermuteErrors, ValidBaselinesPass) {
   EXPECT_NO_THROW(unpermute_grad_v2(v.unpermute_grad_v2_args()));
 }
 
-TEST(PermuteErrors, PaddedModeIsUnsupported) {
-  Valid v;
-  const char* msg = "padded_mode = true is not supported";
-  auto pa = v.permute_args();
-  pa.padded_mode = true;
-  expect_error([&] { permute(pa); }, kUnsupported, {"permute: ", msg});
-  auto pg = v.permute_grad_args();
-  pg.padded_mode = true;
-  expect_error([&] { permute_grad(pg); }, kUnsupported, {"permute_grad: ", msg});
-  auto pg2 = v.permute_grad_v2_args();
-  pg2.padded_mode = true;
-  expect_error([&] { permute_grad_v2(pg2); }, kUnsupported, {"permute_grad_v2: ", msg});
-  auto ua = v.unpermute_args();
-  ua.padded_mode = true;
-  expect_error([&] { unpermute(ua); }, kUnsupported, {"unpermute: ", msg});
-  expect_error([&] { unpermute_with_saved(ua); }, kUnsupported, {"unpermute_with_saved: ", msg});
-  auto ug = v.unpermute_grad_args();
-  ug.padded_mode = true;
-  expect_error([&] { unpermute_grad(ug); }, kUnsupported, {"unpermute_grad: ", msg});
-  auto ug2 = v.unpermute_grad_v2_args();
-  ug2.padded_mode = true;
-  expect_error([&] { unpermute_grad_v2(ug2); }, kUnsupported, {"unpermute_grad_v2: ", msg});
-}
-
 TEST(PermuteErrors, PermuteTokens) {
   Valid v;
   auto a = v.permute_args();

@@ -15,9 +15,14 @@ the op, the parameter, the value and the bound.
 Decisions of this front (beyond SPEC §4):
 - token_unpermute_grad(_v2) without probs returns grad_probs as an empty (0,) tensor of
   grad_out's dtype: a custom op cannot return None.
-- restore_shape only matters in padded mode (unsupported, as in torch_npu). Its first entry must
-  equal the output rows N; its hidden size is not checked, because under a DTensor Shard(1)
-  strategy every shard sees the global restore_shape.
+- restore_shape (N, H) is optional without padded_mode (its N is then checked) and required by
+  token_unpermute with it (its N gives the output rows). Its hidden size is not checked here,
+  because under a DTensor Shard(1) strategy every shard sees the global restore_shape.
+- padded_mode=True is Megatron-LM's capacity layout (SPEC §4.1, include/moe_ep/permute.h):
+  indices is a table of token ids, one per slot, 1-D or 2-D (num_experts, capacity); permute
+  gathers the slots' rows and returns the table flattened (int32) as sorted_indices; the other
+  ops take that table (or the caller's own, int32/int64, 1-D or 2-D), probs with one weight per
+  slot, and give grad_probs in probs' shape. Ascend's torch_npu kernel has no padded mode.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from moe_ep import InvalidArgumentError, UnsupportedError, _C
+from moe_ep import InvalidArgumentError, _C
 from moe_ep.torch._convert import dl, dtype_name, tt
 
 # ---------------------------------------------------------------------------------------------
@@ -57,15 +62,38 @@ def _permute_rows(op: str, m: int, num_out_tokens: Optional[int]) -> int:
     return m + n
 
 
-def _unpermute_ndims(op: str, permuted_tokens, sorted_indices, probs) -> None:
+def _unpermute_ndims(op: str, permuted_tokens, sorted_indices, probs, padded_mode) -> None:
     _ndim(op, "permuted_tokens", permuted_tokens, 2)
-    _ndim(op, "sorted_indices", sorted_indices, 1)
-    _ndim(op, "probs", probs, 2)
+    # padded_mode: a table of token ids and one weight per slot, 1-D or 2-D alike
+    _ndim(op, "sorted_indices", sorted_indices, *((1, 2) if padded_mode else (1,)))
+    _ndim(op, "probs", probs, *((1, 2) if padded_mode else (2,)))
 
 
-def _unpermute_rows(sorted_indices: Tensor, probs: Optional[Tensor]) -> int:
-    """N: probs' rows, or M without probs (no reduction)."""
+def _unpermute_rows(op: str, sorted_indices: Tensor, probs: Optional[Tensor], padded_mode: bool,
+                    restore_shape: Optional[List[int]]) -> int:
+    """N: probs' rows, or M without probs (no reduction); restore_shape[0] in padded mode, where
+    restore_shape is required."""
+    if padded_mode:
+        if restore_shape is None:
+            raise InvalidArgumentError(
+                f"{op}: restore_shape is missing; padded_mode needs it (its [0] is N, the "
+                "output rows)")
+        if len(restore_shape) != 2 or restore_shape[0] < 0:
+            raise InvalidArgumentError(
+                f"{op}: restore_shape = {list(restore_shape)} must be [N, H] with N >= 0")
+        return restore_shape[0]
     return probs.shape[0] if probs is not None else sorted_indices.shape[0]
+
+
+def _padded_permute_rows(op: str, indices: Tensor, num_out_tokens: Optional[int]) -> int:
+    """padded_mode keeps every slot: M = the entries of the table; num_out_tokens may only say
+    so."""
+    m = indices.numel()
+    if num_out_tokens not in (None, 0, m):
+        raise InvalidArgumentError(
+            f"{op}: num_out_tokens = {num_out_tokens} must be None, 0 or {m} (the entries of "
+            "indices; padded_mode keeps every slot)")
+    return m
 
 
 def _check_restore_shape(op: str, restore_shape: Optional[List[int]], rows: int) -> None:
@@ -83,13 +111,17 @@ def _check_restore_shape(op: str, restore_shape: Optional[List[int]], rows: int)
         )
 
 
-def _reject_padded(op: str, padded_mode: bool) -> None:
-    """padded_mode is reported before any other check (real and fake alike)."""
-    if padded_mode:
-        raise UnsupportedError(
-            f"{op}: padded_mode = True is not supported (Megatron's capacity layout, SPEC §4.1; "
-            "only padded_mode = False is implemented)"
-        )
+def _restore_for_c(op: str, permuted_tokens: Tensor, sorted_indices: Tensor,
+                   probs: Optional[Tensor], padded_mode: bool,
+                   restore_shape: Optional[List[int]]) -> Optional[List[int]]:
+    """Checks restore_shape's N and gives the C++ op what it needs: nothing without padded_mode
+    (the output rows come from the other inputs), [N, local H] with it (a Shard(1) piece's H is
+    not restore_shape's global one)."""
+    rows = _unpermute_rows(op, sorted_indices, probs, padded_mode, restore_shape)
+    if not padded_mode:
+        _check_restore_shape(op, restore_shape, rows)
+        return None
+    return [rows, permuted_tokens.shape[1]]
 
 
 def _empty_grad_probs(like: Tensor) -> Tensor:
@@ -114,8 +146,8 @@ def token_permute(
     padded_mode: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.1. tokens (N, H); indices (N,) or (N, topK) int32/int64.
-    Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32)."""
-    _reject_padded("token_permute", padded_mode)
+    Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32). padded_mode: indices
+    is a table of token ids (one per slot); permuted_tokens has a row per slot."""
     tokens, indices = _inputs("token_permute", tokens=tokens, indices=indices)
     p, s = _C.token_permute(tokens, indices, num_out_tokens, padded_mode)
     return tt(p), tt(s)
@@ -123,11 +155,13 @@ def token_permute(
 
 @token_permute.register_fake
 def _(tokens, indices, num_out_tokens=None, padded_mode=False):
-    _reject_padded("token_permute", padded_mode)
     _ndim("permute", "tokens", tokens, 2)
     _ndim("permute", "indices", indices, 1, 2)
     m = indices.numel()
-    rows = _permute_rows("token_permute", m, num_out_tokens)
+    if padded_mode:
+        rows = _padded_permute_rows("permute", indices, num_out_tokens)
+    else:
+        rows = _permute_rows("token_permute", m, num_out_tokens)
     return tokens.new_empty((rows, tokens.shape[1])), indices.new_empty((m,), dtype=torch.int32)
 
 
@@ -135,7 +169,7 @@ def _permute_setup(ctx, inputs, output):
     tokens, indices, _, padded_mode = inputs
     ctx.tokens_rows = tokens.shape[0]
     ctx.tokens_dtype = tokens.dtype
-    ctx.num_topk = _topk(indices)
+    ctx.num_topk = 1 if padded_mode else _topk(indices)  # unused in padded mode
     ctx.padded_mode = padded_mode
     ctx.save_for_backward(output[1])
 
@@ -168,7 +202,6 @@ def token_permute_grad(
 ) -> Tensor:
     """SPEC §4.3. Returns grad_tokens (N, H) in tokens' dtype (only tokens' shape and dtype are
     used)."""
-    _reject_padded("token_permute_grad", padded_mode)
     args = _inputs(
         "token_permute_grad",
         tokens=tokens,
@@ -181,7 +214,6 @@ def token_permute_grad(
 
 @token_permute_grad.register_fake
 def _(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode=False):
-    _reject_padded("token_permute_grad", padded_mode)
     _ndim("permute_grad", "tokens", tokens, 2)
     _ndim("permute_grad", "grad_permuted_tokens", grad_permuted_tokens, 2)
     return tokens.new_empty((tokens.shape[0], grad_permuted_tokens.shape[1]))
@@ -198,7 +230,6 @@ def token_permute_grad_v2(
 ) -> Tensor:
     """SPEC §4.3 with sizes instead of tensors. Returns grad_tokens (tokens_rows, H) in
     tokens_dtype."""
-    _reject_padded("token_permute_grad_v2", padded_mode)
     name = dtype_name("token_permute_grad_v2", "tokens_dtype", tokens_dtype)
     grad, si = _inputs(
         "token_permute_grad_v2",
@@ -210,7 +241,6 @@ def token_permute_grad_v2(
 
 @token_permute_grad_v2.register_fake
 def _(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype, num_topk, padded_mode=False):
-    _reject_padded("token_permute_grad_v2", padded_mode)
     _ndim("permute_grad_v2", "grad_permuted_tokens", grad_permuted_tokens, 2)
     return grad_permuted_tokens.new_empty(
         (tokens_rows, grad_permuted_tokens.shape[1]), dtype=tokens_dtype
@@ -230,23 +260,23 @@ def token_unpermute(
     restore_shape: Optional[List[int]] = None,
 ) -> Tensor:
     """SPEC §4.2. permuted_tokens (P, H); sorted_indices (M,) int32; probs (N, topK) or None.
-    Returns out (N, H) (N = M without probs) in permuted_tokens' dtype."""
-    _reject_padded("token_unpermute", padded_mode)
-    _check_restore_shape("token_unpermute", restore_shape, _unpermute_rows(sorted_indices, probs))
+    Returns out (N, H) (N = M without probs; restore_shape[0] in padded mode) in
+    permuted_tokens' dtype."""
     args = _inputs(
         "token_unpermute",
         permuted_tokens=permuted_tokens,
         sorted_indices=sorted_indices,
         probs=probs,
     )
-    return tt(_C.token_unpermute(*args, padded_mode))
+    restore = _restore_for_c("token_unpermute", permuted_tokens, sorted_indices, probs,
+                             padded_mode, restore_shape)
+    return tt(_C.token_unpermute(*args, padded_mode, restore))
 
 
 @token_unpermute.register_fake
 def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
-    _reject_padded("token_unpermute", padded_mode)
-    _unpermute_ndims("unpermute", permuted_tokens, sorted_indices, probs)
-    rows = _unpermute_rows(sorted_indices, probs)
+    _unpermute_ndims("unpermute", permuted_tokens, sorted_indices, probs, padded_mode)
+    rows = _unpermute_rows("token_unpermute", sorted_indices, probs, padded_mode, restore_shape)
     return permuted_tokens.new_empty((rows, permuted_tokens.shape[1]))
 
 
@@ -260,23 +290,22 @@ def _token_unpermute(
 ) -> Tuple[Tensor, Tensor]:
     """torch_npu's _npu_moe_token_unpermute: token_unpermute plus a copy of permuted_tokens kept
     for the backward. Returns (out (N, H), permuted_tokens_for_backward (P, H))."""
-    _reject_padded("_token_unpermute", padded_mode)
-    _check_restore_shape("_token_unpermute", restore_shape, _unpermute_rows(sorted_indices, probs))
     args = _inputs(
         "_token_unpermute",
         permuted_tokens=permuted_tokens,
         sorted_indices=sorted_indices,
         probs=probs,
     )
-    out, saved = _C.token_unpermute_with_saved(*args, padded_mode)
+    restore = _restore_for_c("_token_unpermute", permuted_tokens, sorted_indices, probs,
+                             padded_mode, restore_shape)
+    out, saved = _C.token_unpermute_with_saved(*args, padded_mode, restore)
     return tt(out), tt(saved)
 
 
 @_token_unpermute.register_fake
 def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
-    _reject_padded("_token_unpermute", padded_mode)
-    _unpermute_ndims("unpermute_with_saved", permuted_tokens, sorted_indices, probs)
-    rows = _unpermute_rows(sorted_indices, probs)
+    _unpermute_ndims("unpermute_with_saved", permuted_tokens, sorted_indices, probs, padded_mode)
+    rows = _unpermute_rows("_token_unpermute", sorted_indices, probs, padded_mode, restore_shape)
     return (
         permuted_tokens.new_empty((rows, permuted_tokens.shape[1])),
         permuted_tokens.new_empty(permuted_tokens.shape),
@@ -357,7 +386,6 @@ def token_unpermute_grad(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.3. Returns (grad_permuted_tokens (P, H), grad_probs (N, topK) in probs' dtype, or
     an empty (0,) tensor without probs)."""
-    _reject_padded("token_unpermute_grad", padded_mode)
     _check_restore_shape("token_unpermute_grad", restore_shape, grad_out.shape[0])
     args = _inputs(
         "token_unpermute_grad",
@@ -372,8 +400,7 @@ def token_unpermute_grad(
 
 @token_unpermute_grad.register_fake
 def _(permuted_tokens, grad_out, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
-    _reject_padded("token_unpermute_grad", padded_mode)
-    _unpermute_ndims("unpermute_grad", permuted_tokens, sorted_indices, probs)
+    _unpermute_ndims("unpermute_grad", permuted_tokens, sorted_indices, probs, padded_mode)
     _ndim("unpermute_grad", "grad_out", grad_out, 2)
     gp = grad_out.new_empty((permuted_tokens.shape[0], grad_out.shape[1]))
     return gp, probs.new_empty(probs.shape) if probs is not None else _empty_grad_probs(grad_out)
@@ -392,7 +419,6 @@ def token_unpermute_grad_v2(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.3 with sizes instead of tensors; permuted_tokens is required only with probs.
     Returns as token_unpermute_grad."""
-    _reject_padded("token_unpermute_grad_v2", padded_mode)
     _check_restore_shape("token_unpermute_grad_v2", restore_shape, grad_out.shape[0])
     name = dtype_name("token_unpermute_grad_v2", "permuted_dtype", permuted_dtype)
     g, si, pr, x = _inputs(
@@ -417,8 +443,7 @@ def _(
     restore_shape=None,
     permuted_tokens=None,
 ):
-    _reject_padded("token_unpermute_grad_v2", padded_mode)
-    _unpermute_ndims("unpermute_grad_v2", permuted_tokens, sorted_indices, probs)
+    _unpermute_ndims("unpermute_grad_v2", permuted_tokens, sorted_indices, probs, padded_mode)
     _ndim("unpermute_grad_v2", "grad_out", grad_out, 2)
     gp = grad_out.new_empty((permuted_rows, grad_out.shape[1]), dtype=permuted_dtype)
     return gp, probs.new_empty(probs.shape) if probs is not None else _empty_grad_probs(grad_out)

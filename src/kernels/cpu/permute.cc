@@ -180,4 +180,73 @@ UnpermuteGradResult unpermute_grad_rows(const UnpermuteGradProblem& q) {
   return res;
 }
 
+void gather_rows(char* out, const TensorView& src, const int32_t* ids, int64_t m) {
+  const int64_t row_bytes = src.shape[1] * static_cast<int64_t>(dtype_size(src.dtype));
+  const bool stream = m * row_bytes >= kStreamMinBytes;
+  const int team = threads_if(m > 1 && m * row_bytes >= kParallelMinWork);
+#pragma omp parallel for schedule(static) num_threads(team)
+  for (int64_t p = 0; p < m; ++p)
+    copy_row(out + p * row_bytes, row_ptr(src, ids[p]), static_cast<std::size_t>(row_bytes),
+             stream);
+}
+
+void scatter_sum_rows(char* out, DType out_dtype, const TensorView& src, const int32_t* ids,
+                      int64_t n, int64_t m, const float* w) {
+  // The slots of each token in increasing p (a counting sort by token): slots[first[t] ..
+  // first[t + 1]). Each output row is then one sum_rows over its token's slots, written by one
+  // thread, so the bits do not depend on the thread count.
+  std::vector<int64_t> first(static_cast<std::size_t>(n) + 1, 0);
+  for (int64_t p = 0; p < m; ++p) ++first[static_cast<std::size_t>(ids[p]) + 1];
+  for (int64_t t = 0; t < n; ++t) first[t + 1] += first[t];
+  std::vector<int32_t> slots(static_cast<std::size_t>(m));
+  std::vector<int64_t> fill(first.begin(), first.end() - 1);
+  for (int64_t p = 0; p < m; ++p) slots[fill[ids[p]]++] = static_cast<int32_t>(p);
+
+  const int64_t h = src.shape[1];
+  const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
+  const bool stream = n * static_cast<int64_t>(out_row_bytes) >= kStreamMinBytes;
+  const int team = threads_if(n > 1 && (n + m) * h >= kParallelMinWork);
+#pragma omp parallel num_threads(team)
+  {
+    std::vector<const void*> rows;
+    std::vector<float> weights;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t count = first[t + 1] - first[t];
+      rows.resize(static_cast<std::size_t>(count));
+      weights.resize(w ? static_cast<std::size_t>(count) : 0);
+      for (int64_t c = 0; c < count; ++c) {
+        const int32_t p = slots[static_cast<std::size_t>(first[t] + c)];
+        rows[static_cast<std::size_t>(c)] = row_ptr(src, p);
+        if (w) weights[static_cast<std::size_t>(c)] = w[p];
+      }
+      sum_rows(out + t * static_cast<int64_t>(out_row_bytes), out_dtype, rows.data(),
+               w ? weights.data() : nullptr, count, src.dtype, h, stream);
+    }
+  }
+}
+
+void padded_unpermute_grad_rows(char* gp, DType dtype, void* grad_probs, DType probs_dtype,
+                                const TensorView& g, const int32_t* ids, int64_t m, const float* w,
+                                const TensorView* x) {
+  const int64_t h = g.shape[1];
+  const int64_t row_bytes = h * static_cast<int64_t>(dtype_size(dtype));
+  const bool stream = m * row_bytes >= kStreamMinBytes;
+  const int team = threads_if(m > 1 && m * h >= kParallelMinWork);
+#pragma omp parallel for schedule(static) num_threads(team)
+  for (int64_t p = 0; p < m; ++p) {
+    const char* grow = row_ptr(g, ids[p]);
+    char* dst = gp + p * row_bytes;
+    if (!w) {
+      copy_row(dst, grow, static_cast<std::size_t>(row_bytes), stream);
+      continue;
+    }
+    float dot = 0.0f;
+    void* dsts[1] = {dst};
+    const void* xrows[1] = {row_ptr(*x, p)};
+    scale_dot_rows_f32(&dot, dsts, dtype, grow, g.dtype, &w[p], xrows, x->dtype, 1, h, stream);
+    store_f32(grad_probs, probs_dtype, p, dot);
+  }
+}
+
 }  // namespace moe_ep::detail

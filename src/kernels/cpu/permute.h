@@ -53,6 +53,22 @@ void permute_grad_rows(char* out, DType out_dtype, const TensorView& grad, const
 // dst (contiguous, src's shape) = src, row by row.
 void copy_rows(char* dst, const TensorView& src);
 
+// padded_mode (SPEC §4.1, Megatron-LM's capacity layout): slot p of the m slots holds token
+// ids[p] (validated: in [0, n) for the token count n of the op).
+// out[p] = src[ids[p]] for p < m: bit copies into contiguous `out` (m, H = src.shape[1] > 0).
+void gather_rows(char* out, const TensorView& src, const int32_t* ids, int64_t m);
+// out[t] = sum over the slots p < m with ids[p] == t, in increasing p, of w[p] * src[p] (w null:
+// the plain sum), as sum_rows sums (the first term starts it, products rounded to fp32, one
+// rounding to out_dtype); 0 for a token no slot holds. `out` is contiguous (n, H), H > 0.
+void scatter_sum_rows(char* out, DType out_dtype, const TensorView& src, const int32_t* ids,
+                      int64_t n, int64_t m, const float* w);
+// unpermute_grad in padded mode, for p < m: gp[p] = round(w[p] * fp32(g[ids[p]])) in dtype and
+// grad_probs[p] = dot_row_f32(fp32(g[ids[p]]), x[p]) stored in probs_dtype; w null: gp[p] is a
+// bit copy of g[ids[p]] and grad_probs / x are unused. `gp` is contiguous (m, H), H > 0.
+void padded_unpermute_grad_rows(char* gp, DType dtype, void* grad_probs, DType probs_dtype,
+                                const TensorView& g, const int32_t* ids, int64_t m, const float* w,
+                                const TensorView* x);
+
 // Validated inputs of unpermute_grad / unpermute_grad_v2 (SPEC §4.3).
 struct UnpermuteGradProblem {
   const TensorView* grad_out;
