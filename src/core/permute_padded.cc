@@ -25,9 +25,16 @@ constexpr int64_t kSlotLimit = int64_t{1} << 31;
 
 // "[2,5]" for entry j of a 2-D (rows, cols) table, "[j]" for a 1-D one.
 std::string slot_name(const TensorView& t, int64_t j) {
-  if (t.ndim == 2 && t.shape[1] > 0)
-    return "[" + std::to_string(j / t.shape[1]) + "," + std::to_string(j % t.shape[1]) + "]";
-  return "[" + std::to_string(j) + "]";
+  std::string s = "[";
+  if (t.ndim == 2 && t.shape[1] > 0) {
+    s += std::to_string(j / t.shape[1]);
+    s += ",";
+    s += std::to_string(j % t.shape[1]);
+  } else {
+    s += std::to_string(j);
+  }
+  s += "]";
+  return s;
 }
 
 int64_t element_count(const char* op, const char* name, const TensorView& t) {

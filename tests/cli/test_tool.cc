@@ -3,9 +3,11 @@
 // the output check, the checks made before a run (flags, sizes, memory, files), the command line
 // (errors, suggestions), the report's line wrapping and the progress lines.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -118,6 +120,15 @@ TEST(Safetensors, RejectsMalformedFiles) {
     out.write(reinterpret_cast<const char*>(&n), 8);
     out << header << std::string(data_bytes, '\0');
   };
+  auto expect_error_at = [&](const std::string& file, const std::string& needle) {
+    try {
+      read_safetensors(file);
+      ADD_FAILURE() << "no error, expected one naming " << needle;
+    } catch (const moe_ep::Error& e) {
+      EXPECT_EQ(e.kind(), moe_ep::ErrorKind::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
   auto expect_error = [&](const std::string& needle) {
     try {
       read_safetensors(path);
@@ -154,7 +165,21 @@ TEST(Safetensors, RejectsMalformedFiles) {
     out.write(reinterpret_cast<const char*>(&n), 8);
   }
   expect_error("exceeds the file size");
+  // A header nested thousands deep (it crashed the JSON parser) and one just within the bound.
+  write_raw(R"({"x":)" + std::string(5000, '[') + std::string(5000, ']') + "}", 0);
+  expect_error("header nests JSON arrays and objects more than 64 deep");
+  write_raw(R"({"__metadata__":{"s":"[[[[{{{{\"[[["},"x":)" + std::string(62, '[') +
+                std::string(62, ']') + "}",
+            0);
+  expect_error("tensor 'x'");  // parsed (brackets in strings do not count); then rejected
   std::filesystem::remove(path);
+  // Not a regular file: a directory, and a FIFO (opening one would block until a writer came).
+  expect_error_at(std::filesystem::temp_directory_path().string(), "is a directory");
+  const std::string fifo = temp_path("routing.fifo");
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  expect_error_at(fifo, "is a FIFO, not a regular file");
+  std::filesystem::remove(fifo);
 }
 
 TEST(Batch, SplitTokensEvenlyOrAsSaved) {

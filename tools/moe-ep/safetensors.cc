@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -57,6 +58,58 @@ bool parse_dtype(const std::string& name, DType* dtype) {
   throw Error(ErrorKind::kInvalidArgument, "safetensors file '" + path + "': " + what);
 }
 
+// The deepest nesting of JSON arrays and objects a header may have. A safetensors header needs 3
+// (the header, a tensor's entry, its shape); a crafted one nested thousands deep crashed the
+// parser (SIGSEGV), so the depth is counted before parsing.
+constexpr int kMaxHeaderDepth = 64;
+
+void check_header_depth(const std::string& path, const std::string& text) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxHeaderDepth)
+        malformed(path, "header nests JSON arrays and objects more than " +
+                            std::to_string(kMaxHeaderDepth) +
+                            " deep (a safetensors header needs 3)");
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+}
+
+// Only a regular file is read: opening a FIFO would block until a writer comes (forever), and a
+// directory or a device is no safetensors file.
+void check_regular_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || st.type() == fs::file_type::not_found)
+    throw Error(ErrorKind::kSystem, "cannot open '" + path + "' for reading: " +
+                                        (ec ? ec.message() : std::string("no such file")));
+  if (st.type() == fs::file_type::regular) return;
+  const char* kind = st.type() == fs::file_type::directory   ? "a directory"
+                     : st.type() == fs::file_type::fifo      ? "a FIFO"
+                     : st.type() == fs::file_type::socket    ? "a socket"
+                     : st.type() == fs::file_type::block     ? "a block device"
+                     : st.type() == fs::file_type::character ? "a character device"
+                                                             : "not a plain file";
+  throw Error(ErrorKind::kInvalidArgument,
+              "safetensors file '" + path + "': is " + kind + ", not a regular file");
+}
+
 }  // namespace
 
 void write_safetensors(const std::string& path, const StFile& file) {
@@ -92,6 +145,7 @@ void write_safetensors(const std::string& path, const StFile& file) {
 }
 
 StFile read_safetensors(const std::string& path) {
+  check_regular_file(path);
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw Error(ErrorKind::kSystem, "cannot open '" + path + "' for reading");
   const uint64_t file_size = static_cast<uint64_t>(in.tellg());
@@ -112,6 +166,7 @@ StFile read_safetensors(const std::string& path) {
     throw Error(ErrorKind::kSystem, "reading '" + path + "' failed");
   }
 
+  check_header_depth(path, text);
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text);
