@@ -753,3 +753,12 @@ cli_expect_output(plan_deepseek "inter-node byte ratio hierarchy/fullmesh: dispa
                   "${_exe} plan --preset deepseek-v3 --ranks 256 --ranks-per-node 16")
 cli_expect_usage_error(plan_uneven_nodes "moe-ep plan: --ranks 10 is not a multiple of --ranks-per-node 4"
                        "plan --ranks 10 --ranks-per-node 4")
+
+# Faults (issue 23): a rank that exits early, calls an extra op, is SIGSTOPped or SIGKILLed
+# (mpirun --enable-recovery) under moe-ep bench with --timeout 5: every survivor names it within
+# the deadline + 1 s and every process exits within the deadline + 5 s. Alone: the bounds are
+# times (the Python cases: python/tests/test_faults.py).
+add_test(NAME faults.cli
+         COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/tests/faults/faults.py cli ${_exe})
+set_tests_properties(faults.cli PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 300
+                                           RUN_SERIAL TRUE)

@@ -1,10 +1,12 @@
 #include "collective.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "common.h"
@@ -26,7 +28,54 @@ int world_rank() {
   return rank;
 }
 
+// The presence round's messages: the step's name, on a duplicate of MPI_COMM_WORLD that returns
+// errors (a send to a dead peer, with mpirun's recovery enabled, names it instead of aborting).
+constexpr int kPresenceTag = 1;
+MPI_Comm g_presence = MPI_COMM_NULL;
+
+// "1", "1 and 3", "1, 2 and 5"
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s;
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) s += i + 1 == ranks.size() ? " and " : ", ";
+    s += std::to_string(ranks[i]);
+  }
+  return s;
+}
+
+// A step's name, as present() sends it (cut to fit).
+constexpr int kStepBytes = 64;
+struct StepName {
+  char text[kStepBytes] = {};
+};
+
+[[noreturn]] void throw_elsewhere(int peer, const char* theirs, const char* what) {
+  throw Error(ErrorKind::kInvalidArgument,
+              std::string(g_command) + ": rank " + std::to_string(world_rank()) + " is at " + what +
+                  ", rank " + std::to_string(peer) + " at " +
+                  std::string(theirs, strnlen(theirs, kStepBytes)) +
+                  ": the ranks ran different steps (every rank must be given the same command "
+                  "line)");
+}
+
+[[noreturn]] void throw_missing(const std::vector<int>& missing, const char* what) {
+  throw Error(ErrorKind::kTimeout,
+              std::string(g_command) + ": rank " + std::to_string(world_rank()) +
+                  " timed out after " + fmt("%g", g_timeout_s) + " s waiting in " + what +
+                  (missing.size() == 1 ? ": rank " : ": ranks ") + rank_list(missing) +
+                  " did not arrive" + " (stopped, dead, or failed in an earlier step; --timeout)");
+}
+
 }  // namespace
+
+void open_collectives() {
+  MPI_Comm_dup(MPI_COMM_WORLD, &g_presence);
+  MPI_Comm_set_errhandler(g_presence, MPI_ERRORS_RETURN);
+}
+
+void close_collectives() {
+  if (g_presence != MPI_COMM_NULL) MPI_Comm_free(&g_presence);
+}
 
 void set_wait_context(const char* command, double timeout_s) {
   g_command = command;
@@ -53,14 +102,65 @@ void wait_idle(MPI_Request* request, const char* what) {
   }
 }
 
-void barrier_idle(const char* what) {
-  MPI_Request request;
-  MPI_Ibarrier(MPI_COMM_WORLD, &request);
-  wait_idle(&request, what);
+void present(const char* what) {
+  const int rank = world_rank();
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world == 1) return;
+  const MPI_Comm comm = g_presence != MPI_COMM_NULL ? g_presence : MPI_COMM_WORLD;
+  const auto n = static_cast<std::size_t>(world);
+  // Static: a send still pending when this throws must not read a dead stack frame.
+  static StepName mine;
+  std::snprintf(mine.text, sizeof mine.text, "%s", what);
+  std::vector<StepName> theirs(n);
+  std::vector<MPI_Request> recv(n, MPI_REQUEST_NULL), send(n, MPI_REQUEST_NULL);
+  std::vector<int> missing;  // peers MPI reports gone (with mpirun's recovery enabled)
+  for (int r = 0; r < world; ++r) {
+    if (r == rank) continue;
+    if (MPI_Irecv(theirs[r].text, kStepBytes, MPI_CHAR, r, kPresenceTag, comm, &recv[r]) !=
+            MPI_SUCCESS ||
+        MPI_Isend(mine.text, kStepBytes, MPI_CHAR, r, kPresenceTag, comm, &send[r]) !=
+            MPI_SUCCESS) {
+      missing.push_back(r);
+    }
+  }
+  const double deadline = now_s() + g_timeout_s;
+  std::vector<int> index(n);
+  bool all = false;
+  for (int polls = 0; missing.empty(); ++polls) {
+    int done = 0;
+    if (MPI_Testsome(world, recv.data(), &done, index.data(), MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+      break;  // a receive failed: its peer is gone, named below
+    }
+    if ((all = done == MPI_UNDEFINED)) break;
+    if (now_s() > deadline) break;
+    if (polls > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (all) {
+    // Every peer posted its receive before its send arrived here: the sends complete now.
+    MPI_Waitall(world, send.data(), MPI_STATUSES_IGNORE);
+    for (int r = 0; r < world; ++r) {
+      if (r != rank && std::strncmp(theirs[r].text, mine.text, kStepBytes) != 0)
+        throw_elsewhere(r, theirs[r].text, what);
+    }
+    return;
+  }
+  for (int r = 0; r < world; ++r) {
+    if (send[r] != MPI_REQUEST_NULL) MPI_Request_free(&send[r]);
+    if (recv[r] == MPI_REQUEST_NULL) continue;
+    if (std::find(missing.begin(), missing.end(), r) == missing.end()) missing.push_back(r);
+    MPI_Cancel(&recv[r]);
+    MPI_Request_free(&recv[r]);
+  }
+  std::sort(missing.begin(), missing.end());
+  throw_missing(missing, what);
 }
+
+void barrier_idle(const char* what) { present(what); }
 
 void agree_on_error(const std::exception_ptr& error, const char* when) {
   const int rank = world_rank();
+  present("the error agreement");
   int mine = error ? rank : INT_MAX, lowest = INT_MAX;
   MPI_Request request;
   MPI_Iallreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, &request);
@@ -81,6 +181,7 @@ std::vector<std::byte> gather_bytes(const void* data, std::size_t bytes, const c
   int rank = 0, world = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
+  present(what);
   const int n = static_cast<int>(bytes);
   std::vector<int> counts(world), displs(world);
   MPI_Request request;
@@ -130,6 +231,8 @@ void Watchdog::loop() {
                    "rank failed or stopped; --timeout); ending the job\n",
                    g_command, rank_, timeout_s_, phase_.load());
       std::fflush(stderr);
+      // As main's fail(): the other survivors may still report whom they waited for.
+      std::this_thread::sleep_for(std::chrono::seconds(2));
       std::_Exit(3);
     }
   }

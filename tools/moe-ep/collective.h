@@ -17,6 +17,11 @@
 
 namespace moe_ep_tool {
 
+// main: after MPI_Init, before any collective below (collective: duplicates MPI_COMM_WORLD for
+// present()); and before MPI_Finalize.
+void open_collectives();
+void close_collectives();
+
 // The command named in messages ("moe-ep run") and the deadline of the tool's own waits, seconds:
 // --timeout, $MOE_EP_TIMEOUT_S, else 300. Set by the command before its first collective.
 void set_wait_context(const char* command, double timeout_s);
@@ -27,7 +32,13 @@ const char* command_name();
 // oversubscribed) a spinning rank would steal the CPU from the one doing the work. Throws
 // Error(kTimeout) naming this rank and `what` ("the gather of the batch") past the deadline.
 void wait_idle(MPI_Request* request, const char* what);
-// MPI_Ibarrier + wait_idle.
+// A barrier that names who is missing: every rank sends `what` (cut to 63 bytes) to every other
+// and waits for each one's (O(W) messages; for the tool's own steps, never inside a timed op).
+// Past the deadline throws Error(kTimeout) naming this rank, `what` and the ranks that did not
+// arrive; a peer MPI reports gone (mpirun's recovery enabled) is named at once. A peer at
+// another step (ranks given different command lines) is Error(kInvalidArgument) naming both.
+void present(const char* what);
+// present(what).
 void barrier_idle(const char* what);
 
 // Collective. Every rank learns whether any failed in a local step (`when`: "before the run",
@@ -104,9 +115,11 @@ class Watchdog {
   std::thread thread_;
 };
 
-// Runs f with the watchdog armed.
+// Runs f with the watchdog armed, once every rank is present (so that a rank missing before the
+// blocking call is named, not only outwaited).
 template <typename F>
 void guarded(Watchdog& dog, const char* phase, F&& f) {
+  present(phase);
   dog.arm(phase);
   f();
   dog.disarm();

@@ -13,11 +13,13 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <optional>
 #include <thread>
 
 #include "bench.h"
 #include "cli.h"
 #include "collective.h"
+#include "moe_ep/comm.h"
 #include "moe_ep/error.h"
 #include "plan.h"
 #include "run.h"
@@ -62,8 +64,10 @@ int fail(const char* kind, const char* message, bool remote, bool agreed) {
     MPI_Comm_free(&g_fail_comm);
     return 2;
   }
-  // This rank's peer may still print the real error: give it a moment.
-  if (remote) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // This rank's peer may still print the real error, and the other survivors of a stalled or
+  // dead rank their own (each names whom it waited for; their waits began at about the same
+  // time): give them a moment before MPI_Abort kills them.
+  std::this_thread::sleep_for(std::chrono::milliseconds(remote ? 500 : 2000));
   MPI_Abort(MPI_COMM_WORLD, 2);
   std::_Exit(2);
 }
@@ -88,6 +92,21 @@ int finish_command_line(const CommandLine& line, int rank) {
     return 0;
   }
   return -1;
+}
+
+// The deadline of the command-line agreement: --timeout, else $MOE_EP_TIMEOUT_S, else 300 s (a
+// malformed value is reported by the command itself, which checks it again).
+double agreement_deadline(const CommandLine& line) {
+  std::optional<double> timeout_s;
+  if (line.action == CommandLine::Action::kRun) timeout_s = line.run.timeout_s;
+  if (line.action == CommandLine::Action::kBench) timeout_s = line.bench.timeout_s;
+  try {
+    moe_ep::CommOptions options;
+    options.timeout_s = timeout_s;
+    return moe_ep::check_environment(options, "");
+  } catch (const moe_ep::Error&) {
+    return 300;
+  }
 }
 
 int run(const CommandLine& line) {
@@ -115,8 +134,10 @@ int main(int argc, char** argv) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_dup(MPI_COMM_WORLD, &g_fail_comm);
+  moe_ep_tool::open_collectives();
 
   const CommandLine line = moe_ep_tool::parse_command_line(argc, argv);
+  moe_ep_tool::set_wait_context("moe-ep", agreement_deadline(line));
   int code = -1;
   try {
     code = finish_command_line(line, rank);
@@ -125,6 +146,7 @@ int main(int argc, char** argv) {
   }
   if (code < 0) code = run(line);
   if (g_fail_comm != MPI_COMM_NULL) MPI_Comm_free(&g_fail_comm);
+  moe_ep_tool::close_collectives();
   MPI_Finalize();
   return code;
 }
