@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "exit_guard.h"
 #include "moe_ep/backward.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
@@ -255,6 +256,10 @@ void register_errors(nb::module_& m) {
       std::rethrow_exception(p);
     } catch (const moe_ep::Error& e) {
       PyObject* type = g_errors[static_cast<int>(e.kind())];
+      // A communication fault may leave MPI_Finalize waiting on a peer at exit (exit_guard.h).
+      if (e.kind() == moe_ep::ErrorKind::kTimeout || e.kind() == moe_ep::ErrorKind::kRemote ||
+          e.kind() == moe_ep::ErrorKind::kSystem)
+        moe_ep_python::note_fault(moe_ep::error_kind_name(e.kind()), e.what());
       PyErr_SetString(type, e.what());
     }
   });
@@ -665,6 +670,11 @@ NB_MODULE(_C, m) {
       .def_prop_ro("shm_window_bytes",
                    [](const PyCommunicator& c) { return c.comm->shm_window_bytes(); });
 
+  m.def("_arm_exit_guard", &moe_ep_python::arm_exit_guard,
+        "At interpreter exit, before MPI is finalised: after a Timeout, Remote or System error, "
+        "ends the process with status 1 if it still runs after $MOE_EP_EXIT_GRACE_S seconds "
+        "(default 2), naming the first error on stderr; returns that grace, or -1 (no fault "
+        "seen, nothing armed). exit_guard.h");
   m.def(
       "check_environment",
       [](std::optional<double> timeout_s, const std::string& transport) {

@@ -7,15 +7,19 @@ communicator as an integer group id (a custom op cannot take a Python object): `
 gives it, and the wrappers ``dispatch_v2`` / ``combine_v2`` below take the mpi4py communicator
 itself, with the SPEC's argument names and defaults.
 
-The first use of an mpi4py communicator duplicates it (MPI_Comm_dup: collective, so every rank
-must make its first call on it at the same point, as the ops themselves require); later uses of
-the same communicator reuse the duplicate. ``release_group(comm)`` frees it.
+The first use of an mpi4py communicator duplicates it (MPI_Comm_idup, waited on with the
+deadline: collective, so every rank must make its first call on it at the same point, as the ops
+themselves require); later uses of the same communicator reuse the duplicate.
+``release_group(comm)`` frees it.
 
 Both ops are collective over group_ep: every rank calls them in the same order. A bad argument on
 one rank raises moe_ep.InvalidArgumentError there and moe_ep.RemoteError on the others; every wait
 has a deadline (moe_ep.TimeoutError; $MOE_EP_TIMEOUT_S, default 300 s). After a TimeoutError the
 communicator is unusable (messages of the abandoned call may still arrive): release_group(comm)
-on every rank, or use another communicator.
+on every rank, or use another communicator. After a TimeoutError, RemoteError or SystemError the
+interpreter's exit is bounded: MPI_Finalize waits for every process of the job, a stalled one
+included, so a process still exiting $MOE_EP_EXIT_GRACE_S seconds (default 2) after its exit
+began ends itself with status 1, naming the first error on stderr, and mpirun ends the job.
 
 Autograd (SPEC §6): through the wrappers without performance_info, x gets its gradient from
 dispatch_v2, and expand_x, expert_scales, shared_expert_x, ori_x and the const tables from
@@ -66,8 +70,12 @@ _query_only: set = set()
 
 @atexit.register
 def _free_groups() -> None:
-    # Python's atexit handlers run before mpi4py finalises MPI: free the duplicates while MPI is
-    # still up.
+    # Python's atexit handlers run before mpi4py finalises MPI (mpi4py's MPI_Finalize is a C-level
+    # Py_AtExit function): free the duplicates while MPI is still up. After a Timeout, Remote or
+    # System error, MPI_Finalize may wait forever for a stalled or dead peer: the guard ends the
+    # process $MOE_EP_EXIT_GRACE_S seconds from now if it still runs (status 1, the first error
+    # named on stderr); mpirun then ends the job.
+    _C._arm_exit_guard()
     _by_object.clear()
     _size_rank.clear()
     _groups.clear()
@@ -108,7 +116,8 @@ def group_id(
     communicator, an option that differs from the registered one, a bad timeout_s (or
     $MOE_EP_TIMEOUT_S) and a negative shm_window_bytes. The last two are checked on this rank
     before the duplication: when every rank passes the same value, every rank raises and none
-    is left waiting; a rank that raises alone leaves the others in MPI_Comm_dup."""
+    is left waiting; a rank that raises alone (or never calls) leaves the others waiting in the
+    duplication until their deadline (TimeoutError)."""
     if comm is None:
         comm = _world()
     if isinstance(comm, int):
