@@ -1,7 +1,7 @@
 // The communicator: an MPI communicator plus moe-ep's deadline settings.
 //
-// moe-ep duplicates the caller's MPI communicator (MPI_Comm_dup, collective over it), so its
-// messages never match the caller's. Every blocking wait inside an op polls non-blocking MPI
+// moe-ep duplicates the caller's MPI communicator (MPI_Comm_idup, collective over it, waited on
+// with the deadline), so its messages never match the caller's. Every blocking wait inside an op polls non-blocking MPI
 // requests against a deadline; on expiry the op throws Error(kTimeout) naming this rank, the peer
 // still pending and the phase. After a timeout the communicator is unusable: sends of the op that
 // timed out may still be posted and read the caller's input (x, expand_x) if a late peer matches
@@ -57,7 +57,9 @@ class MOE_EP_API Communicator {
   // loops (threads.h): process-wide, it only ever lowers that count, also after the
   // Communicator is gone.
   // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout or a negative
-  // shm_window_bytes.
+  // shm_window_bytes, Error(kTimeout) when another rank of `comm` does not create its
+  // Communicator within the deadline (the duplication is then left pending and leaks: `comm`
+  // must not be used for collectives again unless the missing ranks join it late).
   static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});
 
   // Frees the duplicate (if MPI is not finalised yet); local, never blocks, never throws. When

@@ -5,8 +5,10 @@
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <thread>
 
 #include "base/check.h"
 #include "base/env.h"
@@ -65,6 +67,41 @@ void note_this_machine(MPI_Comm comm) {
   detail::note_node(ranks, CPU_COUNT(&all));
 }
 
+// MPI_Comm_idup waited on with the deadline: a rank that never creates its Communicator (it
+// exited, stopped, or took another path) is a Timeout, not a hang in MPI_Comm_dup. On timeout
+// the duplication stays pending (a collective cannot be cancelled): the handle MPI will write
+// when it completes lives on the heap and leaks with it.
+void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
+  auto* out = new MPI_Comm(MPI_COMM_NULL);
+  MPI_Request request = MPI_REQUEST_NULL;
+  if (MPI_Comm_idup(comm, out, &request) != MPI_SUCCESS) {
+    delete out;
+    detail::fail(ErrorKind::kSystem, "Communicator: MPI_Comm_idup failed");
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  for (int polls = 0;; ++polls) {
+    int done = 0;
+    MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (done) {
+      *dup = *out;
+      delete out;
+      return;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      int rank = 0, size = 0;
+      MPI_Comm_rank(comm, &rank);
+      MPI_Comm_size(comm, &size);
+      detail::fail(ErrorKind::kTimeout, "Communicator: rank ", rank, " of ", size,
+                   " timed out after ", timeout_s,
+                   " s duplicating the communicator (MPI_Comm_idup): another rank did not create "
+                   "its Communicator (every rank creates it at the same point; one may have "
+                   "exited, stopped or failed)");
+    }
+    // Oversubscribed ranks must leave the CPU to the peers they wait for.
+    if (polls > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
@@ -79,7 +116,7 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
     detail::invalid("Communicator: MPI is not initialised (call MPI_Init first)");
   if (comm == MPI_COMM_NULL) detail::invalid("Communicator: comm is MPI_COMM_NULL");
   MPI_Comm dup = MPI_COMM_NULL;
-  detail::check_mpi(MPI_Comm_dup(comm, &dup), "Communicator", "MPI_Comm_dup");
+  duplicate(comm, timeout, &dup);
   // Errors come back as codes that moe-ep turns into Error(kSystem), not as aborts.
   MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
   int rank = 0, size = 0;

@@ -95,6 +95,45 @@ TEST(Communicator, RejectsBadTimeouts) {
   }
 }
 
+// A rank that does not create its Communicator (it exited, stopped or took another path) is a
+// Timeout on the others, not a hang in MPI_Comm_dup. On a communicator of the test's own: rank 0
+// times out; the others then join its abandoned duplication with a bare MPI_Comm_idup (as a
+// late rank's would), so that no collective is left pending.
+TEST(Communicator, CreationTimesOutWhenARankIsMissing) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size < 2) GTEST_SKIP() << "needs 2 ranks";
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  if (rank == 0) {
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      Communicator::from_mpi(comm, {.timeout_s = 0.5});
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kTimeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("Communicator: rank 0 of " + std::to_string(size) +
+                                           " timed out after 0.5 s duplicating the communicator"),
+                std::string::npos)
+          << e.what();
+    }
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_GE(waited, 0.5);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);  // rank 0 has given up
+  if (rank != 0) {
+    MPI_Comm late = MPI_COMM_NULL;
+    MPI_Request request = MPI_REQUEST_NULL;
+    MPI_Comm_idup(comm, &late, &request);
+    MPI_Wait(&request, MPI_STATUS_IGNORE);
+    MPI_Comm_free(&late);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  MPI_Comm_free(&comm);
+}
+
 // check_environment reads each variable only where its reader would: the timeout when no
 // timeout_s is given, the transport when EpConfig::transport is "".
 TEST(Communicator, CheckEnvironmentReadsWhatTheReadersWould) {
