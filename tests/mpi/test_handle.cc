@@ -178,6 +178,20 @@ TEST(Handle, OtherExpertIdsAreRefused) {
                           {"differs from the dispatch_v2"});
 }
 
+// NCCL EP's stale routing map: a cached handle used after the token count shrank is refused on
+// every rank (dispatch_v2 and combine_v2), never replayed with the old layout.
+TEST(Handle, ShrunkTokenCountIsRefused) {
+  Batch b = make_batch(8);
+  const DispatchOutputs d = dispatch_v2(dispatch_inputs(b), config(b));
+  b.BS = 3;  // the views now cover the first 3 tokens
+  DispatchInputs in = dispatch_inputs(b);
+  in.handle = &d.handle;
+  expect_collective_error([&] { dispatch_v2(in, config(b)); }, comm()->rank(), -1,
+                          ErrorKind::kInvalidArgument, {"handle"});
+  expect_collective_error([&] { combine_v2(combine_inputs(b, d, true), config(b)); },
+                          comm()->rank(), -1, ErrorKind::kInvalidArgument, {"handle"});
+}
+
 TEST(Handle, OtherMaskIsRefused) {
   Batch b = make_batch(4);
   DispatchInputs in = dispatch_inputs(b);
