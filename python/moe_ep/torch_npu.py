@@ -162,8 +162,8 @@ def npu_moe_distribute_combine_v2(
     (tp_world_size < 2) tp_send_counts is not read, as torch_npu's own example passes
     dispatch's (1,) tp_recv_counts there (moe_ep.torch.combine_v2 refuses it)."""
     op = "npu_moe_distribute_combine_v2"
-    if tp_world_size < 2:
-        tp_send_counts = None
+    if isinstance(tp_world_size, int) and not isinstance(tp_world_size, bool) and tp_world_size < 2:
+        tp_send_counts = None  # a malformed tp_world_size is moe_ep.torch.combine_v2's error
     ep = _group(op, "group_ep", group_ep)
     tp = _group(op, "group_tp", group_tp, optional=True)
     handle = _plans.get(id(ep_send_counts)) if elastic_info is None else None

@@ -131,6 +131,6 @@ def in_bytes(op: str, name: str, t: object) -> None:
         shape = ", ".join(str(int(d)) for d in t.shape)
         raise InvalidArgumentError(
             f"{op}: {name}.shape = [{shape}] {str(t.dtype).replace('torch.', '')} describes "
-            f"{size} bytes, more than {bound_text(bound)} (an expanded tensor? the op reads every "
-            "element)"
+            f"{size} bytes, more than {bound_text(bound)}; an expanded tensor? the op reads every "
+            "element"
         )
