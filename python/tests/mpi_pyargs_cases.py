@@ -70,6 +70,8 @@ CASES: Dict[str, Tuple[str, dict, str]] = {
                                       "moe_expert_num = 4.0 (float) must be an int"),
     "npu_combine_tp_world_size_str": ("npu_moe_distribute_combine_v2", {"tp_world_size": "0"},
                                       "tp_world_size = '0' (str) must be an int"),
+    "npu_dispatch_group_tp_unknown": ("npu_moe_distribute_dispatch_v2", {"group_tp": "nope"},
+                                      "group_tp = 'nope' is not a registered group name"),
     "dispatch_backward_grad_none": ("dispatch_v2_backward", {"grad_expand_x": None},
                                     "grad_expand_x = None (NoneType) must be a torch.Tensor"),
     "combine_backward_scales_none": ("combine_v2_backward", {"expert_scales": None},
@@ -163,7 +165,7 @@ def run_case(comm, name: str) -> str:
     if rank == 1:
         if type(seen) is not moe_ep.InvalidArgumentError:
             return f"FAIL: raised {type(seen).__name__}: {msg}"
-        if not msg.startswith(_OP_NAME.get(op, op) + ": ") or words not in msg:
+        if not msg.startswith((op + ": ", _OP_NAME.get(op, op) + ": ")) or words not in msg:
             return f"FAIL: message does not name the op and {words!r}: {msg}"
     else:
         if type(seen) is not moe_ep.RemoteError:

@@ -929,8 +929,9 @@ def _front_checks(op: str, impl, gid: int, group_tp, values: Dict[str, object]) 
     if group_tp is not None:
         try:
             tp = _resolve(group_tp)[0]
-        except Error as e:
-            err = type(e)(f"{op}: group_tp = {_args.show(group_tp)}: {e}")
+        except Error as e:  # torch_npu's names carry their own message (front_error)
+            err = e if getattr(group_tp, "front_error", None) is e else type(e)(
+                f"{op}: group_tp = {_args.show(group_tp)}: {e}")
     values["group_tp"] = tp
     if err is None:
         err = _arg_error(op, impl, values)
