@@ -257,6 +257,7 @@ def _huge_cases():
     name, words the message must hold). Independent expectation: each names the parameter whose
     value is too large."""
     x1 = "torch.zeros(1, 1).expand(2**40, 2**10)"  # strided rows: would be copied
+    r06 = int(0.6 * _args.out_bytes_bound()) // 12  # rows of 3 fp32: 0.6 of the bound
     rows0 = "torch.zeros(1, 3).expand(2**40, 3)"  # contiguous rows of one storage row
     return {
         "permute_grad_v2_tokens_rows": (
@@ -287,6 +288,13 @@ def _huge_cases():
         "unpermute_grad_expanded_grad_out": (
             f"mt.token_unpermute_grad(i['p'], {x1}, i['s'])",
             "InvalidArgumentError", ["token_unpermute_grad", "more than"]),
+        # grad_out 0.6 of the bound (fits alone), copied to contiguous rows (0.6 more), and
+        # sorted_indices 0.2: together beyond the bound, refused before the copy
+        "unpermute_grad_v2_working_set": (
+            f"mt.token_unpermute_grad_v2(torch.zeros(1, 1).expand({r06}, 3), "
+            f"torch.zeros(1, dtype=torch.int32).expand({r06}), 8, torch.float32)",
+            "InvalidArgumentError", ["token_unpermute_grad_v2", "the inputs (grad_out",
+                                     "need", "together, more than"]),
         "permute_grad_expanded_tokens": (
             f"mt.token_permute_grad({x1}, i['gm'], i['indices'], i['s'])",
             "InvalidArgumentError", ["token_permute_grad", "more than"]),

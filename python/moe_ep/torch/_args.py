@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import numbers
 import os
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -102,9 +102,9 @@ def int_list(op: str, name: str, v: object, optional: bool = False) -> None:
             )
 
 
-def out_bytes(op: str, what: str, dims: Sequence[int], dt: torch.dtype) -> None:
+def out_bytes(op: str, what: str, dims: Sequence[int], dt: torch.dtype) -> int:
     """Refuses an output of shape dims and dtype dt larger than out_bytes_bound(), before it is
-    allocated. Python ints: no overflow, however large the dims."""
+    allocated; returns its bytes. Python ints: no overflow, however large the dims."""
     n = 1
     for d in dims:
         n *= max(int(d), 0)
@@ -116,6 +116,7 @@ def out_bytes(op: str, what: str, dims: Sequence[int], dt: torch.dtype) -> None:
             f"{op}: {what} = [{shape}] {str(dt).replace('torch.', '')} needs {size} bytes, "
             f"more than {bound_text(bound)}"
         )
+    return size
 
 
 def in_bytes(op: str, name: str, t: object) -> None:
@@ -133,4 +134,26 @@ def in_bytes(op: str, name: str, t: object) -> None:
             f"{op}: {name}.shape = [{shape}] {str(t.dtype).replace('torch.', '')} describes "
             f"{size} bytes, more than {bound_text(bound)}; an expanded tensor? the op reads every "
             "element"
+        )
+
+
+def working_set(op: str, inputs: Dict[str, object], made: int) -> None:
+    """The bytes the inputs describe plus those the op makes (outputs and scratch, `made`, and the
+    copies of inputs whose rows are strided) within
+    out_bytes_bound(): real inputs are in memory already and the outputs must fit beside them, so
+    a call that needs more cannot run (it would be killed, or swap for minutes); an expanded input
+    counts every element it describes, each of which the op reads."""
+    parts = [(n, t.numel() * t.element_size()) for n, t in inputs.items()
+             if isinstance(t, torch.Tensor)]
+    # a tensor whose rows are strided is copied to contiguous rows first (_convert.dl)
+    made += sum(t.numel() * t.element_size() for t in inputs.values()
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] > 1
+                and t.stride(-1) != 1)
+    total = sum(b for _, b in parts) + made
+    bound = out_bytes_bound()
+    if total > bound:
+        each = ", ".join(f"{n} {b}" for n, b in parts)
+        raise InvalidArgumentError(
+            f"{op}: the inputs ({each} bytes) and what the op makes ({made} bytes: outputs, "
+            f"scratch and copies) need {total} bytes together, more than {bound_text(bound)}"
         )

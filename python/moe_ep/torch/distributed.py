@@ -269,20 +269,32 @@ def _arg_error(op: str, impl, values: Dict[str, object]) -> Optional[Error]:
             _KINDS[params[name]](op, name, value)
         for name, value in values.items():
             _args.in_bytes(op, name, value)
+        made = 0
         if op == "dispatch_v2":
-            _dispatch_out_bytes(values)
+            made = _dispatch_out_bytes(values)
+        elif op == "combine_v2":
+            made = _combine_out_bytes(values)
+        _args.working_set(op, {k: v for k, v in values.items() if isinstance(v, Tensor)}, made)
     except Error as e:
         return e
     return None
 
 
-def _dispatch_out_bytes(v: Dict[str, object]) -> None:
+def _combine_out_bytes(v: Dict[str, object]) -> int:
+    """combine_v2's x (BS, H) within the bound; its bytes."""
+    y, ids = v["expand_x"], v["expert_ids"]
+    if y.dim() != 2 or ids.dim() < 1:
+        return 0
+    return _args.out_bytes("combine_v2", "x (BS, H)", (ids.shape[0], y.shape[1]), y.dtype)
+
+
+def _dispatch_out_bytes(v: Dict[str, object]) -> int:
     """expand_x's (max(1,T)*A, H) and assist_info_for_combine's max(BS*K, A*128) entries within
     the bound (SPEC §1.4), before the op allocates them; a placement the C++ checks refuse is left
-    to them."""
+    to them. Returns the outputs' bytes."""
     x, ids = v["x"], v["expert_ids"]
     if x.dim() != 2 or ids.dim() != 2:
-        return
+        return 0
     try:
         a, _, t = _dispatch_shapes(
             ids.shape[0], ids.shape[1], v["ep_world_size"], v["ep_rank_id"], v["moe_expert_num"],
@@ -290,12 +302,13 @@ def _dispatch_out_bytes(v: Dict[str, object]) -> None:
             v.get("shared_expert_num", 1) if v.get("shared_expert_rank_num", 0) > 0 else 0,
             v.get("shared_expert_rank_num", 0), v.get("global_bs", 0))
     except (InvalidArgumentError, ZeroDivisionError):
-        return
+        return 0
     quant = v.get("quant_mode", 0) == 2
-    _args.out_bytes("dispatch_v2", "expand_x (max(1, tp_world_size) * A, H)", (t * a, x.shape[1]),
-                    torch.int8 if quant else x.dtype)
-    _args.out_bytes("dispatch_v2", "assist_info_for_combine (max(BS * K, A * 128),)",
-                    (max(ids.shape[0] * ids.shape[1], a * 128),), torch.int32)
+    made = _args.out_bytes("dispatch_v2", "expand_x (max(1, tp_world_size) * A, H)",
+                           (t * a, x.shape[1]), torch.int8 if quant else x.dtype)
+    made += _args.out_bytes("dispatch_v2", "assist_info_for_combine (max(BS * K, A * 128),)",
+                            (max(ids.shape[0] * ids.shape[1], a * 128),), torch.int32)
+    return made + 4 * t * a  # expand_scales (fp32)
 
 
 def _raise_in_collective(op: str, err: Error, gid: int, group_tp: int, tp_world_size) -> None:

@@ -128,27 +128,33 @@ def _restore_for_c(op: str, permuted_tokens: Tensor, sorted_indices: Tensor,
 
 def _unpermute_out_bytes(op: str, permuted_tokens: Tensor, sorted_indices: Tensor,
                          probs: Optional[Tensor], padded_mode: bool,
-                         restore_shape: Optional[List[int]]) -> None:
-    """unpermute's output (N, H) within the bound, N as the C++ op takes it."""
+                         restore_shape: Optional[List[int]]) -> int:
+    """unpermute's output (N, H) within the bound, N as the C++ op takes it; its bytes."""
     if padded_mode and restore_shape is not None and len(restore_shape) == 2:
         rows = restore_shape[0]
     elif probs is not None:
         rows = probs.shape[0] if probs.dim() else 0
     else:
         rows = sorted_indices.numel()
-    _args.out_bytes(op, "out (N, H)", (rows, _h(permuted_tokens)), permuted_tokens.dtype)
+    return _args.out_bytes(op, "out (N, H)", (rows, _h(permuted_tokens)), permuted_tokens.dtype)
+
+
+def _grad_probs_bytes(probs: Optional[Tensor]) -> int:
+    return 0 if probs is None else probs.numel() * probs.element_size()
 
 
 def _empty_grad_probs(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
-def _inputs(op: str, **tensors: Optional[Tensor]):
+def _inputs(op: str, made: int = 0, **tensors: Optional[Tensor]):
     """The tensors as moe_ep._C inputs (dl), in argument order; a dtype the binding cannot take
     (fp64, ...) raises moe_ep.UnsupportedError naming op and parameter; a tensor describing more
-    bytes than _args.out_bytes_bound() (an expanded one), InvalidArgumentError."""
+    bytes than _args.out_bytes_bound() (an expanded one), or together with the bytes the op makes
+    (made: outputs and scratch) more than it, InvalidArgumentError."""
     for name, t in tensors.items():
         _args.in_bytes(op, name, t)
+    _args.working_set(op, tensors, made)
     return tuple(dl(t, op, name) for name, t in tensors.items())
 
 
@@ -175,8 +181,10 @@ def _op_token_permute(
     _check_permute(tokens, indices, num_out_tokens, padded_mode)
     m = indices.numel()
     rows = m if padded_mode or not num_out_tokens or num_out_tokens < 0 else min(num_out_tokens, m)
-    _args.out_bytes("token_permute", "permuted_tokens (rows, H)", (rows, _h(tokens)), tokens.dtype)
-    tokens, indices = _inputs("token_permute", tokens=tokens, indices=indices)
+    made = _args.out_bytes("token_permute", "permuted_tokens (rows, H)", (rows, _h(tokens)),
+                           tokens.dtype)
+    made += 12 * m  # sorted_indices (int32), and the sort's keys and order (int32 each)
+    tokens, indices = _inputs("token_permute", made, tokens=tokens, indices=indices)
     p, s = _C.token_permute(tokens, indices, num_out_tokens, padded_mode)
     return tt(p), tt(s)
 
@@ -231,11 +239,12 @@ def _op_token_permute_grad(
     """SPEC §4.3. Returns grad_tokens (N, H) in tokens' dtype (only tokens' shape and dtype are
     used)."""
     _check_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode)
-    _args.out_bytes("token_permute_grad", "grad_tokens (N, H)",
-                    (tokens.shape[0] if tokens.dim() else 0, _h(grad_permuted_tokens)),
-                    tokens.dtype)
+    made = _args.out_bytes("token_permute_grad", "grad_tokens (N, H)",
+                           (tokens.shape[0] if tokens.dim() else 0, _h(grad_permuted_tokens)),
+                           tokens.dtype)
     args = _inputs(
         "token_permute_grad",
+        made,
         tokens=tokens,
         grad_permuted_tokens=grad_permuted_tokens,
         indices=indices,
@@ -265,10 +274,11 @@ def _op_token_permute_grad_v2(
     _check_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype,
                            num_topk, padded_mode)
     name = dtype_name("token_permute_grad_v2", "tokens_dtype", tokens_dtype)
-    _args.out_bytes("token_permute_grad_v2", "grad_tokens (tokens_rows, H)",
-                    (tokens_rows, _h(grad_permuted_tokens)), tokens_dtype)
+    made = _args.out_bytes("token_permute_grad_v2", "grad_tokens (tokens_rows, H)",
+                           (tokens_rows, _h(grad_permuted_tokens)), tokens_dtype)
     grad, si = _inputs(
         "token_permute_grad_v2",
+        made,
         grad_permuted_tokens=grad_permuted_tokens,
         sorted_indices=sorted_indices,
     )
@@ -300,10 +310,11 @@ def _op_token_unpermute(
     permuted_tokens' dtype."""
     _check_unpermute("token_unpermute", permuted_tokens, sorted_indices, probs, padded_mode,
                      restore_shape)
-    _unpermute_out_bytes("token_unpermute", permuted_tokens, sorted_indices, probs, padded_mode,
-                         restore_shape)
+    made = _unpermute_out_bytes("token_unpermute", permuted_tokens, sorted_indices, probs,
+                                padded_mode, restore_shape)
     args = _inputs(
         "token_unpermute",
+        made,
         permuted_tokens=permuted_tokens,
         sorted_indices=sorted_indices,
         probs=probs,
@@ -332,10 +343,11 @@ def _op__token_unpermute(
     for the backward. Returns (out (N, H), permuted_tokens_for_backward (P, H))."""
     _check_unpermute("_token_unpermute", permuted_tokens, sorted_indices, probs, padded_mode,
                      restore_shape)
-    _unpermute_out_bytes("_token_unpermute", permuted_tokens, sorted_indices, probs, padded_mode,
-                         restore_shape)
+    made = _unpermute_out_bytes("_token_unpermute", permuted_tokens, sorted_indices, probs,
+                                padded_mode, restore_shape)
     args = _inputs(
         "_token_unpermute",
+        made + permuted_tokens.numel() * permuted_tokens.element_size(),  # and the saved copy
         permuted_tokens=permuted_tokens,
         sorted_indices=sorted_indices,
         probs=probs,
@@ -435,11 +447,12 @@ def _op_token_unpermute_grad(
     _check_unpermute_grad(permuted_tokens, grad_out, sorted_indices, probs, padded_mode,
                           restore_shape)
     _check_restore_shape("token_unpermute_grad", restore_shape, grad_out.shape[0])
-    _args.out_bytes("token_unpermute_grad", "grad_permuted_tokens (P, H)",
-                    (permuted_tokens.shape[0] if permuted_tokens.dim() else 0, _h(grad_out)),
-                    grad_out.dtype)
+    made = _args.out_bytes("token_unpermute_grad", "grad_permuted_tokens (P, H)",
+                           (permuted_tokens.shape[0] if permuted_tokens.dim() else 0,
+                            _h(grad_out)), grad_out.dtype)
     args = _inputs(
         "token_unpermute_grad",
+        made + _grad_probs_bytes(probs),
         permuted_tokens=permuted_tokens,
         grad_out=grad_out,
         sorted_indices=sorted_indices,
@@ -474,10 +487,12 @@ def _op_token_unpermute_grad_v2(
                              padded_mode, restore_shape, permuted_tokens)
     _check_restore_shape("token_unpermute_grad_v2", restore_shape, grad_out.shape[0])
     name = dtype_name("token_unpermute_grad_v2", "permuted_dtype", permuted_dtype)
-    _args.out_bytes("token_unpermute_grad_v2", "grad_permuted_tokens (permuted_rows, H)",
-                    (permuted_rows, _h(grad_out)), permuted_dtype)
+    made = _args.out_bytes("token_unpermute_grad_v2",
+                           "grad_permuted_tokens (permuted_rows, H)",
+                           (permuted_rows, _h(grad_out)), permuted_dtype)
     g, si, pr, x = _inputs(
         "token_unpermute_grad_v2",
+        made + _grad_probs_bytes(probs),
         grad_out=grad_out,
         sorted_indices=sorted_indices,
         probs=probs,
