@@ -23,6 +23,12 @@ Decisions of this front (beyond SPEC §4):
   gathers the slots' rows and returns the table flattened (int32) as sorted_indices; the other
   ops take that table (or the caller's own, int32/int64, 1-D or 2-D), probs with one weight per
   slot, and give grad_probs in probs' shape. Ascend's torch_npu kernel has no padded mode.
+- The public functions below are plain functions over the custom ops (torch.ops.moe_ep.*): they
+  check every argument's type first (moe_ep.InvalidArgumentError naming op, parameter, value and
+  expected type: None or a list for a tensor, a bool for an int, ...), which the torch dispatcher
+  does not. The real implementations repeat those checks and refuse, before allocating, an output,
+  an input (an expanded tensor) or their sum beyond this machine's physical memory (at most 2^62
+  bytes; _args.py).
 """
 
 from __future__ import annotations
