@@ -74,6 +74,25 @@ def _group(op: str, param: str, name, optional: bool = False):
     return _named[name]
 
 
+class _UnknownGroup:
+    """group_tp given as a name no communicator has: handed to moe_ep.torch, whose front reports
+    the error (front_error) through the collective over group_ep, so the peers raise RemoteError
+    at once instead of waiting for this rank."""
+
+    def __init__(self, error: InvalidArgumentError):
+        self.front_error = error
+
+    def py2f(self):  # moe_ep.torch.group_id's first step: raises the error
+        raise self.front_error
+
+
+def _tp_group(op: str, name):
+    try:
+        return _group(op, "group_tp", name, optional=True)
+    except InvalidArgumentError as e:
+        return _UnknownGroup(e)
+
+
 def npu_moe_distribute_dispatch_v2(
     x: Tensor,
     expert_ids: Tensor,
@@ -106,7 +125,7 @@ def npu_moe_distribute_dispatch_v2(
     expand_scales)."""
     op = "npu_moe_distribute_dispatch_v2"
     ep = _group(op, "group_ep", group_ep)
-    tp = _group(op, "group_tp", group_tp, optional=True)
+    tp = _tp_group(op, group_tp)
     d = _mt.dispatch_v2(
         x, expert_ids, ep, ep_world_size, ep_rank_id, moe_expert_num, group_tp=tp,
         scales=scales, x_active_mask=x_active_mask, expert_scales=expert_scales,
@@ -162,10 +181,10 @@ def npu_moe_distribute_combine_v2(
     (tp_world_size < 2) tp_send_counts is not read, as torch_npu's own example passes
     dispatch's (1,) tp_recv_counts there (moe_ep.torch.combine_v2 refuses it)."""
     op = "npu_moe_distribute_combine_v2"
-    if tp_world_size < 2:
-        tp_send_counts = None
+    if isinstance(tp_world_size, int) and not isinstance(tp_world_size, bool) and tp_world_size < 2:
+        tp_send_counts = None  # a malformed tp_world_size is moe_ep.torch.combine_v2's error
     ep = _group(op, "group_ep", group_ep)
-    tp = _group(op, "group_tp", group_tp, optional=True)
+    tp = _tp_group(op, group_tp)
     handle = _plans.get(id(ep_send_counts)) if elastic_info is None else None
     return _mt.combine_v2(
         expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, ep,

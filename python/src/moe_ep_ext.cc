@@ -15,7 +15,9 @@
 
 #include <atomic>
 #include <memory>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -265,6 +267,24 @@ void register_errors(nb::module_& m) {
   });
 }
 
+// Runs one op of the library: std::bad_alloc and std::length_error (an allocation, or a
+// std::vector, sized past memory) become moe_ep errors naming the op, instead of Python's
+// MemoryError / ValueError naming nothing.
+template <class F>
+auto guarded(const char* op, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    throw moe_ep::Error(moe_ep::ErrorKind::kSystem,
+                        std::string(op) +
+                            ": out of memory (std::bad_alloc): the arguments' sizes need more "
+                            "memory than this process can allocate");
+  } catch (const std::length_error& e) {
+    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                        std::string(op) + ": a size is too large to allocate (" + e.what() + ")");
+  }
+}
+
 // ---- SPEC §4 ops --------------------------------------------------------------------------
 
 nb::tuple token_permute(const InArray& tokens, const InArray& indices,
@@ -277,7 +297,7 @@ nb::tuple token_permute(const InArray& tokens, const InArray& indices,
   moe_ep::PermuteResult r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::permute(a);
+    r = guarded("token_permute", [&] { return moe_ep::permute(a); });
   }
   return nb::make_tuple(to_python(std::move(r.permuted_tokens)),
                         to_python(std::move(r.sorted_indices)));
@@ -295,7 +315,7 @@ nb::object token_permute_grad(const InArray& tokens, const InArray& grad_permute
   Tensor r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::permute_grad(a);
+    r = guarded("token_permute_grad", [&] { return moe_ep::permute_grad(a); });
   }
   return to_python(std::move(r));
 }
@@ -313,7 +333,7 @@ nb::object token_permute_grad_v2(const InArray& grad_permuted_tokens, const InAr
   Tensor r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::permute_grad_v2(a);
+    r = guarded("token_permute_grad_v2", [&] { return moe_ep::permute_grad_v2(a); });
   }
   return to_python(std::move(r));
 }
@@ -337,7 +357,7 @@ nb::object token_unpermute(const InArray& permuted_tokens, const InArray& sorted
   Tensor r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::unpermute(a);
+    r = guarded("token_unpermute", [&] { return moe_ep::unpermute(a); });
   }
   return to_python(std::move(r));
 }
@@ -349,7 +369,7 @@ nb::tuple token_unpermute_with_saved(const InArray& permuted_tokens, const InArr
   moe_ep::UnpermuteWithSavedResult r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::unpermute_with_saved(a);
+    r = guarded("_token_unpermute", [&] { return moe_ep::unpermute_with_saved(a); });
   }
   return nb::make_tuple(to_python(std::move(r.out)),
                         to_python(std::move(r.permuted_tokens_for_backward)));
@@ -373,7 +393,7 @@ nb::tuple token_unpermute_grad(const InArray& permuted_tokens, const InArray& gr
   moe_ep::UnpermuteGradResult r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::unpermute_grad(a);
+    r = guarded("token_unpermute_grad", [&] { return moe_ep::unpermute_grad(a); });
   }
   return grad_result(std::move(r));
 }
@@ -395,9 +415,21 @@ nb::tuple token_unpermute_grad_v2(const InArray& grad_out, const InArray& sorted
   moe_ep::UnpermuteGradResult r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::unpermute_grad_v2(a);
+    r = guarded("token_unpermute_grad_v2", [&] { return moe_ep::unpermute_grad_v2(a); });
   }
   return grad_result(std::move(r));
+}
+
+// The error a caller found before the call (handle_error, caller_error_kind: an ErrorKind's
+// name), to be reported inside the collective as this rank's, so that the peers raise RemoteError
+// at once instead of waiting until their deadline.
+moe_ep::Error caller_error(const std::string& message, const std::string& kind) {
+  for (int k = 0; k < kErrorKinds; ++k) {
+    const auto e = static_cast<moe_ep::ErrorKind>(k);
+    if (kind == moe_ep::error_kind_name(e)) return moe_ep::Error(e, message);
+  }
+  return moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                       message + " (caller_error_kind = '" + kind + "' is not an ErrorKind name)");
 }
 
 // ---- SPEC §1-2 ops ------------------------------------------------------------------------
@@ -445,7 +477,8 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
                       int64_t expert_token_nums_type, const std::string& comm_alg,
                       int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
                       const std::string& transport, bool exact_size,
-                      const moe_ep::DispatchHandle* handle, const std::string& handle_error) {
+                      const moe_ep::DispatchHandle* handle, const std::string& handle_error,
+                      const std::string& caller_error_kind) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
@@ -469,13 +502,13 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
   in.expert_token_nums_type = expert_token_nums_type;
   in.handle = handle;
   if (!handle_error.empty() && !in.caller_error)
-    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, handle_error);
+    in.caller_error = caller_error(handle_error, caller_error_kind);
   InUse ep_guard(&group_ep, "dispatch_v2", "group_ep");
   InUse tp_guard(group_tp ? &*group_tp : nullptr, "dispatch_v2", "group_tp");
   moe_ep::DispatchOutputs r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::dispatch_v2(in, cfg);
+    r = guarded("dispatch_v2", [&] { return moe_ep::dispatch_v2(in, cfg); });
   }
   return nb::make_tuple(
       to_python(std::move(r.expand_x)), to_python(std::move(r.dynamic_scales)),
@@ -498,7 +531,8 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
                       int64_t shared_expert_rank_num, int64_t global_bs, int64_t comm_quant_mode,
                       const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
                       int64_t const_expert_num, const std::string& transport, bool exact_size,
-                      const moe_ep::DispatchHandle* handle, const std::string& handle_error) {
+                      const moe_ep::DispatchHandle* handle, const std::string& handle_error,
+                      const std::string& caller_error_kind) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
@@ -529,13 +563,13 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
   in.comm_quant_mode = comm_quant_mode;
   in.handle = handle;
   if (!handle_error.empty() && !in.caller_error)
-    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, handle_error);
+    in.caller_error = caller_error(handle_error, caller_error_kind);
   InUse ep_guard(&group_ep, "combine_v2", "group_ep");
   InUse tp_guard(group_tp ? &*group_tp : nullptr, "combine_v2", "group_tp");
   Tensor r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::combine_v2(in, cfg);
+    r = guarded("combine_v2", [&] { return moe_ep::combine_v2(in, cfg); });
   }
   return to_python(std::move(r));
 }
@@ -545,7 +579,8 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
 nb::object dispatch_v2_backward(const InArray& grad_expand_x, const InArray& expert_ids,
                                 const PyCommunicator& group_ep, const EpArgs& ep,
                                 const OptIn& x_active_mask, const moe_ep::DispatchHandle* handle,
-                                const std::string& handle_error) {
+                                const std::string& handle_error,
+                                const std::string& caller_error_kind) {
   const moe_ep::EpConfig cfg = ep_config(group_ep, ep);
   moe_ep::DispatchBackwardInputs in;
   try {
@@ -558,13 +593,13 @@ nb::object dispatch_v2_backward(const InArray& grad_expand_x, const InArray& exp
   }
   in.handle = handle;
   if (!handle_error.empty() && !in.caller_error)
-    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, handle_error);
+    in.caller_error = caller_error(handle_error, caller_error_kind);
   InUse ep_guard(&group_ep, "dispatch_v2_backward", "group_ep");
   InUse tp_guard(ep.group_tp ? &*ep.group_tp : nullptr, "dispatch_v2_backward", "group_tp");
   Tensor r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::dispatch_v2_backward(in, cfg);
+    r = guarded("dispatch_v2_backward", [&] { return moe_ep::dispatch_v2_backward(in, cfg); });
   }
   return to_python(std::move(r));
 }
@@ -575,7 +610,8 @@ nb::tuple combine_v2_backward(const InArray& grad_out, const InArray& expand_x,
                               const OptIn& x_active_mask, bool shared_expert_x, const OptIn& ori_x,
                               const OptIn& const_expert_alpha_1, const OptIn& const_expert_alpha_2,
                               const OptIn& const_expert_v, const moe_ep::DispatchHandle* handle,
-                              const std::string& handle_error) {
+                              const std::string& handle_error,
+                              const std::string& caller_error_kind) {
   const moe_ep::EpConfig cfg = ep_config(group_ep, ep);
   moe_ep::CombineBackwardInputs in;
   try {
@@ -595,13 +631,13 @@ nb::tuple combine_v2_backward(const InArray& grad_out, const InArray& expand_x,
   in.shared_expert_x = shared_expert_x;
   in.handle = handle;
   if (!handle_error.empty() && !in.caller_error)
-    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, handle_error);
+    in.caller_error = caller_error(handle_error, caller_error_kind);
   InUse ep_guard(&group_ep, "combine_v2_backward", "group_ep");
   InUse tp_guard(ep.group_tp ? &*ep.group_tp : nullptr, "combine_v2_backward", "group_tp");
   moe_ep::CombineBackwardOutputs r;
   {
     nb::gil_scoped_release release;
-    r = moe_ep::combine_v2_backward(in, cfg);
+    r = guarded("combine_v2_backward", [&] { return moe_ep::combine_v2_backward(in, cfg); });
   }
   return nb::make_tuple(
       to_python(std::move(r.grad_expand_x)), to_python(std::move(r.grad_expert_scales)),
@@ -629,8 +665,9 @@ nb::dict dispatch_workspace(int64_t bs, int64_t hidden, int64_t top_k, const std
                  zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size});
   // Any DType's name: dispatch_workspace names a wrong one itself ("dtype = int32 must be ...").
   const DType d = parse_dtype(dtype, "dispatch_workspace", "dtype", /*any_dtype=*/true);
-  const moe_ep::DispatchWorkspace w =
-      moe_ep::dispatch_workspace(cfg, bs, hidden, top_k, d, quant_mode, comm_quant_mode);
+  const moe_ep::DispatchWorkspace w = guarded("dispatch_workspace", [&] {
+    return moe_ep::dispatch_workspace(cfg, bs, hidden, top_k, d, quant_mode, comm_quant_mode);
+  });
   nb::dict out;
   out["recv_rows"] = w.recv_rows;
   out["expand_x_bytes"] = w.expand_x_bytes;
@@ -731,12 +768,15 @@ NB_MODULE(_C, m) {
         "global_bs"_a = 0, "expert_token_nums_type"_a = 1, "comm_alg"_a = "",
         "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
         "transport"_a = "", "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
+        "caller_error_kind"_a = "InvalidArgument",
         "SPEC §1. Returns (expand_x, dynamic_scales or None, assist_info_for_combine, "
         "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales, handle); exact_size: "
         "EpConfig::exact_size (outputs sized to the rows received, not SPEC §1.4's A); handle: "
         "a DispatchHandle of an earlier call with the same routing (a cached dispatch, SPEC §7); "
-        "handle_error: the caller's message about a handle it could not resolve, reported as this "
-        "rank's InvalidArgument inside the collective (the peers raise RemoteError)");
+        "handle_error: the caller's message about an argument it could not use (a handle it could "
+        "not resolve, a malformed argument the Python front found), reported as this rank's error "
+        "of kind caller_error_kind (an ErrorKind name, default 'InvalidArgument') inside the "
+        "collective (the peers raise RemoteError); the tensors may then be placeholders");
   m.def("combine_v2", &combine_v2, "expand_x"_a, "expert_ids"_a, "assist_info_for_combine"_a.none(),
         "ep_send_counts"_a.none(), "expert_scales"_a, "group_ep"_a, "ep_world_size"_a,
         "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(), "tp_send_counts"_a = nb::none(),
@@ -749,6 +789,7 @@ NB_MODULE(_C, m) {
         "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
         "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "transport"_a = "",
         "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
+        "caller_error_kind"_a = "InvalidArgument",
         "SPEC §2. Returns x (BS, H). handle: dispatch_v2's DispatchHandle (SPEC §7); then "
         "assist_info_for_combine and ep_send_counts are not read and may be None");
   // The backward ops take the EP arguments by keyword, as the forward ones do.
@@ -761,13 +802,13 @@ NB_MODULE(_C, m) {
          int64_t shared_expert_rank_num, int64_t global_bs, const std::string& comm_alg,
          int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
          const std::string& transport, bool exact_size, const moe_ep::DispatchHandle* handle,
-         const std::string& handle_error) {
+         const std::string& handle_error, const std::string& caller_error_kind) {
         return dispatch_v2_backward(
             grad_expand_x, expert_ids, group_ep,
             {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
              expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
              zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size},
-            x_active_mask, handle, handle_error);
+            x_active_mask, handle, handle_error, caller_error_kind);
       },
       "grad_expand_x"_a, "expert_ids"_a, "group_ep"_a, "ep_world_size"_a, "ep_rank_id"_a,
       "moe_expert_num"_a, nb::kw_only(), "x_active_mask"_a = nb::none(), "group_tp"_a = nb::none(),
@@ -775,6 +816,7 @@ NB_MODULE(_C, m) {
       "shared_expert_num"_a = 1, "shared_expert_rank_num"_a = 0, "global_bs"_a = 0,
       "comm_alg"_a = "", "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
       "transport"_a = "", "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
+      "caller_error_kind"_a = "InvalidArgument",
       "SPEC §6 (backward.h). Returns grad_x (BS, H). handle: the forward dispatch_v2's "
       "DispatchHandle (required)");
   m.def(
@@ -788,14 +830,15 @@ NB_MODULE(_C, m) {
          int64_t expert_shard_type, int64_t shared_expert_num, int64_t shared_expert_rank_num,
          int64_t global_bs, const std::string& comm_alg, int64_t zero_expert_num,
          int64_t copy_expert_num, int64_t const_expert_num, const std::string& transport,
-         bool exact_size, const moe_ep::DispatchHandle* handle, const std::string& handle_error) {
+         bool exact_size, const moe_ep::DispatchHandle* handle, const std::string& handle_error,
+         const std::string& caller_error_kind) {
         return combine_v2_backward(
             grad_out, expand_x, expert_ids, expert_scales, group_ep,
             {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
              expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
              zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size},
             x_active_mask, shared_expert_x, ori_x, const_expert_alpha_1, const_expert_alpha_2,
-            const_expert_v, handle, handle_error);
+            const_expert_v, handle, handle_error, caller_error_kind);
       },
       "grad_out"_a, "expand_x"_a, "expert_ids"_a, "expert_scales"_a, "group_ep"_a,
       "ep_world_size"_a, "ep_rank_id"_a, "moe_expert_num"_a, nb::kw_only(),
@@ -805,7 +848,7 @@ NB_MODULE(_C, m) {
       "tp_rank_id"_a = 0, "expert_shard_type"_a = 0, "shared_expert_num"_a = 1,
       "shared_expert_rank_num"_a = 0, "global_bs"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
       "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "transport"_a = "", "exact_size"_a = false,
-      "handle"_a = nb::none(), "handle_error"_a = "",
+      "handle"_a = nb::none(), "handle_error"_a = "", "caller_error_kind"_a = "InvalidArgument",
       "SPEC §6 (backward.h). Returns (grad_expand_x, grad_expert_scales, grad_shared_expert_x, "
       "grad_ori_x, grad_const_expert_alpha_1, grad_const_expert_alpha_2, grad_const_expert_v); "
       "None where the forward had no such input. handle: required");

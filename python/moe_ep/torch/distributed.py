@@ -13,7 +13,9 @@ themselves require); later uses of the same communicator reuse the duplicate.
 ``release_group(comm)`` frees it.
 
 Both ops are collective over group_ep: every rank calls them in the same order. A bad argument on
-one rank raises moe_ep.InvalidArgumentError there and moe_ep.RemoteError on the others; every wait
+one rank raises moe_ep.InvalidArgumentError there and moe_ep.RemoteError on the others, whatever
+its kind (a malformed type or size the Python front finds goes into the collective call as that
+rank's caller_error, so no rank waits for its deadline); every wait
 has a deadline (moe_ep.TimeoutError; $MOE_EP_TIMEOUT_S, default 300 s). After a TimeoutError the
 communicator is unusable (messages of the abandoned call may still arrive): release_group(comm)
 on every rank, or use another communicator. After a TimeoutError, RemoteError or SystemError the
@@ -38,6 +40,7 @@ mpi4py, so make the first call on a communicator (or group_id(comm)) outside the
 from __future__ import annotations
 
 import atexit
+import functools
 import inspect
 import itertools
 import weakref
@@ -46,7 +49,8 @@ from typing import Dict, NamedTuple, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from moe_ep import InvalidArgumentError, UnsupportedError, _C
+from moe_ep import Error, InvalidArgumentError, UnsupportedError, _C
+from moe_ep.torch import _args
 from moe_ep.torch._convert import dl, dtype_name, tt
 from moe_ep.torch.ops import _ndim
 
@@ -235,6 +239,117 @@ def _binding_args(op: str, args: Dict[str, object]) -> Dict[str, object]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Argument checks of the collective ops. A malformed argument (None or a list for a tensor, a
+# float or a bool for an int, an unknown keyword, outputs beyond the size bound) is found before
+# the op and still goes into the collective call, as this rank's caller_error (the binding's
+# handle_error and caller_error_kind, with placeholder tensors): this rank raises it, every peer
+# raises RemoteError naming this rank and the cause at once, instead of waiting for a rank that
+# never came until its deadline.
+
+_KINDS = {
+    "Tensor": _args.tensor,
+    "Optional[Tensor]": lambda op, name, v: _args.tensor(op, name, v, optional=True),
+    "int": _args.integer,
+    "Optional[int]": lambda op, name, v: _args.integer(op, name, v, optional=True),
+    "bool": _args.boolean,
+    "str": _args.string,
+}
+_GROUPS = ("group_ep", "group_tp")  # resolved by the wrappers (communicators or group ids)
+
+
+@functools.lru_cache(maxsize=None)
+def _annotations(impl) -> Dict[str, str]:
+    return {n: str(p.annotation) for n, p in inspect.signature(impl).parameters.items()}
+
+
+def _arg_error(op: str, impl, values: Dict[str, object]) -> Optional[Error]:
+    """The first malformed argument of values (by impl's annotations) as an error naming op,
+    parameter, value and expected type; None when every one is well-formed."""
+    params = _annotations(impl)
+    try:
+        for name, value in values.items():
+            if name in _GROUPS:
+                continue
+            if name not in params:
+                raise InvalidArgumentError(
+                    f"{op}: {name} is not a keyword argument of {op} (SPEC's names: "
+                    f"{', '.join(p for p in params if p not in _GROUPS)})"
+                )
+            _KINDS[params[name]](op, name, value)
+        for name, value in values.items():
+            _args.in_bytes(op, name, value)
+        made = 0
+        if op == "dispatch_v2":
+            made = _dispatch_out_bytes(values)
+        elif op == "combine_v2":
+            made = _combine_out_bytes(values)
+        _args.working_set(op, {k: v for k, v in values.items() if isinstance(v, Tensor)}, made)
+    except Error as e:
+        return e
+    return None
+
+
+def _combine_out_bytes(v: Dict[str, object]) -> int:
+    """combine_v2's x (BS, H) within the bound; its bytes."""
+    y, ids = v["expand_x"], v["expert_ids"]
+    if y.dim() != 2 or ids.dim() < 1:
+        return 0
+    return _args.out_bytes("combine_v2", "x (BS, H)", (ids.shape[0], y.shape[1]), y.dtype)
+
+
+def _dispatch_out_bytes(v: Dict[str, object]) -> int:
+    """expand_x's (max(1,T)*A, H) and assist_info_for_combine's max(BS*K, A*128) entries within
+    the bound (SPEC §1.4), before the op allocates them; a placement the C++ checks refuse is left
+    to them. Returns the outputs' bytes."""
+    x, ids = v["x"], v["expert_ids"]
+    if x.dim() != 2 or ids.dim() != 2:
+        return 0
+    try:
+        a, _, t = _dispatch_shapes(
+            ids.shape[0], ids.shape[1], v["ep_world_size"], v["ep_rank_id"], v["moe_expert_num"],
+            v.get("tp_world_size", 0),
+            v.get("shared_expert_num", 1) if v.get("shared_expert_rank_num", 0) > 0 else 0,
+            v.get("shared_expert_rank_num", 0), v.get("global_bs", 0))
+    except (InvalidArgumentError, ZeroDivisionError):
+        return 0
+    quant = v.get("quant_mode", 0) == 2
+    made = _args.out_bytes("dispatch_v2", "expand_x (max(1, tp_world_size) * A, H)",
+                           (t * a, x.shape[1]), torch.int8 if quant else x.dtype)
+    made += _args.out_bytes("dispatch_v2", "assist_info_for_combine (max(BS * K, A * 128),)",
+                            (max(ids.shape[0] * ids.shape[1], a * 128),), torch.int32)
+    return made + 4 * t * a  # expand_scales (fp32)
+
+
+def _raise_in_collective(op: str, err: Error, gid: int, group_tp: int, tp_world_size) -> None:
+    """Enters op's collective with err as this rank's caller_error and placeholder tensors; the
+    binding raises err here and RemoteError on the peers."""
+    comm = _group(op, "group_ep", gid)
+    size, rank = _size_rank[gid]
+    tp = _groups.get(group_tp) if isinstance(group_tp, int) and group_tp else None
+    tp_size = tp_world_size if isinstance(tp_world_size, int) and tp is not None else 0
+    f32, i32 = torch.empty((0, 1)), torch.empty((0, 1), dtype=torch.int32)
+    ep = dict(group_ep=comm, ep_world_size=size, ep_rank_id=rank, moe_expert_num=0, group_tp=tp,
+              tp_world_size=tp_size, tp_rank_id=tp.rank if tp is not None else 0,
+              handle_error=str(err), caller_error_kind=err.kind)
+    if op == "dispatch_v2":
+        _C.dispatch_v2(f32, i32, **ep)
+    elif op == "combine_v2":
+        _C.combine_v2(f32, i32, None, None, f32, **ep)
+    elif op == "dispatch_v2_backward":
+        _C.dispatch_v2_backward(f32, i32, **ep)
+    else:
+        _C.combine_v2_backward(f32, f32, i32, f32, **ep)
+    raise err  # not reached: the binding raises err
+
+
+def _checked(op: str, impl, values: Dict[str, object], gid: int) -> None:
+    """Raises the first malformed argument of values, through op's collective (see above)."""
+    err = _arg_error(op, impl, values)
+    if err is not None:
+        _raise_in_collective(op, err, gid, values.get("group_tp", 0), values.get("tp_world_size"))
+
+
+# ---------------------------------------------------------------------------------------------
 # Output shapes (SPEC §1.4), for the fake implementations.
 
 
@@ -333,6 +448,7 @@ def _dispatch_v2_impl(
     exact_size: bool = False,
     handle: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _checked("dispatch_v2", _dispatch_v2_impl, dict(locals()), group_ep)
     args = _binding_args("dispatch_v2", locals())
     args["handle"], args["handle_error"] = _handle_of("dispatch_v2", handle)
     expand_x, dynamic_scales, *rest, plan = _C.dispatch_v2(**args)
@@ -437,6 +553,7 @@ def _combine_v2_impl(
     exact_size: bool = False,
     handle: Optional[Tensor] = None,
 ) -> Tensor:
+    _checked("combine_v2", _combine_v2_impl, dict(locals()), group_ep)
     args = _binding_args("combine_v2", locals())
     args["handle"], args["handle_error"] = _handle_of("combine_v2", handle)
     return tt(_C.combine_v2(**args))
@@ -510,6 +627,7 @@ def _dispatch_v2_backward_impl(
     exact_size: bool = False,
     handle: Optional[Tensor] = None,
 ) -> Tensor:
+    _checked("dispatch_v2_backward", _dispatch_v2_backward_impl, dict(locals()), group_ep)
     args = _binding_args("dispatch_v2_backward", locals())
     args["handle"], args["handle_error"] = _handle_of("dispatch_v2_backward", handle)
     return tt(_C.dispatch_v2_backward(**args))
@@ -557,6 +675,7 @@ def _combine_v2_backward_impl(
     exact_size: bool = False,
     handle: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _checked("combine_v2_backward", _combine_v2_backward_impl, dict(locals()), group_ep)
     args = _binding_args("combine_v2_backward", locals())
     args["handle"], args["handle_error"] = _handle_of("combine_v2_backward", handle)
     outs = _C.combine_v2_backward(**args)
@@ -743,16 +862,21 @@ def dispatch_v2(
     RemoteError when another rank's were bad, TimeoutError past the deadline (docs/errors.md).
     """
     gid, size, rank = _resolve(group_ep)
+    ep_world_size = size if ep_world_size is None else ep_world_size
+    ep_rank_id = rank if ep_rank_id is None else ep_rank_id
+    tp = _front_checks("dispatch_v2", _dispatch_v2_impl, gid, group_tp, dict(
+        x=x, expert_ids=expert_ids, ep_world_size=ep_world_size, ep_rank_id=ep_rank_id,
+        moe_expert_num=moe_expert_num, **kwargs))
     with_perf = kwargs.get("performance_info") is not None
     op = torch.ops.moe_ep.dispatch_v2 if with_perf else torch.ops.moe_ep._dispatch_v2_functional
     outs = op(
         x,
         expert_ids,
         gid,
-        size if ep_world_size is None else ep_world_size,
-        rank if ep_rank_id is None else ep_rank_id,
+        ep_world_size,
+        ep_rank_id,
         moe_expert_num,
-        group_tp=_resolve(group_tp)[0] if group_tp is not None else 0,
+        group_tp=tp,
         **kwargs,
     )
     result = DispatchResult(*outs[:7])
@@ -792,6 +916,12 @@ def combine_v2(
     (without performance_info).
     """
     gid, size, rank = _resolve(group_ep)
+    ep_world_size = size if ep_world_size is None else ep_world_size
+    ep_rank_id = rank if ep_rank_id is None else ep_rank_id
+    tp = _front_checks("combine_v2", _combine_v2_impl, gid, group_tp, dict(
+        expand_x=expand_x, expert_ids=expert_ids, assist_info_for_combine=assist_info_for_combine,
+        ep_send_counts=ep_send_counts, expert_scales=expert_scales, ep_world_size=ep_world_size,
+        ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, **kwargs))
     with_perf = kwargs.get("performance_info") is not None
     op = torch.ops.moe_ep.combine_v2 if with_perf else torch.ops.moe_ep._combine_v2_functional
     return op(
@@ -801,12 +931,35 @@ def combine_v2(
         ep_send_counts,
         expert_scales,
         gid,
-        size if ep_world_size is None else ep_world_size,
-        rank if ep_rank_id is None else ep_rank_id,
+        ep_world_size,
+        ep_rank_id,
         moe_expert_num,
-        group_tp=_resolve(group_tp)[0] if group_tp is not None else 0,
+        group_tp=tp,
         **kwargs,
     )
+
+
+def _front_checks(op: str, impl, gid: int, group_tp, values: Dict[str, object]) -> int:
+    """The wrappers' checks, before the torch dispatcher (which raises its own RuntimeError for a
+    list or a float and takes True as 1): a malformed argument, group_tp included, is raised
+    through op's collective. Returns group_tp's id (0: none). Not under torch.compile, which
+    traces the wrappers once their communicators are registered (its fake implementations check
+    the shapes)."""
+    if torch.compiler.is_compiling():
+        return _resolve(group_tp)[0] if group_tp is not None else 0
+    tp, err = 0, None
+    if group_tp is not None:
+        try:
+            tp = _resolve(group_tp)[0]
+        except Error as e:  # torch_npu's names carry their own message (front_error)
+            err = e if getattr(group_tp, "front_error", None) is e else type(e)(
+                f"{op}: group_tp = {_args.show(group_tp)}: {e}")
+    values["group_tp"] = tp
+    if err is None:
+        err = _arg_error(op, impl, values)
+    if err is not None:
+        _raise_in_collective(op, err, gid, tp, values.get("tp_world_size"))
+    return tp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,6 +985,17 @@ class DispatchWorkspace(NamedTuple):
     shm_slot_bytes: int
     shm_stage_bytes: int
     combine_output_bytes: int  # combine_v2's x: BS * H * x's element size
+
+
+# dispatch_workspace's keyword arguments and their types.
+_WORKSPACE_KWARGS = {
+    **{k: "int" for k in ("tp_world_size", "tp_rank_id", "expert_shard_type", "shared_expert_num",
+                          "shared_expert_rank_num", "quant_mode", "global_bs", "comm_quant_mode",
+                          "zero_expert_num", "copy_expert_num", "const_expert_num")},
+    "comm_alg": "str",
+    "transport": "str",
+    "exact_size": "bool",
+}
 
 
 def dispatch_workspace(
@@ -878,10 +1042,25 @@ def dispatch_workspace(
     checks, e.g. ep_rank_id not group_ep's rank) and for bs, hidden, top_k, dtype (int8, int32,
     int64, bool), quant_mode, comm_quant_mode out of range, with the C++ message
     ("dispatch_workspace: hidden = 0 must be in [1, 2147483647] (x.shape[1])", docs/errors.md);
-    UnsupportedError for a dtype moe_ep cannot represent (torch.float64, ...); TypeError for an
-    unknown keyword argument.
+    UnsupportedError for a dtype moe_ep cannot represent (torch.float64, ...);
+    InvalidArgumentError for an unknown keyword argument or an argument of the wrong type (a bool
+    or a float for an int, ...).
     """
     op = "dispatch_workspace"
+    for pname, value in dict(bs=bs, hidden=hidden, top_k=top_k, ep_world_size=ep_world_size,
+                             ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num,
+                             **kwargs).items():
+        kind = _WORKSPACE_KWARGS.get(pname, "int")
+        if pname in ("ep_world_size", "ep_rank_id"):
+            _args.integer(op, pname, value, optional=True)
+        elif pname not in _WORKSPACE_KWARGS and pname not in ("bs", "hidden", "top_k",
+                                                               "moe_expert_num"):
+            raise InvalidArgumentError(
+                f"{op}: {pname} is not a keyword argument of {op} (its keywords: "
+                f"{', '.join(_WORKSPACE_KWARGS)})")
+        else:
+            _KINDS[kind](op, pname, value)
+    _args.dtype(op, "dtype", dtype)
     name = dtype_name(op, "dtype", dtype, any_dtype=True)
     known = set(_groups)
     gid, size, rank = _resolve(group_ep)

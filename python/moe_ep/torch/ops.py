@@ -23,16 +23,24 @@ Decisions of this front (beyond SPEC §4):
   gathers the slots' rows and returns the table flattened (int32) as sorted_indices; the other
   ops take that table (or the caller's own, int32/int64, 1-D or 2-D), probs with one weight per
   slot, and give grad_probs in probs' shape. Ascend's torch_npu kernel has no padded mode.
+- The public functions below are plain functions over the custom ops (torch.ops.moe_ep.*): they
+  check every argument's type first (moe_ep.InvalidArgumentError naming op, parameter, value and
+  expected type: None or a list for a tensor, a bool for an int, ...), which the torch dispatcher
+  does not. The real implementations repeat those checks and refuse, before allocating, an output,
+  an input (an expanded tensor) or their sum beyond this machine's physical memory (at most 2^62
+  bytes; _args.py).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from moe_ep import InvalidArgumentError, _C
+from moe_ep.torch import _args
 from moe_ep.torch._convert import dl, dtype_name, tt
 
 # ---------------------------------------------------------------------------------------------
@@ -124,14 +132,42 @@ def _restore_for_c(op: str, permuted_tokens: Tensor, sorted_indices: Tensor,
     return [rows, permuted_tokens.shape[1]]
 
 
+def _unpermute_out_bytes(op: str, permuted_tokens: Tensor, sorted_indices: Tensor,
+                         probs: Optional[Tensor], padded_mode: bool,
+                         restore_shape: Optional[List[int]]) -> int:
+    """unpermute's output (N, H) within the bound, N as the C++ op takes it; its bytes."""
+    if padded_mode and restore_shape is not None and len(restore_shape) == 2:
+        rows = restore_shape[0]
+    elif probs is not None:
+        rows = probs.shape[0] if probs.dim() else 0
+    else:
+        rows = sorted_indices.numel()
+    return _args.out_bytes(op, "out (N, H)", (rows, _h(permuted_tokens)), permuted_tokens.dtype)
+
+
+def _grad_probs_bytes(probs: Optional[Tensor]) -> int:
+    return 0 if probs is None else probs.numel() * probs.element_size()
+
+
 def _empty_grad_probs(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
-def _inputs(op: str, **tensors: Optional[Tensor]):
+def _inputs(op: str, made: int = 0, **tensors: Optional[Tensor]):
     """The tensors as moe_ep._C inputs (dl), in argument order; a dtype the binding cannot take
-    (fp64, ...) raises moe_ep.UnsupportedError naming op and parameter."""
+    (fp64, ...) raises moe_ep.UnsupportedError naming op and parameter; a tensor describing more
+    bytes than _args.out_bytes_bound() (an expanded one), or together with the bytes the op makes
+    (made: outputs and scratch) more than it, InvalidArgumentError."""
+    for name, t in tensors.items():
+        _args.in_bytes(op, name, t)
+    _args.working_set(op, tensors, made)
     return tuple(dl(t, op, name) for name, t in tensors.items())
+
+
+def _h(t: Optional[Tensor]) -> int:
+    """The hidden size an output takes from t: its last dim (0 for a rank below 2, which the C++
+    checks refuse)."""
+    return t.shape[-1] if t is not None and t.dim() >= 2 else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +175,7 @@ def _inputs(op: str, **tensors: Optional[Tensor]):
 
 
 @torch.library.custom_op("moe_ep::token_permute", mutates_args=())
-def token_permute(
+def _op_token_permute(
     tokens: Tensor,
     indices: Tensor,
     num_out_tokens: Optional[int] = None,
@@ -148,12 +184,18 @@ def token_permute(
     """SPEC §4.1. tokens (N, H); indices (N,) or (N, topK) int32/int64.
     Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32). padded_mode: indices
     is a table of token ids (one per slot); permuted_tokens has a row per slot."""
-    tokens, indices = _inputs("token_permute", tokens=tokens, indices=indices)
+    _check_permute(tokens, indices, num_out_tokens, padded_mode)
+    m = indices.numel()
+    rows = m if padded_mode or not num_out_tokens or num_out_tokens < 0 else min(num_out_tokens, m)
+    made = _args.out_bytes("token_permute", "permuted_tokens (rows, H)", (rows, _h(tokens)),
+                           tokens.dtype)
+    made += 12 * m  # sorted_indices (int32), and the sort's keys and order (int32 each)
+    tokens, indices = _inputs("token_permute", made, tokens=tokens, indices=indices)
     p, s = _C.token_permute(tokens, indices, num_out_tokens, padded_mode)
     return tt(p), tt(s)
 
 
-@token_permute.register_fake
+@_op_token_permute.register_fake
 def _(tokens, indices, num_out_tokens=None, padded_mode=False):
     _ndim("permute", "tokens", tokens, 2)
     _ndim("permute", "indices", indices, 1, 2)
@@ -178,7 +220,7 @@ def _permute_backward(ctx, grad_permuted, grad_sorted_indices):
     if grad_permuted is None or not ctx.needs_input_grad[0]:
         return None, None, None, None
     (sorted_indices,) = ctx.saved_tensors
-    grad_tokens = token_permute_grad_v2(
+    grad_tokens = _op_token_permute_grad_v2(
         grad_permuted,
         sorted_indices,
         ctx.tokens_rows,
@@ -189,11 +231,11 @@ def _permute_backward(ctx, grad_permuted, grad_sorted_indices):
     return grad_tokens, None, None, None
 
 
-token_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
+_op_token_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
 @torch.library.custom_op("moe_ep::token_permute_grad", mutates_args=())
-def token_permute_grad(
+def _op_token_permute_grad(
     tokens: Tensor,
     grad_permuted_tokens: Tensor,
     indices: Tensor,
@@ -202,8 +244,13 @@ def token_permute_grad(
 ) -> Tensor:
     """SPEC §4.3. Returns grad_tokens (N, H) in tokens' dtype (only tokens' shape and dtype are
     used)."""
+    _check_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode)
+    made = _args.out_bytes("token_permute_grad", "grad_tokens (N, H)",
+                           (tokens.shape[0] if tokens.dim() else 0, _h(grad_permuted_tokens)),
+                           tokens.dtype)
     args = _inputs(
         "token_permute_grad",
+        made,
         tokens=tokens,
         grad_permuted_tokens=grad_permuted_tokens,
         indices=indices,
@@ -212,7 +259,7 @@ def token_permute_grad(
     return tt(_C.token_permute_grad(*args, padded_mode))
 
 
-@token_permute_grad.register_fake
+@_op_token_permute_grad.register_fake
 def _(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode=False):
     _ndim("permute_grad", "tokens", tokens, 2)
     _ndim("permute_grad", "grad_permuted_tokens", grad_permuted_tokens, 2)
@@ -220,7 +267,7 @@ def _(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode=False):
 
 
 @torch.library.custom_op("moe_ep::token_permute_grad_v2", mutates_args=())
-def token_permute_grad_v2(
+def _op_token_permute_grad_v2(
     grad_permuted_tokens: Tensor,
     sorted_indices: Tensor,
     tokens_rows: int,
@@ -230,16 +277,21 @@ def token_permute_grad_v2(
 ) -> Tensor:
     """SPEC §4.3 with sizes instead of tensors. Returns grad_tokens (tokens_rows, H) in
     tokens_dtype."""
+    _check_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype,
+                           num_topk, padded_mode)
     name = dtype_name("token_permute_grad_v2", "tokens_dtype", tokens_dtype)
+    made = _args.out_bytes("token_permute_grad_v2", "grad_tokens (tokens_rows, H)",
+                           (tokens_rows, _h(grad_permuted_tokens)), tokens_dtype)
     grad, si = _inputs(
         "token_permute_grad_v2",
+        made,
         grad_permuted_tokens=grad_permuted_tokens,
         sorted_indices=sorted_indices,
     )
     return tt(_C.token_permute_grad_v2(grad, si, tokens_rows, name, num_topk, padded_mode))
 
 
-@token_permute_grad_v2.register_fake
+@_op_token_permute_grad_v2.register_fake
 def _(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype, num_topk, padded_mode=False):
     _ndim("permute_grad_v2", "grad_permuted_tokens", grad_permuted_tokens, 2)
     return grad_permuted_tokens.new_empty(
@@ -252,7 +304,7 @@ def _(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype, num_topk,
 
 
 @torch.library.custom_op("moe_ep::token_unpermute", mutates_args=())
-def token_unpermute(
+def _op_token_unpermute(
     permuted_tokens: Tensor,
     sorted_indices: Tensor,
     probs: Optional[Tensor] = None,
@@ -262,8 +314,13 @@ def token_unpermute(
     """SPEC §4.2. permuted_tokens (P, H); sorted_indices (M,) int32; probs (N, topK) or None.
     Returns out (N, H) (N = M without probs; restore_shape[0] in padded mode) in
     permuted_tokens' dtype."""
+    _check_unpermute("token_unpermute", permuted_tokens, sorted_indices, probs, padded_mode,
+                     restore_shape)
+    made = _unpermute_out_bytes("token_unpermute", permuted_tokens, sorted_indices, probs,
+                                padded_mode, restore_shape)
     args = _inputs(
         "token_unpermute",
+        made,
         permuted_tokens=permuted_tokens,
         sorted_indices=sorted_indices,
         probs=probs,
@@ -273,7 +330,7 @@ def token_unpermute(
     return tt(_C.token_unpermute(*args, padded_mode, restore))
 
 
-@token_unpermute.register_fake
+@_op_token_unpermute.register_fake
 def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
     _unpermute_ndims("unpermute", permuted_tokens, sorted_indices, probs, padded_mode)
     rows = _unpermute_rows("token_unpermute", sorted_indices, probs, padded_mode, restore_shape)
@@ -281,7 +338,7 @@ def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_sh
 
 
 @torch.library.custom_op("moe_ep::_token_unpermute", mutates_args=())
-def _token_unpermute(
+def _op__token_unpermute(
     permuted_tokens: Tensor,
     sorted_indices: Tensor,
     probs: Optional[Tensor] = None,
@@ -290,8 +347,13 @@ def _token_unpermute(
 ) -> Tuple[Tensor, Tensor]:
     """torch_npu's _npu_moe_token_unpermute: token_unpermute plus a copy of permuted_tokens kept
     for the backward. Returns (out (N, H), permuted_tokens_for_backward (P, H))."""
+    _check_unpermute("_token_unpermute", permuted_tokens, sorted_indices, probs, padded_mode,
+                     restore_shape)
+    made = _unpermute_out_bytes("_token_unpermute", permuted_tokens, sorted_indices, probs,
+                                padded_mode, restore_shape)
     args = _inputs(
         "_token_unpermute",
+        made + permuted_tokens.numel() * permuted_tokens.element_size(),  # and the saved copy
         permuted_tokens=permuted_tokens,
         sorted_indices=sorted_indices,
         probs=probs,
@@ -302,7 +364,7 @@ def _token_unpermute(
     return tt(out), tt(saved)
 
 
-@_token_unpermute.register_fake
+@_op__token_unpermute.register_fake
 def _(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
     _unpermute_ndims("unpermute_with_saved", permuted_tokens, sorted_indices, probs, padded_mode)
     rows = _unpermute_rows("_token_unpermute", sorted_indices, probs, padded_mode, restore_shape)
@@ -348,7 +410,7 @@ def _unpermute_backward(ctx, grad_out, grad_saved=None):
         else:
             (sorted_indices,) = ctx.saved_tensors
             probs = permuted = None
-        grad_permuted, grad_probs = token_unpermute_grad_v2(
+        grad_permuted, grad_probs = _op_token_unpermute_grad_v2(
             grad_out,
             sorted_indices,
             ctx.permuted_rows,
@@ -371,12 +433,14 @@ def _unpermute_backward(ctx, grad_out, grad_saved=None):
     )
 
 
-token_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
-_token_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_with_saved_setup)
+_op_token_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+_op__token_unpermute.register_autograd(
+    _unpermute_backward, setup_context=_unpermute_with_saved_setup
+)
 
 
 @torch.library.custom_op("moe_ep::token_unpermute_grad", mutates_args=())
-def token_unpermute_grad(
+def _op_token_unpermute_grad(
     permuted_tokens: Tensor,
     grad_out: Tensor,
     sorted_indices: Tensor,
@@ -386,9 +450,15 @@ def token_unpermute_grad(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.3. Returns (grad_permuted_tokens (P, H), grad_probs (N, topK) in probs' dtype, or
     an empty (0,) tensor without probs)."""
+    _check_unpermute_grad(permuted_tokens, grad_out, sorted_indices, probs, padded_mode,
+                          restore_shape)
     _check_restore_shape("token_unpermute_grad", restore_shape, grad_out.shape[0])
+    made = _args.out_bytes("token_unpermute_grad", "grad_permuted_tokens (P, H)",
+                           (permuted_tokens.shape[0] if permuted_tokens.dim() else 0,
+                            _h(grad_out)), grad_out.dtype)
     args = _inputs(
         "token_unpermute_grad",
+        made + _grad_probs_bytes(probs),
         permuted_tokens=permuted_tokens,
         grad_out=grad_out,
         sorted_indices=sorted_indices,
@@ -398,7 +468,7 @@ def token_unpermute_grad(
     return tt(gp), tt(gprobs) if gprobs is not None else _empty_grad_probs(grad_out)
 
 
-@token_unpermute_grad.register_fake
+@_op_token_unpermute_grad.register_fake
 def _(permuted_tokens, grad_out, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
     _unpermute_ndims("unpermute_grad", permuted_tokens, sorted_indices, probs, padded_mode)
     _ndim("unpermute_grad", "grad_out", grad_out, 2)
@@ -407,7 +477,7 @@ def _(permuted_tokens, grad_out, sorted_indices, probs=None, padded_mode=False, 
 
 
 @torch.library.custom_op("moe_ep::token_unpermute_grad_v2", mutates_args=())
-def token_unpermute_grad_v2(
+def _op_token_unpermute_grad_v2(
     grad_out: Tensor,
     sorted_indices: Tensor,
     permuted_rows: int,
@@ -419,10 +489,16 @@ def token_unpermute_grad_v2(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.3 with sizes instead of tensors; permuted_tokens is required only with probs.
     Returns as token_unpermute_grad."""
+    _check_unpermute_grad_v2(grad_out, sorted_indices, permuted_rows, permuted_dtype, probs,
+                             padded_mode, restore_shape, permuted_tokens)
     _check_restore_shape("token_unpermute_grad_v2", restore_shape, grad_out.shape[0])
     name = dtype_name("token_unpermute_grad_v2", "permuted_dtype", permuted_dtype)
+    made = _args.out_bytes("token_unpermute_grad_v2",
+                           "grad_permuted_tokens (permuted_rows, H)",
+                           (permuted_rows, _h(grad_out)), permuted_dtype)
     g, si, pr, x = _inputs(
         "token_unpermute_grad_v2",
+        made + _grad_probs_bytes(probs),
         grad_out=grad_out,
         sorted_indices=sorted_indices,
         probs=probs,
@@ -432,7 +508,7 @@ def token_unpermute_grad_v2(
     return tt(gp), tt(gprobs) if gprobs is not None else _empty_grad_probs(grad_out)
 
 
-@token_unpermute_grad_v2.register_fake
+@_op_token_unpermute_grad_v2.register_fake
 def _(
     grad_out,
     sorted_indices,
@@ -447,3 +523,172 @@ def _(
     _ndim("unpermute_grad_v2", "grad_out", grad_out, 2)
     gp = grad_out.new_empty((permuted_rows, grad_out.shape[1]), dtype=permuted_dtype)
     return gp, probs.new_empty(probs.shape) if probs is not None else _empty_grad_probs(grad_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The public functions: each checks its arguments' types (_args: a moe_ep.InvalidArgumentError
+# naming the op, the parameter, the value and the expected type, where the torch dispatcher would
+# pass None on, take True as 1 or raise its own RuntimeError), then calls the custom op. The
+# checks are plain isinstance tests, so torch.compile traces them; the real implementations
+# repeat them (torch.ops.moe_ep.* called directly) and refuse outputs beyond the size bound.
+
+_T, _OPT_T = _args.tensor, functools.partial(_args.tensor, optional=True)
+_INT, _OPT_INT = _args.integer, functools.partial(_args.integer, optional=True)
+_BOOL, _DTYPE = _args.boolean, _args.dtype
+_OPT_SHAPE = functools.partial(_args.int_list, optional=True)
+
+
+def _check(op: str, *checks) -> None:
+    for name, value, kind in checks:
+        kind(op, name, value)
+
+
+def _check_permute(tokens, indices, num_out_tokens, padded_mode) -> None:
+    _check("token_permute", ("tokens", tokens, _T), ("indices", indices, _T),
+           ("num_out_tokens", num_out_tokens, _OPT_INT), ("padded_mode", padded_mode, _BOOL))
+
+
+def _check_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode):
+    _check("token_permute_grad", ("tokens", tokens, _T),
+           ("grad_permuted_tokens", grad_permuted_tokens, _T), ("indices", indices, _T),
+           ("sorted_indices", sorted_indices, _T), ("padded_mode", padded_mode, _BOOL))
+
+
+def _check_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype,
+                           num_topk, padded_mode) -> None:
+    _check("token_permute_grad_v2", ("grad_permuted_tokens", grad_permuted_tokens, _T),
+           ("sorted_indices", sorted_indices, _T), ("tokens_rows", tokens_rows, _INT),
+           ("tokens_dtype", tokens_dtype, _DTYPE), ("num_topk", num_topk, _INT),
+           ("padded_mode", padded_mode, _BOOL))
+
+
+def _check_unpermute(op, permuted_tokens, sorted_indices, probs, padded_mode, restore_shape):
+    _check(op, ("permuted_tokens", permuted_tokens, _T), ("sorted_indices", sorted_indices, _T),
+           ("probs", probs, _OPT_T), ("padded_mode", padded_mode, _BOOL),
+           ("restore_shape", restore_shape, _OPT_SHAPE))
+
+
+def _check_unpermute_grad(permuted_tokens, grad_out, sorted_indices, probs, padded_mode,
+                          restore_shape) -> None:
+    _check("token_unpermute_grad", ("permuted_tokens", permuted_tokens, _T),
+           ("grad_out", grad_out, _T), ("sorted_indices", sorted_indices, _T),
+           ("probs", probs, _OPT_T), ("padded_mode", padded_mode, _BOOL),
+           ("restore_shape", restore_shape, _OPT_SHAPE))
+
+
+def _check_unpermute_grad_v2(grad_out, sorted_indices, permuted_rows, permuted_dtype, probs,
+                             padded_mode, restore_shape, permuted_tokens) -> None:
+    _check("token_unpermute_grad_v2", ("grad_out", grad_out, _T),
+           ("sorted_indices", sorted_indices, _T), ("permuted_rows", permuted_rows, _INT),
+           ("permuted_dtype", permuted_dtype, _DTYPE), ("probs", probs, _OPT_T),
+           ("padded_mode", padded_mode, _BOOL), ("restore_shape", restore_shape, _OPT_SHAPE),
+           ("permuted_tokens", permuted_tokens, _OPT_T))
+
+
+def token_permute(
+    tokens: Tensor,
+    indices: Tensor,
+    num_out_tokens: Optional[int] = None,
+    padded_mode: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """SPEC §4.1 (torch.ops.moe_ep.token_permute). tokens (N, H); indices (N,) or (N, topK)
+    int32/int64. Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32).
+    padded_mode: indices is a table of token ids (one per slot); permuted_tokens has a row per
+    slot. Differentiable in tokens."""
+    _check_permute(tokens, indices, num_out_tokens, padded_mode)
+    return _op_token_permute(tokens, indices, num_out_tokens, padded_mode)
+
+
+def token_permute_grad(
+    tokens: Tensor,
+    grad_permuted_tokens: Tensor,
+    indices: Tensor,
+    sorted_indices: Tensor,
+    padded_mode: bool = False,
+) -> Tensor:
+    """SPEC §4.3 (torch.ops.moe_ep.token_permute_grad). Returns grad_tokens (N, H) in tokens'
+    dtype (only tokens' shape and dtype are used)."""
+    _check_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices, padded_mode)
+    return _op_token_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices,
+                                  padded_mode)
+
+
+def token_permute_grad_v2(
+    grad_permuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    tokens_rows: int,
+    tokens_dtype: torch.dtype,
+    num_topk: int,
+    padded_mode: bool = False,
+) -> Tensor:
+    """SPEC §4.3 with sizes instead of tensors (torch.ops.moe_ep.token_permute_grad_v2).
+    Returns grad_tokens (tokens_rows, H) in tokens_dtype."""
+    _check_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_rows, tokens_dtype,
+                           num_topk, padded_mode)
+    return _op_token_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_rows,
+                                     tokens_dtype, num_topk, padded_mode)
+
+
+def token_unpermute(
+    permuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    probs: Optional[Tensor] = None,
+    padded_mode: bool = False,
+    restore_shape: Optional[List[int]] = None,
+) -> Tensor:
+    """SPEC §4.2 (torch.ops.moe_ep.token_unpermute). permuted_tokens (P, H); sorted_indices (M,)
+    int32; probs (N, topK) or None. Returns out (N, H) (N = M without probs; restore_shape[0] in
+    padded mode) in permuted_tokens' dtype. Differentiable in permuted_tokens and probs."""
+    _check_unpermute("token_unpermute", permuted_tokens, sorted_indices, probs, padded_mode,
+                     restore_shape)
+    return _op_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode, restore_shape)
+
+
+def _token_unpermute(
+    permuted_tokens: Tensor,
+    sorted_indices: Tensor,
+    probs: Optional[Tensor] = None,
+    padded_mode: bool = False,
+    restore_shape: Optional[List[int]] = None,
+) -> Tuple[Tensor, Tensor]:
+    """torch_npu's _npu_moe_token_unpermute (torch.ops.moe_ep._token_unpermute): token_unpermute
+    plus a copy of permuted_tokens kept for the backward. Returns (out (N, H),
+    permuted_tokens_for_backward (P, H))."""
+    _check_unpermute("_token_unpermute", permuted_tokens, sorted_indices, probs, padded_mode,
+                     restore_shape)
+    return _op__token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode,
+                                restore_shape)
+
+
+def token_unpermute_grad(
+    permuted_tokens: Tensor,
+    grad_out: Tensor,
+    sorted_indices: Tensor,
+    probs: Optional[Tensor] = None,
+    padded_mode: bool = False,
+    restore_shape: Optional[List[int]] = None,
+) -> Tuple[Tensor, Tensor]:
+    """SPEC §4.3 (torch.ops.moe_ep.token_unpermute_grad). Returns (grad_permuted_tokens (P, H),
+    grad_probs (N, topK) in probs' dtype, or an empty (0,) tensor without probs)."""
+    _check_unpermute_grad(permuted_tokens, grad_out, sorted_indices, probs, padded_mode,
+                          restore_shape)
+    return _op_token_unpermute_grad(permuted_tokens, grad_out, sorted_indices, probs, padded_mode,
+                                    restore_shape)
+
+
+def token_unpermute_grad_v2(
+    grad_out: Tensor,
+    sorted_indices: Tensor,
+    permuted_rows: int,
+    permuted_dtype: torch.dtype,
+    probs: Optional[Tensor] = None,
+    padded_mode: bool = False,
+    restore_shape: Optional[List[int]] = None,
+    permuted_tokens: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """SPEC §4.3 with sizes instead of tensors (torch.ops.moe_ep.token_unpermute_grad_v2);
+    permuted_tokens is required only with probs. Returns as token_unpermute_grad."""
+    _check_unpermute_grad_v2(grad_out, sorted_indices, permuted_rows, permuted_dtype, probs,
+                             padded_mode, restore_shape, permuted_tokens)
+    return _op_token_unpermute_grad_v2(grad_out, sorted_indices, permuted_rows, permuted_dtype,
+                                       probs, padded_mode, restore_shape, permuted_tokens)

@@ -1,6 +1,11 @@
 #include "kernels/cpu/permute.h"
 
+#include <omp.h>
+
 #include <cstring>
+#include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "base/numeric.h"
@@ -27,6 +32,32 @@ void permute_rows(int32_t* si, char* out, const TensorView& tokens, const int32_
 
 namespace {
 
+// Per-thread scratch of a parallel region: `per_thread` elements for each of `team` threads, made
+// before the region. An exception cannot leave an OpenMP region (it ends the process with
+// std::terminate), so a buffer sized by the caller's input (topK) is allocated here, where
+// std::bad_alloc and std::length_error reach the caller; the binding names the op.
+template <class T>
+class Scratch {
+ public:
+  // groups * per_thread elements for each thread.
+  Scratch(int team, int64_t per_thread, int groups = 1)
+      : per_(elements(1, per_thread, groups)), data_(elements(team, per_thread, groups)) {}
+  // This thread's part; one thread of the region per part (team <= the region's num_threads).
+  T* mine() { return data_.data() + per_ * static_cast<std::size_t>(omp_get_thread_num()); }
+
+ private:
+  static std::size_t elements(int team, int64_t per_thread, int groups) {
+    const auto t = static_cast<std::size_t>(team < 1 ? 1 : team) * static_cast<std::size_t>(groups);
+    const auto p = static_cast<std::size_t>(per_thread < 0 ? 0 : per_thread);
+    if (p != 0 && t > std::numeric_limits<std::size_t>::max() / sizeof(T) / p)
+      throw std::length_error("per-thread scratch of " + std::to_string(t) + " x " +
+                              std::to_string(p) + " elements overflows size_t");
+    return t * p;
+  }
+  std::size_t per_;
+  std::vector<T> data_;
+};
+
 // out[i] = sum over k (in k order) of w(i, k) * src[S[i*topk+k]] for the entries with
 // S < src.shape[0], for i in [0, n); unweighted when probs is null. sum_rows reads the present rows
 // once, with the fp32 accumulators in registers: the first present term starts the sum, each
@@ -38,12 +69,16 @@ void reduce_rows(char* out, DType out_dtype, const TensorView& src, const Tensor
   const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
   const bool stream = n * static_cast<int64_t>(out_row_bytes) >= kStreamMinBytes;
   const int team = threads_if(n > 1 && n * topk * h >= kParallelMinWork);
+  // The present rows of token i and their weights, and those of token i + 1 (its rows are
+  // prefetched during token i's pass): two of each per thread.
+  Scratch<const void*> term_scratch(team, topk, 2);
+  Scratch<float> w_scratch(team, probs ? topk : 0, 2);
 #pragma omp parallel num_threads(team)
   {
-    // The present rows of token i and their weights, and those of token i + 1 (its rows are
-    // prefetched during token i's pass).
-    std::vector<const void*> terms(static_cast<std::size_t>(topk)), next(terms.size());
-    std::vector<float> w(probs ? static_cast<std::size_t>(topk) : 0), next_w(w.size());
+    const void** const terms = term_scratch.mine();
+    const void** const next = terms + topk;
+    float* const w = w_scratch.mine();
+    float* const next_w = probs ? w + topk : w;
     auto present = [&](int64_t i, const void** t, float* wt) {
       int64_t count = 0;
       for (int64_t k = 0; k < topk && i < n; ++k) {
@@ -56,10 +91,10 @@ void reduce_rows(char* out, DType out_dtype, const TensorView& src, const Tensor
     };
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t count = present(i, terms.data(), w.data());
-      const int64_t ahead = present(i + 1, next.data(), next_w.data());
-      sum_rows(out + i * static_cast<int64_t>(out_row_bytes), out_dtype, terms.data(),
-               probs ? w.data() : nullptr, count, src.dtype, h, stream, false, next.data(), ahead);
+      const int64_t count = present(i, terms, w);
+      const int64_t ahead = present(i + 1, next, next_w);
+      sum_rows(out + i * static_cast<int64_t>(out_row_bytes), out_dtype, terms, probs ? w : nullptr,
+               count, src.dtype, h, stream, false, next, ahead);
     }
   }
 }
@@ -142,13 +177,19 @@ UnpermuteGradResult unpermute_grad_rows(const UnpermuteGradProblem& q) {
   // row read once, in the order permute.h fixes), then their scaled copies of grad_out's row
   // (grad_permuted), by scale_dot_rows_f32.
   const int team = threads_if(n > 1 && n * topk * h >= kParallelMinWork);
+  // Per thread: w and dots; dst; rows and next; entry (Scratch: allocated before the region).
+  Scratch<float> f_scratch(team, topk, 2);
+  Scratch<void*> dst_scratch(team, topk);
+  Scratch<const void*> row_scratch(team, topk, 2);
+  Scratch<int64_t> entry_scratch(team, topk);
 #pragma omp parallel num_threads(team)
   {
-    const std::size_t ut = static_cast<std::size_t>(topk);
-    std::vector<float> w(ut), dots(ut);
-    std::vector<void*> dst(ut);
-    std::vector<const void*> rows(ut), next(ut);
-    std::vector<int64_t> entry(ut);
+    float* const w = f_scratch.mine();
+    float* const dots = w + topk;
+    void** const dst = dst_scratch.mine();
+    const void** const rows = row_scratch.mine();
+    const void** const next = rows + topk;
+    int64_t* const entry = entry_scratch.mine();
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       std::size_t count = 0;
@@ -171,9 +212,8 @@ UnpermuteGradResult unpermute_grad_rows(const UnpermuteGradProblem& q) {
         const int64_t s = sorted_at(si, (i + 1) * topk + k);
         if (s < p) next[static_cast<std::size_t>(ahead++)] = row_ptr(x, s);
       }
-      scale_dot_rows_f32(dots.data(), dst.data(), q.dtype, row_ptr(g, i), g.dtype, w.data(),
-                         rows.data(), x.dtype, static_cast<int64_t>(count), h, stream, next.data(),
-                         ahead);
+      scale_dot_rows_f32(dots, dst, q.dtype, row_ptr(g, i), g.dtype, w, rows, x.dtype,
+                         static_cast<int64_t>(count), h, stream, next, ahead);
       for (std::size_t c = 0; c < count; ++c) store_f32(gprobs, probs.dtype, entry[c], dots[c]);
     }
   }
