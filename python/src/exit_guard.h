@@ -1,5 +1,5 @@
 // The bounded exit after a communication fault (docs/errors.md, "After an error"): once a rank
-// has seen a Timeout, Remote or System error, MPI_Finalize at interpreter exit may wait for a
+// has seen a Timeout or System error, MPI_Finalize at interpreter exit may wait for a
 // peer that is stalled or gone (a PMIx fence over every process of the job), forever. The guard
 // ends the process when exit takes longer than a grace period; mpirun then ends the job.
 #pragma once

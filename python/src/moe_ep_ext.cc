@@ -258,9 +258,9 @@ void register_errors(nb::module_& m) {
       std::rethrow_exception(p);
     } catch (const moe_ep::Error& e) {
       PyObject* type = g_errors[static_cast<int>(e.kind())];
-      // A communication fault may leave MPI_Finalize waiting on a peer at exit (exit_guard.h).
-      if (e.kind() == moe_ep::ErrorKind::kTimeout || e.kind() == moe_ep::ErrorKind::kRemote ||
-          e.kind() == moe_ep::ErrorKind::kSystem)
+      // A peer that stalled or died may leave MPI_Finalize waiting at exit (exit_guard.h). Not
+      // kRemote: every peer answered the op's header agreement, so none is gone.
+      if (e.kind() == moe_ep::ErrorKind::kTimeout || e.kind() == moe_ep::ErrorKind::kSystem)
         moe_ep_python::note_fault(moe_ep::error_kind_name(e.kind()), e.what());
       PyErr_SetString(type, e.what());
     }
@@ -708,7 +708,7 @@ NB_MODULE(_C, m) {
                    [](const PyCommunicator& c) { return c.comm->shm_window_bytes(); });
 
   m.def("_arm_exit_guard", &moe_ep_python::arm_exit_guard,
-        "At interpreter exit, before MPI is finalised: after a Timeout, Remote or System error, "
+        "At interpreter exit, before MPI is finalised: after a Timeout or System error, "
         "ends the process with status 1 if it still runs after $MOE_EP_EXIT_GRACE_S seconds "
         "(default 2), naming the first error on stderr; returns that grace, or -1 (no fault "
         "seen, nothing armed). exit_guard.h");

@@ -18,7 +18,7 @@ its kind (a malformed type or size the Python front finds goes into the collecti
 rank's caller_error, so no rank waits for its deadline); every wait
 has a deadline (moe_ep.TimeoutError; $MOE_EP_TIMEOUT_S, default 300 s). After a TimeoutError the
 communicator is unusable (messages of the abandoned call may still arrive): release_group(comm)
-on every rank, or use another communicator. After a TimeoutError, RemoteError or SystemError the
+on every rank, or use another communicator. After a TimeoutError or SystemError the
 interpreter's exit is bounded: MPI_Finalize waits for every process of the job, a stalled one
 included, so a process still exiting $MOE_EP_EXIT_GRACE_S seconds (default 2) after its exit
 began ends itself with status 1, naming the first error on stderr, and mpirun ends the job.
@@ -75,8 +75,8 @@ _query_only: set = set()
 @atexit.register
 def _free_groups() -> None:
     # Python's atexit handlers run before mpi4py finalises MPI (mpi4py's MPI_Finalize is a C-level
-    # Py_AtExit function): free the duplicates while MPI is still up. After a Timeout, Remote or
-    # System error, MPI_Finalize may wait forever for a stalled or dead peer: the guard ends the
+    # Py_AtExit function): free the duplicates while MPI is still up. After a Timeout or System
+    # error, MPI_Finalize may wait forever for a stalled or dead peer: the guard ends the
     # process $MOE_EP_EXIT_GRACE_S seconds from now if it still runs (status 1, the first error
     # named on stderr); mpirun then ends the job.
     _C._arm_exit_guard()
