@@ -2,7 +2,8 @@
 # Runs every test: installs what is missing, builds (Release), runs ctest, then installs the
 # Python package into a venv (.venv) and runs pytest (python/tests).
 # MOE_EP_TEST_SANITIZE=1 also builds with AddressSanitizer + UndefinedBehaviorSanitizer into
-# build-asan/ and runs the library's tests there. MOE_EP_TEST_PYTHON=0 skips the Python part.
+# build-asan/ and runs the library's tests there. MOE_EP_TEST_TSAN=1 also runs the ThreadSanitizer
+# stage (scripts/tsan.sh: clang 16, build-tsan/). MOE_EP_TEST_PYTHON=0 skips the Python part.
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 moe_ep_install_deps
 moe_ep_mpi_env
@@ -18,4 +19,7 @@ if [ "${MOE_EP_TEST_SANITIZE:-0}" = 1 ]; then
   # OpenMPI's own allocations are not ours to chase: leaks off, everything else fatal.
   (cd "$MOE_EP_ROOT/build-asan" && ASAN_OPTIONS=detect_leaks=0 \
     ctest --output-on-failure -j 2 -LE install)
+fi
+if [ "${MOE_EP_TEST_TSAN:-0}" = 1 ]; then
+  "$MOE_EP_ROOT/scripts/tsan.sh"
 fi

@@ -12,10 +12,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "moe_ep/error.h"
@@ -693,9 +696,9 @@ struct AllOutputs {
   std::vector<Tensor> tensors;
 };
 
-AllOutputs run_all_ops(uint64_t seed) {
+AllOutputs run_all_ops(uint64_t seed, int64_t n = 3000, int64_t h = 40) {
   Rng rng(seed);
-  const int64_t n = 3000, h = 40, topk = 8, m = n * topk;
+  const int64_t topk = 8, m = n * topk;
   Owned tokens = random_rows(DType::kBF16, n, h, 2, rng);
   Owned indices =
       make_indices(DType::kI32, route(Routing::kWideSparse, m, rng), n, topk, true, false);
@@ -747,6 +750,46 @@ TEST(Permute, SameBitsWithOneAndFourThreads) {
     for (std::size_t i = 0; i < one.tensors.size(); ++i)
       EXPECT_TRUE(same_bits(four.tensors[i], one.tensors[i])) << "seed " << seed << " output " << i;
   }
+}
+
+// Two callers at once, each on its own tensors: the Python front releases the GIL during every
+// op, so two Python threads may run ops together. Their OpenMP teams, the kernels' thread-local
+// scratch and the block cache (outputs of 4 MiB and more: the second size) are shared by both
+// callers, and each must still get the bits a lone caller gets. scripts/test.sh's ThreadSanitizer
+// stage (MOE_EP_TEST_TSAN=1) runs this test for its data races.
+TEST(Permute, TwoCallerThreadsAtOnceGetTheSameBits) {
+  set_num_threads(2);
+  ASSERT_EQ(num_threads(), 2);
+  for (const auto& size : {std::pair<int64_t, int64_t>{3000, 40}, {2048, 160}}) {
+    const int64_t n = size.first, h = size.second;  // not a structured binding: clang's
+                                                    // -fopenmp cannot capture one
+    SCOPED_TRACE("n " + std::to_string(n) + " h " + std::to_string(h));
+    const uint64_t seeds[2] = {21, 22};
+    AllOutputs want[2];
+    for (int c = 0; c < 2; ++c) want[c] = run_all_ops(seeds[c], n, h);
+    for (int round = 0; round < 2; ++round) {
+      AllOutputs got[2];
+      std::exception_ptr failed[2];
+      std::vector<std::thread> callers;
+      for (int c = 0; c < 2; ++c)
+        callers.emplace_back([&, c] {
+          try {
+            got[c] = run_all_ops(seeds[c], n, h);
+          } catch (...) {
+            failed[c] = std::current_exception();
+          }
+        });
+      for (auto& t : callers) t.join();
+      for (int c = 0; c < 2; ++c) {
+        ASSERT_FALSE(failed[c]) << "caller " << c << " threw";
+        ASSERT_EQ(got[c].tensors.size(), want[c].tensors.size());
+        for (std::size_t i = 0; i < got[c].tensors.size(); ++i)
+          EXPECT_TRUE(same_bits(got[c].tensors[i], want[c].tensors[i]))
+              << "caller " << c << " round " << round << " output " << i;
+      }
+    }
+  }
+  set_num_threads(0);
 }
 
 // ---------------------------------------------------------------------------------------------
