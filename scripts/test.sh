@@ -3,6 +3,8 @@
 # Python package into a venv (.venv) and runs pytest (python/tests).
 # MOE_EP_TEST_SANITIZE=1 also builds with AddressSanitizer + UndefinedBehaviorSanitizer into
 # build-asan/ and runs the library's tests there. MOE_EP_TEST_PYTHON=0 skips the Python part.
+# MOE_EP_TEST_FUZZ=1 also builds the libFuzzer targets with clang-14 into build-fuzz/ and runs each
+# for MOE_EP_FUZZ_SECONDS (default here 30) from its seed corpus (scripts/fuzz.sh).
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 moe_ep_install_deps
 moe_ep_mpi_env
@@ -18,4 +20,7 @@ if [ "${MOE_EP_TEST_SANITIZE:-0}" = 1 ]; then
   # OpenMPI's own allocations are not ours to chase: leaks off, everything else fatal.
   (cd "$MOE_EP_ROOT/build-asan" && ASAN_OPTIONS=detect_leaks=0 \
     ctest --output-on-failure -j 2 -LE install)
+fi
+if [ "${MOE_EP_TEST_FUZZ:-0}" = 1 ]; then
+  MOE_EP_FUZZ_SECONDS=${MOE_EP_FUZZ_SECONDS:-30} "$MOE_EP_ROOT/scripts/fuzz.sh"
 fi
