@@ -127,6 +127,11 @@ Batch routing_from_file(const std::string& path, const StFile& f) {
                                                      "': tokens_per_rank has a negative entry " +
                                                      std::to_string(n));
       }
+      if (n > b.tokens - sum) {  // also keeps the sum from overflowing (found by tests/fuzz)
+        throw Error(ErrorKind::kInvalidArgument, "routing file '" + path +
+                                                     "': tokens_per_rank sums to more than the " +
+                                                     std::to_string(b.tokens) + " tokens of x");
+      }
       sum += n;
     }
     if (sum != b.tokens) {
