@@ -117,12 +117,15 @@ inline float float_at(const TensorView& t, int64_t i, int64_t j = 0) {
   const int64_t off = i * t.strides[0] + (t.ndim > 1 ? j * t.strides[1] : 0);
   return load_f32(t.data, t.dtype, off);
 }
-// Start of row i of a 2-D view.
+// Start of row i of a 2-D view; null when the view has no data (rows of H = 0 elements: an
+// offset from null is undefined, found by tests/fuzz).
 inline const char* row_ptr(const TensorView& t, int64_t i) {
+  if (t.data == nullptr) return nullptr;
   return static_cast<const char*>(t.data) +
          i * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
 }
 inline char* row_ptr_mut(const TensorView& t, int64_t i) {
+  if (t.data == nullptr) return nullptr;
   return static_cast<char*>(t.data) + i * t.strides[0] * static_cast<int64_t>(dtype_size(t.dtype));
 }
 

@@ -74,6 +74,34 @@ TEST(FuzzFindings, PermuteRefusesAnEmptyTokensWithAnImpossibleRow) {
   EXPECT_EQ(r.permuted_tokens.size(1), 8);
 }
 
+// fuzz_local_ops, UBSan "applying non-zero offset 8 to null pointer" in row_ptr (via
+// unpermute_grad_rows): permuted_tokens with rows of H = 0 elements has no data, and its rows
+// were addressed from null. The gradients of empty rows: grad_probs +0, grad_permuted (P, 0).
+TEST(FuzzFindings, UnpermuteGradOfRowsWithoutElements) {
+  int32_t si[2] = {1, 0};
+  float probs[2] = {0.5f, 2.0f};
+  UnpermuteGradArgs a;
+  a.permuted_tokens = view(DType::kF32, {2, 0});
+  a.permuted_tokens.strides = {1, 1};  // torch.empty(2, 0)'s strides
+  a.grad_out = view(DType::kF32, {1, 0});
+  a.sorted_indices = view(DType::kI32, {2}, si);
+  a.probs = view(DType::kF32, {1, 2}, probs);
+  const UnpermuteGradResult r = unpermute_grad(a);
+  EXPECT_EQ(r.grad_permuted_tokens.size(0), 2);
+  EXPECT_EQ(r.grad_permuted_tokens.size(1), 0);
+  ASSERT_EQ(r.grad_probs.numel(), 2);
+  EXPECT_EQ(r.grad_probs.ptr<float>()[0], 0.0f);
+  EXPECT_EQ(r.grad_probs.ptr<float>()[1], 0.0f);
+  UnpermuteGradV2Args b;  // the same through the sizes-only variant
+  b.grad_out = a.grad_out;
+  b.sorted_indices = a.sorted_indices;
+  b.permuted_rows = 2;
+  b.permuted_dtype = DType::kF32;
+  b.probs = a.probs;
+  b.permuted_tokens = a.permuted_tokens;
+  EXPECT_EQ(unpermute_grad_v2(b).grad_probs.ptr<float>()[1], 0.0f);
+}
+
 // The same overflow in the public TensorView: numel() saturates instead of overflowing, and
 // contiguous() refuses such a shape (its strides would overflow).
 TEST(FuzzFindings, TensorViewElementCountsDoNotOverflow) {
