@@ -3,7 +3,7 @@
 # Python package into a venv (.venv) and runs pytest (python/tests).
 # MOE_EP_TEST_SANITIZE=1 also builds with AddressSanitizer + UndefinedBehaviorSanitizer into
 # build-asan/ and runs the library's tests there. MOE_EP_TEST_PYTHON=0 skips the Python part.
-# MOE_EP_TEST_FUZZ=1 also builds the libFuzzer targets with clang-14 into build-fuzz/ and runs each
+# MOE_EP_TEST_FUZZ=1 also builds the libFuzzer targets with clang-16 into build-fuzz/ and runs each
 # for MOE_EP_FUZZ_SECONDS (default here 30) from its seed corpus (scripts/fuzz.sh).
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 moe_ep_install_deps

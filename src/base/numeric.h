@@ -27,7 +27,7 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 #if defined(__clang__) && __clang_major__ < 15
-// clang 14 (the fuzz build, tests/fuzz) has no _Float16 on x86 without AVX512-FP16: the same
+// clang 14 (Debian 12's default clang) has no _Float16 on x86 without AVX512-FP16: the same
 // conversions in integer operations, bit for bit those of _Float16 and F16C (round to nearest
 // even; a NaN is made quiet and keeps the top bits of its payload).
 inline float f16_to_f32(uint16_t h) {
