@@ -102,6 +102,36 @@ TEST(FuzzFindings, UnpermuteGradOfRowsWithoutElements) {
   EXPECT_EQ(unpermute_grad_v2(b).grad_probs.ptr<float>()[1], 0.0f);
 }
 
+// fuzz_local_ops, ASan "out of memory: allocator is trying to allocate 0x200000000 bytes" in
+// unpermute_grad_rows: with N = 0 tokens, topK (probs.shape[1], num_topk, indices.shape[1])
+// bounds no data, and topK = 2^31 sized each thread's buffers (8 GiB). The ops now return the
+// empty results at once; the same for permute_grad's and unpermute's sums.
+TEST(FuzzFindings, NoTokensWithAHugeTopK) {
+  constexpr int64_t kTopK = int64_t{1} << 31;
+  UnpermuteGradArgs a;
+  a.permuted_tokens = view(DType::kF32, {0, 4});
+  a.grad_out = view(DType::kF32, {0, 4});
+  a.sorted_indices = view(DType::kI32, {0});
+  a.probs = view(DType::kF32, {0, kTopK});
+  const UnpermuteGradResult g = unpermute_grad(a);
+  EXPECT_EQ(g.grad_probs.size(1), kTopK);
+  EXPECT_EQ(g.grad_permuted_tokens.size(0), 0);
+  UnpermuteArgs u;
+  u.permuted_tokens = a.permuted_tokens;
+  u.sorted_indices = a.sorted_indices;
+  u.probs = a.probs;
+  EXPECT_EQ(unpermute(u).size(0), 0);
+  PermuteGradV2Args p;
+  p.grad_permuted_tokens = a.permuted_tokens;
+  p.sorted_indices = a.sorted_indices;
+  p.tokens_rows = 0;
+  p.tokens_dtype = DType::kF32;
+  p.num_topk = kTopK;
+  const Tensor grad_tokens = permute_grad_v2(p);
+  EXPECT_EQ(grad_tokens.size(0), 0);
+  EXPECT_EQ(grad_tokens.size(1), 4);
+}
+
 // The same overflow in the public TensorView: numel() saturates instead of overflowing, and
 // contiguous() refuses such a shape (its strides would overflow).
 TEST(FuzzFindings, TensorViewElementCountsDoNotOverflow) {
