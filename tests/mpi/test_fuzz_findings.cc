@@ -67,6 +67,19 @@ TEST(FuzzFindings, RowsOfNoBytesFromAnXWithoutData) {
     const Tensor y = combine_v2(c, cfg);
     EXPECT_EQ(y.size(0), BS);
     EXPECT_EQ(y.size(1), 0);
+    // fuzz_dispatch, UBSan "applying non-zero offset 2 to null pointer" in shared_row: a
+    // shared_expert_x of H = 0 without data, its rows addressed from null.
+    TensorView shared;
+    shared.dtype = DType::kF32;
+    shared.ndim = 2;
+    shared.shape = {BS, 0};
+    shared.strides = {1, 1};
+    c.shared_expert_x = shared;
+    EXPECT_EQ(combine_v2(c, cfg).size(0), BS);
+    // fuzz_dispatch, UBSan "null pointer passed as argument 1" (memset in sum_rows): the caller's
+    // output of H = 0 without data, each token's 0 bytes zeroed at null.
+    c.out = TensorView::contiguous(nullptr, DType::kF32, {BS, 0});
+    EXPECT_EQ(combine_v2(c, cfg).size(0), BS);
   }
 }
 
