@@ -132,6 +132,22 @@ TEST(FuzzFindings, NoTokensWithAHugeTopK) {
   EXPECT_EQ(grad_tokens.size(1), 4);
 }
 
+// fuzz_dispatch, UBSan "signed integer overflow: 5142332531317346309 * 2" in combine_v2: a
+// size-1 dim may have any stride, but scaled to bytes this one overflowed. Every op's tensor
+// checks (expect_memory) refuse a stride of 2^63 bytes or more.
+TEST(FuzzFindings, AStrideOfMoreThan2To63BytesIsRefused) {
+  uint16_t row[8] = {};
+  int32_t ids[1] = {0};
+  PermuteArgs a;
+  a.tokens = view(DType::kBF16, {1, 8}, row);
+  a.tokens.strides[0] = 5142332531317346309;
+  a.indices = view(DType::kI32, {1, 1}, ids);
+  EXPECT_EQ(invalid_argument([&] { permute(a); }),
+            "permute: tokens.stride(0) = 5142332531317346309 bf16 elements exceed 2^63 bytes");
+  a.tokens.strides[0] = int64_t{1} << 40;  // any stride of fewer bytes is fine for one row
+  EXPECT_EQ(permute(a).permuted_tokens.size(0), 1);
+}
+
 // The same overflow in the public TensorView: numel() saturates instead of overflowing, and
 // contiguous() refuses such a shape (its strides would overflow).
 TEST(FuzzFindings, TensorViewElementCountsDoNotOverflow) {
