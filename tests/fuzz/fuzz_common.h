@@ -81,7 +81,11 @@ class Input {
                                          int64_t{3} << 61};
     constexpr uint8_t kNumEdges = sizeof(kEdges) / sizeof(kEdges[0]);
     if (b < 200 + kNumEdges) return kEdges[b - 200];
-    return static_cast<int64_t>(u64());
+    // Not [4096, 2^31 - 1): sizes there can be valid and then cost the O(size) time and memory
+    // they ask for (e.g. padded permute_grad's per-token table for N = 2^24 tokens), which is no
+    // finding but a slow or out-of-memory one.
+    const auto v = static_cast<int64_t>(u64());
+    return v >= 4096 && v < INT32_MAX ? v % 4096 : v;
   }
   // Raw bytes for a tensor's elements.
   void fill(void* dst, std::size_t n) {
