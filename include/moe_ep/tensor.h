@@ -54,12 +54,15 @@ struct MOE_EP_API TensorView {
   std::array<int64_t, kMaxDims> strides{};
 
   // A contiguous (row-major) view of `data` (not owned) with the given shape. Throws
-  // Error(kInvalidArgument) for more than kMaxDims dims or a negative size.
+  // Error(kInvalidArgument) for more than kMaxDims dims, a negative size, or sizes other than 0
+  // whose product exceeds 2^63 - 1.
   static TensorView contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape);
   static TensorView contiguous(void* data, DType dtype, const std::vector<int64_t>& shape);
 
   int64_t size(int dim) const { return shape[dim]; }
   int64_t stride(int dim) const { return strides[dim]; }
+  // The product of the sizes: 0 when one is 0, INT64_MAX when it would exceed that (a shape
+  // every op refuses).
   int64_t numel() const;
   bool is_contiguous() const;
   // e.g. "bf16[4, 2048] strides [4096, 1]", for error messages.

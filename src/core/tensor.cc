@@ -10,6 +10,7 @@
 #include "base/numeric.h"
 #include "core/block_cache.h"
 #include "core/tensor_internals.h"
+#include "core/validate.h"
 
 namespace moe_ep {
 
@@ -99,9 +100,14 @@ TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int
   v.data = data;
   v.dtype = dtype;
   v.ndim = static_cast<int>(shape.size());
-  int64_t stride = 1;
+  int64_t stride = 1, elements = 1;
   for (int d = v.ndim - 1; d >= 0; --d) {
     if (shape[d] < 0) detail::invalid("TensorView: shape[", d, "] = ", shape[d], " is negative");
+    // The sizes other than 0 multiply to at most 2^63 - 1, so no stride overflows (found by
+    // tests/fuzz: [2^62, 4] overflowed here).
+    if (shape[d] > 0 && __builtin_mul_overflow(elements, shape[d], &elements))
+      detail::invalid("TensorView: shape ", detail::shape_text(shape.data(), v.ndim),
+                      " has more than 2^63 - 1 elements");
     v.shape[d] = shape[d];
     v.strides[d] = stride;
     stride *= shape[d];
@@ -110,8 +116,11 @@ TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int
 }
 
 int64_t TensorView::numel() const {
+  for (int d = 0; d < ndim; ++d)
+    if (shape[d] == 0) return 0;
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < ndim; ++d)
+    if (__builtin_mul_overflow(n, shape[d], &n)) return std::numeric_limits<int64_t>::max();
   return n;
 }
 

@@ -33,13 +33,33 @@ void expect_size(const char* op, const char* name, const TensorView& t, int dim,
 void expect_shape(const char* op, const char* name, const TensorView& t) {
   for (int d = 0; d < t.ndim; ++d)
     if (t.shape[d] < 0) invalid(op, ": ", name, ".shape[", d, "] = ", t.shape[d], " is negative");
+  // Also for a tensor without elements: the kernels compute a row's bytes (H x the element size)
+  // before they look at the rows (found by tests/fuzz: tokens [0, 2^62] overflowed there).
+  int64_t bytes = static_cast<int64_t>(dtype_size(t.dtype));
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[d] > 0 && __builtin_mul_overflow(bytes, t.shape[d], &bytes))
+      invalid(op, ": ", name, ".shape = ", shape_text(t.shape.data(), t.ndim), " ",
+              dtype_name(t.dtype), " exceeds 2^63 bytes (the sizes other than 0 count)");
+}
+
+std::string shape_text(const int64_t* shape, int ndim) {
+  std::string s = "[";
+  for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + "]";
 }
 
 void expect_memory(const char* op, const char* name, const TensorView& t) {
   expect_shape(op, name, t);
-  for (int d = 0; d < t.ndim; ++d)
+  int64_t bytes = 0;
+  for (int d = 0; d < t.ndim; ++d) {
     if (t.strides[d] < 0)
       unsupported(op, ": ", name, ".stride(", d, ") = ", t.strides[d], " is negative");
+    // A size-1 dim may have any stride, but the kernels scale strides to bytes (found by
+    // tests/fuzz: expand_x.stride(0) = 5142332531317346309 of bf16 overflowed in combine_v2).
+    if (__builtin_mul_overflow(t.strides[d], static_cast<int64_t>(dtype_size(t.dtype)), &bytes))
+      invalid(op, ": ", name, ".stride(", d, ") = ", t.strides[d], " ", dtype_name(t.dtype),
+              " elements exceed 2^63 bytes");
+  }
   if (t.data == nullptr && t.numel() > 0)
     invalid(op, ": ", name, " has ", t.numel(), " elements but data is null");
 }

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 
 #include "base/numeric.h"
 #include "moe_ep/tensor.h"
@@ -24,8 +25,13 @@ void expect_tensor(const char* op, const char* name, const TensorView& t,
 // 2-D float rows: dtype in {bf16, fp16, fp32}, ndim 2, stride(1) == 1 (or H <= 1), stride(0) >= 0,
 // data non-null when numel > 0.
 void expect_rows(const char* op, const char* name, const TensorView& t);
-// Every shape[d] >= 0: "permute: tokens.shape[1] = -3 is negative".
+// Every shape[d] >= 0: "permute: tokens.shape[1] = -3 is negative", and the sizes other than 0
+// times the element size below 2^63, so numel(), a row's bytes and every offset into the tensor
+// fit int64: "unpermute: permuted_tokens.shape = [4611686018427387904, 4] fp32 exceeds 2^63 bytes
+// (the sizes other than 0 count)".
 void expect_shape(const char* op, const char* name, const TensorView& t);
+// "[4, 2048]": the first ndim sizes, for messages.
+std::string shape_text(const int64_t* shape, int ndim);
 // Sizes >= 0 (expect_shape), non-null data when numel > 0, non-negative strides.
 void expect_memory(const char* op, const char* name, const TensorView& t);
 

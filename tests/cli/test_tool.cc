@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <set>
 #include <thread>
@@ -570,6 +571,30 @@ TEST(Batch, LoadRejectsNonFiniteValuesAndABadSeed) {
         error_of([&] { load_routing(path); }),
         "routing file '" + path + "': metadata seed = '" + bad + "' is not an unsigned integer");
   }
+  std::filesystem::remove(path);
+}
+
+// Found by tests/fuzz (fuzz_safetensors): tokens_per_rank entries whose sum overflows int64 (a
+// signed overflow, UBSan) wrapped around to x's token count.
+TEST(Batch, TokensPerRankThatOverflowTheSumAreRefused) {
+  Batch b;
+  b.tokens = 3;
+  b.hidden = 2;
+  b.top_k = 1;
+  b.dtype = DType::kF32;
+  b.x = make_tokens(1, 0, 3, 2, DType::kF32);
+  b.expert_ids = {0, 1, 2};
+  b.expert_scales = {1, 1, 1};
+  // (2^63 - 2) + (2^63 - 2) + 7 wraps to 3 = N in 64-bit arithmetic: the old check accepted it.
+  const int64_t big = std::numeric_limits<int64_t>::max() - 1;
+  b.tokens_per_rank = {big, big, 7};
+  const std::string path = temp_path("tpr_overflow.safetensors");
+  save_routing(path, b);
+  EXPECT_EQ(error_of([&] { load_routing(path); }),
+            "routing file '" + path + "': tokens_per_rank sums to more than the 3 tokens of x");
+  b.tokens_per_rank = {1, 2};  // the same check leaves a good split alone
+  save_routing(path, b);
+  EXPECT_EQ(load_routing(path).tokens_per_rank, (std::vector<int64_t>{1, 2}));
   std::filesystem::remove(path);
 }
 

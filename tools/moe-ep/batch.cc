@@ -94,7 +94,10 @@ void save_routing(const std::string& path, const Batch& b) {
 }
 
 Batch load_routing(const std::string& path) {
-  const StFile f = read_safetensors(path);
+  return routing_from_file(path, read_safetensors(path));
+}
+
+Batch routing_from_file(const std::string& path, const StFile& f) {
   const StTensor& ids = need(f, path, "expert_ids", {DType::kI32}, 2);
   const StTensor& scales = need(f, path, "expert_scales", {DType::kF32}, 2);
   const StTensor& x = need(f, path, "x", {DType::kBF16, DType::kF16, DType::kF32}, 2);
@@ -123,6 +126,11 @@ Batch load_routing(const std::string& path) {
         throw Error(ErrorKind::kInvalidArgument, "routing file '" + path +
                                                      "': tokens_per_rank has a negative entry " +
                                                      std::to_string(n));
+      }
+      if (n > b.tokens - sum) {  // also keeps the sum from overflowing (found by tests/fuzz)
+        throw Error(ErrorKind::kInvalidArgument, "routing file '" + path +
+                                                     "': tokens_per_rank sums to more than the " +
+                                                     std::to_string(b.tokens) + " tokens of x");
       }
       sum += n;
     }

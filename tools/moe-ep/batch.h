@@ -52,6 +52,9 @@ void save_routing(const std::string& path, const Batch& batch);
 // expert_scales[3,0] = nan is not finite"), when x_active_mask is not (N) or (N, K) bool of 0/1
 // values or when metadata seed is not an unsigned integer.
 Batch load_routing(const std::string& path);
+// load_routing's checks on a file already read (`path` names it in messages).
+struct StFile;
+Batch routing_from_file(const std::string& path, const StFile& f);
 void save_output(const std::string& path, const std::vector<std::byte>& output, int64_t tokens,
                  int64_t hidden, moe_ep::DType dtype);
 

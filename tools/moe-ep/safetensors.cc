@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -148,23 +149,28 @@ StFile read_safetensors(const std::string& path) {
   check_regular_file(path);
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw Error(ErrorKind::kSystem, "cannot open '" + path + "' for reading");
-  const uint64_t file_size = static_cast<uint64_t>(in.tellg());
+  const auto file_size = static_cast<std::size_t>(in.tellg());
   in.seekg(0);
-  uint64_t n = 0;
-  if (file_size < 8 || !in.read(reinterpret_cast<char*>(&n), 8)) {
-    malformed(path, "shorter than the 8-byte header length");
+  std::vector<char> bytes(file_size);
+  if (!in.read(bytes.data(), static_cast<std::streamsize>(file_size))) {
+    throw Error(ErrorKind::kSystem, "reading '" + path + "' failed");
   }
+  return parse_safetensors(path, bytes.data(), bytes.size());
+}
+
+StFile parse_safetensors(const std::string& path, const void* bytes, std::size_t size) {
+  const auto* p = static_cast<const char*>(bytes);
+  const uint64_t file_size = size;
+  uint64_t n = 0;
+  if (file_size < 8) malformed(path, "shorter than the 8-byte header length");
+  std::memcpy(&n, p, 8);
   if (n > file_size - 8) {
     malformed(path, "header length " + std::to_string(n) + " exceeds the file size " +
                         std::to_string(file_size));
   }
-  std::string text(n, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(n));
+  const std::string text(p + 8, n);
   const uint64_t data_size = file_size - 8 - n;
-  std::vector<std::byte> data(data_size);
-  if (!in.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(data_size))) {
-    throw Error(ErrorKind::kSystem, "reading '" + path + "' failed");
-  }
+  const auto* data_begin = reinterpret_cast<const std::byte*>(p + 8 + n);
 
   check_header_depth(path, text);
   nlohmann::json header;
@@ -233,8 +239,7 @@ StFile read_safetensors(const std::string& path) {
       malformed(path, where + "holds " + std::to_string(end - begin) + " bytes, shape " +
                           shape.dump() + " needs " + std::to_string(bytes));
     }
-    t.data.assign(data.begin() + static_cast<std::ptrdiff_t>(begin),
-                  data.begin() + static_cast<std::ptrdiff_t>(end));
+    t.data.assign(data_begin + begin, data_begin + end);
     file.tensors.emplace(name, std::move(t));
     if (begin < end) spans.push_back({begin, end, name});
   }

@@ -37,6 +37,10 @@ void write_safetensors(const std::string& path, const StFile& file);
 // Throws moe_ep::Error(kInvalidArgument) naming the file and the problem when it is not a
 // well-formed safetensors file of supported dtypes, kSystem when it cannot be read.
 StFile read_safetensors(const std::string& path);
+// The same checks on a file's bytes already in memory (`size` bytes at `bytes`); `path` names
+// the file in messages. read_safetensors is check_regular_file + read + this (the fuzz target
+// tests/fuzz/fuzz_safetensors.cc calls it directly).
+StFile parse_safetensors(const std::string& path, const void* bytes, std::size_t size);
 
 // "BF16", "F16", "F32", "I32", "I64", "BOOL".
 const char* safetensors_dtype_name(moe_ep::DType dtype);

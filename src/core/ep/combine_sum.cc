@@ -12,6 +12,7 @@
 namespace moe_ep::detail {
 
 const char* shared_row(const TensorView& t, int64_t i) {
+  if (t.data == nullptr) return nullptr;  // rows of H = 0 elements (found by tests/fuzz)
   const int64_t es = static_cast<int64_t>(dtype_size(t.dtype));
   const int64_t off = t.ndim == 2
                           ? i * t.strides[0]
@@ -50,6 +51,9 @@ void combine_sum(const CombineSum& a) {
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(sh.dtype));
   const DType dtype = sh.dtype;
   const Activity act{&in.expert_ids, a.mask};
+  // Rows of H = 0 elements: nothing to sum, and the caller's output may have no data (found by
+  // tests/fuzz: sum_rows zeroed 0 bytes at null, UBSan).
+  if (H == 0) return;
   // No const expert and no int8 rows: every term is w * a row of dtype (1 for the unweighted
   // ones, fl(1 * y) == y), so a token's sum is one sum_rows from +0, all its rows read side by
   // side with the accumulators in registers, bitwise the loop below.

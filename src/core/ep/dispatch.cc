@@ -998,7 +998,7 @@ void finish(Dispatch& c) {
   if (c.cfg.tp_world_size == 2) tp_all_gather(c.op, c.cfg, c.sh, recv.valid, c.out);
   if (c.copy_to) {  // shared memory only, so no TP rows
     Tensor to = TensorInternals::view(*c.copy_to);
-    if (recv.valid > 0)
+    if (recv.valid > 0 && c.out_row_bytes > 0)  // H = 0: to's data may be null
       std::memcpy(to.data(), c.out.expand_x.data(),
                   static_cast<std::size_t>(recv.valid * c.out_row_bytes));
     c.out.expand_x = to;

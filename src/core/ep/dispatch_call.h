@@ -83,7 +83,9 @@ struct Dispatch {
   const SendPlan& send() const { return p->send; }
   const RecvPlan& recv() const { return p->recv; }
   const std::vector<int>& peers() const { return world.peers; }
+  // Null when x has no elements (H = 0: data may be null, and an offset from null is undefined).
   const char* x_row(int64_t token) const {
+    if (in.x.data == nullptr) return nullptr;
     return in.x.ptr<char>() +
            token * in.x.strides[0] * static_cast<int64_t>(dtype_size(in.x.dtype));
   }

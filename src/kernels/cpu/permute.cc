@@ -65,6 +65,9 @@ class Scratch {
 // without terms is 0. `out` is contiguous (n, h = src.shape[1]) and h > 0.
 void reduce_rows(char* out, DType out_dtype, const TensorView& src, const TensorView& si, int64_t n,
                  int64_t topk, const TensorView* probs) {
+  // No tokens: nothing to sum, and topK, which then bounds no data, must not size the buffers
+  // below (found by tests/fuzz: topK = 2^31 with N = 0 asked for 8 GiB per thread).
+  if (n == 0) return;
   const int64_t rows = src.shape[0], h = src.shape[1];
   const std::size_t out_row_bytes = static_cast<std::size_t>(h) * dtype_size(out_dtype);
   const bool stream = n * static_cast<int64_t>(out_row_bytes) >= kStreamMinBytes;
@@ -158,6 +161,7 @@ UnpermuteGradResult unpermute_grad_rows(const UnpermuteGradProblem& q) {
     if (q.seen.empty() || !bit_set(q.seen, s))
       std::memset(gp + s * row_bytes, 0, static_cast<std::size_t>(row_bytes));
 
+  if (n == 0) return res;  // no tokens: as reduce_rows, topK must not size the buffers below
   if (!q.probs) {
     if (h == 0) return res;
     const int team = threads_if(n > 1 && n * row_bytes >= kParallelMinWork);

@@ -34,6 +34,7 @@ std::vector<int64_t> group_by_src(std::vector<Row>& rows) {
 }  // namespace
 
 void parallel_copy(std::vector<RowCopy>& rows, int64_t row_bytes, bool stream) {
+  if (row_bytes == 0) return;  // empty rows (H = 0), whose src may be null
   const std::vector<int64_t> first = group_by_src(rows);
   std::vector<void*> dst;
   for (const RowCopy& r : rows) dst.push_back(r.dst);

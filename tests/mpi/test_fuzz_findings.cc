@@ -1,0 +1,87 @@
+// Inputs the libFuzzer target fuzz_dispatch (tests/fuzz, one rank) found to reach undefined
+// behaviour, as tests of the fixed behaviour at every world size. The crashing inputs are in
+// tests/fuzz/corpus/dispatch/ too (finding-*).
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moe_ep/comm.h"
+#include "moe_ep/dispatch.h"
+#include "moe_ep/tensor.h"
+
+namespace moe_ep {
+namespace {
+
+std::shared_ptr<Communicator> comm() {
+  static std::shared_ptr<Communicator> c = Communicator::from_mpi(MPI_COMM_WORLD);
+  return c;
+}
+
+// fuzz_dispatch, UBSan "applying non-zero offset 4 to null pointer" in Dispatch::x_row: x of
+// H = 0 has no elements, so its data may be null, but its rows were still addressed from it (with
+// strides [1, 1], which torch.empty(BS, 0) has). Dispatch and combine move rows of no bytes.
+TEST(FuzzFindings, RowsOfNoBytesFromAnXWithoutData) {
+  const int64_t W = comm()->size(), r = comm()->rank(), BS = 3, K = 1;
+  std::vector<int32_t> ids(BS * K);
+  std::vector<float> scales(BS * K, 1.0f);
+  for (int64_t i = 0; i < BS; ++i) ids[i] = static_cast<int32_t>((r + i) % W);
+  int64_t expected_rows = 0;  // tokens (s, i) of every rank s routed to expert r
+  for (int64_t s = 0; s < W; ++s)
+    for (int64_t i = 0; i < BS; ++i) expected_rows += (s + i) % W == r;
+  for (const char* transport : {"shm", "mpi"}) {
+    SCOPED_TRACE(transport);
+    EpConfig cfg;
+    cfg.group_ep = comm().get();
+    cfg.ep_world_size = W;
+    cfg.ep_rank_id = r;
+    cfg.moe_expert_num = W;
+    cfg.transport = transport;
+    DispatchInputs in;
+    in.x.dtype = DType::kF32;
+    in.x.ndim = 2;
+    in.x.shape = {BS, 0};
+    in.x.strides = {1, 1};
+    in.expert_ids = TensorView::contiguous(ids.data(), DType::kI32, {BS, K});
+    in.expert_scales = TensorView::contiguous(scales.data(), DType::kF32, {BS, K});
+    const DispatchOutputs out = dispatch_v2(in, cfg);
+    ASSERT_EQ(out.expand_x.size(1), 0);
+    EXPECT_EQ(out.ep_recv_counts.ptr<int32_t>()[W - 1], expected_rows);
+    // fuzz_dispatch, UBSan "null pointer passed as argument 1" (memcpy): the caller's expand_x
+    // of H = 0 without data, into which the shm transport copied the valid rows' 0 bytes.
+    DispatchBuffers buffers;
+    buffers.expand_x = TensorView::contiguous(nullptr, DType::kF32, {out.expand_x.size(0), 0});
+    in.out = &buffers;
+    const DispatchOutputs into = dispatch_v2(in, cfg);
+    EXPECT_EQ(into.expand_x.size(0), out.expand_x.size(0));
+    EXPECT_EQ(into.ep_recv_counts.ptr<int32_t>()[W - 1], expected_rows);
+    in.out = nullptr;
+    CombineInputs c;
+    c.expand_x = out.expand_x;
+    c.expert_ids = in.expert_ids;
+    c.assist_info_for_combine = out.assist_info_for_combine;
+    c.ep_send_counts = out.ep_recv_counts;
+    c.expert_scales = *in.expert_scales;
+    const Tensor y = combine_v2(c, cfg);
+    EXPECT_EQ(y.size(0), BS);
+    EXPECT_EQ(y.size(1), 0);
+    // fuzz_dispatch, UBSan "applying non-zero offset 2 to null pointer" in shared_row: a
+    // shared_expert_x of H = 0 without data, its rows addressed from null.
+    TensorView shared;
+    shared.dtype = DType::kF32;
+    shared.ndim = 2;
+    shared.shape = {BS, 0};
+    shared.strides = {1, 1};
+    c.shared_expert_x = shared;
+    EXPECT_EQ(combine_v2(c, cfg).size(0), BS);
+    // fuzz_dispatch, UBSan "null pointer passed as argument 1" (memset in sum_rows): the caller's
+    // output of H = 0 without data, each token's 0 bytes zeroed at null.
+    c.out = TensorView::contiguous(nullptr, DType::kF32, {BS, 0});
+    EXPECT_EQ(combine_v2(c, cfg).size(0), BS);
+  }
+}
+
+}  // namespace
+}  // namespace moe_ep
