@@ -258,7 +258,9 @@ Rules counting_rules(const BenchOptions& o, const Setup& s) {
       "scale); moe-ep's 16 B per-row metadata and count messages are not counted; combine: the "
       "rows it sends back; mean over ranks";
   r.time =
-      std::string("per iteration: MPI_Barrier, then each rank times the op; p50/p99 (nearest ") +
+      std::string(
+          "per iteration: a barrier (each rank hears from every other), then each rank times the "
+          "op; p50/p99 (nearest ") +
       "rank; below 100 iterations p99 is the slowest) over " + std::to_string(o.iters) +
       " iterations (after " + std::to_string(o.warmup) +
       " warm-up) of the max over ranks; GB/s = bytes / p50; ratios = baseline p50 / moe-ep p50";
