@@ -150,9 +150,11 @@ void run_combine(Input& in, Views& views, const moe_ep::EpConfig& cfg, const Siz
       case 1:
         poke(in, out->ep_recv_counts);
         break;
-      case 2:
-        c.expand_x.shape[0] = in.size();
+      case 2: {  // fewer rows (or a negative count): the view must still cover its shape
+        const int64_t rows = in.size();
+        if (rows < c.expand_x.shape[0]) c.expand_x.shape[0] = rows;
         break;
+      }
       default:
         break;
     }
