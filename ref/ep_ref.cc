@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "ref/numeric.h"
+#include "ref/quant_ref.h"
 
 namespace moe_ep::ref {
 
@@ -186,7 +187,7 @@ ExpertFn scale_expert(int64_t E) {
 std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRankInput>& ranks,
                                                           const EpWorld& world,
                                                           const ExpertFn& expert,
-                                                          const ExpertFn& shared) {
+                                                          const ExpertFn& shared, bool comm_quant) {
   std::vector<std::vector<unsigned char>> out;
   const int64_t E = world.E, Z = world.Z, C = world.C;
   for (const EpRankInput& r : ranks) {
@@ -195,6 +196,17 @@ std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRa
     const int64_t row_bytes = H * element_bytes(dtype);
     std::vector<unsigned char> result(BS * row_bytes, 0);
     std::vector<unsigned char> y(row_bytes);
+    std::vector<float> yf(H);
+    std::vector<int8_t> q(H);
+    // yf = the row y as the sum receives it: fp32(y), or dequantised with comm_quant.
+    auto received = [&] {
+      if (comm_quant) {
+        dequantize_row_int8(q.data(), quantize_row_int8(dtype, y.data(), nullptr, H, q.data()), H,
+                            yf.data());
+      } else {
+        for (int64_t h = 0; h < H; ++h) yf[h] = load(dtype, y.data(), h);
+      }
+    };
     for (int64_t i = 0; i < BS; ++i) {
       if (!token_active(r, i)) continue;  // inactive tokens give 0
       std::vector<float> acc(H, 0.0f);
@@ -206,8 +218,8 @@ std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRa
         for (int64_t h = 0; h < H; ++h) {
           float value;
           if (e < E) {
-            if (h == 0) expert(e, dtype, row_of(r.x, i), y.data(), H);
-            value = load(dtype, y.data(), h);
+            if (h == 0) expert(e, dtype, row_of(r.x, i), y.data(), H), received();
+            value = yf[h];
           } else if (e < E + Z + C) {
             value = load(dtype, row_of(*r.ori_x, i), h);
           } else {
@@ -224,7 +236,8 @@ std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRa
       }
       for (int64_t s = 0; s < world.Ns; ++s) {
         shared(-1 - s, dtype, row_of(r.x, i), y.data(), H);
-        for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + load(dtype, y.data(), h);
+        received();
+        for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + yf[h];
       }
       if (r.shared_expert_x)
         for (int64_t h = 0; h < H; ++h)

@@ -86,11 +86,14 @@ ExpertFn tp_sum_expert(ExpertFn part0, ExpertFn part1);
 // acc += w * fp32(fp32(alpha_1[q] * ori_x[i]) + fp32(alpha_2[q] * v[q])). Then, for the hosted
 // shared experts s = 0..Ns-1, acc += shared(-1 - s, x_i); then shared_expert_x[i]. The output row
 // is acc rounded to nearest even in x's dtype; a token with no active entry gives 0. Returns each
-// rank's (BS, H) result as bytes. Needs expert_scales.
+// rank's (BS, H) result as bytes. Needs expert_scales. With comm_quant (comm_quant_mode 2, SPEC
+// §2.1), each row that travels back (a MoE expert's y_ik, a hosted shared expert's output) enters
+// as its dequantised value fp32(q * scale) after quant_ref.h's quantisation without smoothing.
 std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRankInput>& ranks,
                                                           const EpWorld& world,
                                                           const ExpertFn& expert,
-                                                          const ExpertFn& shared);
+                                                          const ExpertFn& shared,
+                                                          bool comm_quant = false);
 std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRankInput>& ranks,
                                                           const ExpertFn& expert);
 

@@ -29,6 +29,7 @@
 #include "ref/ep_backward_ref.h"
 #include "ref/ep_ref.h"
 #include "ref/numeric.h"
+#include "ref/quant_ref.h"
 
 namespace moe_ep {
 namespace {
@@ -97,6 +98,9 @@ struct Spec {
   double inactive = 0.0;     // probability of an id -1
   bool nonfinite = false;    // x rows with NaN, +Inf and -Inf elements
   std::string transport;     // EpConfig::transport ("": the default)
+  bool quant = false;        // also dispatch_v2 with quant_mode 2 (SPEC §1.5)
+  bool smooth = false;       // with smoothing scales
+  bool comm_quant = false;   // also combine_v2 with comm_quant_mode 2
   uint64_t seed = 3;
 };
 
@@ -465,7 +469,81 @@ void backward_round_trip(const Batch& b, const DispatchOutputs& out, const Tenso
   }
 }
 
-// dispatch (both types), the experts, combine: everything against the reference.
+// The same float, a NaN equal to any NaN (a quantised row with a NaN or Inf has a NaN scale).
+bool same_float(float a, float b) {
+  return std::isnan(a) ? std::isnan(b) : std::memcmp(&a, &b, sizeof(float)) == 0;
+}
+
+// SPEC §1.5: dispatch_v2 with quant_mode 2 (smoothing scales when the spec asks) has the layout of
+// quant_mode 0 and, per valid row, the reference row quantised by ref/quant_ref.h with the
+// smoothing row of its expert (Ns + e for MoE expert e, s for shared expert s); past the valid
+// rows dynamic_scales is 0. A cached dispatch with its handle gives the same bits.
+void quant_dispatch_round(const Batch& b, const ref::EpRankDispatch& want) {
+  const int rank = comm()->rank();
+  const int64_t H = b.spec.H, Ns = b.world.Ns, row_bytes = H * esize(b.spec.dtype);
+  std::vector<float> smooth(static_cast<std::size_t>((Ns + b.spec.E) * H));
+  Rng rng(b.spec.seed, 424242);
+  for (float& f : smooth) f = rng.uniform(0.25f, 4.0f);
+  DispatchInputs in = dispatch_inputs(b, rank, 1);
+  in.quant_mode = 2;
+  if (b.spec.smooth)
+    in.scales = TensorView::contiguous(smooth.data(), DType::kF32, {Ns + b.spec.E, H});
+  const DispatchOutputs first = dispatch_v2(in, config(b));
+  in.handle = &first.handle;
+  const DispatchOutputs cached = dispatch_v2(in, config(b));
+  for (const DispatchOutputs* out : {&first, &cached}) {
+    SCOPED_TRACE(out == &first ? "quant_mode 2" : "quant_mode 2, cached");
+    ASSERT_EQ(out->expand_x.dtype(), DType::kI8);
+    ASSERT_EQ(out->expand_x.size(0), want.A);
+    ASSERT_EQ(out->dynamic_scales.numel(), want.A);
+    EXPECT_EQ(values<int32_t>(out->ep_recv_counts), want.ep_recv_counts);
+    EXPECT_EQ(values<int64_t>(out->expert_token_nums), want.expert_token_nums1);
+    EXPECT_EQ(values<int32_t>(out->assist_info_for_combine, 3 * want.valid),
+              test::prefix(want.assist_info, 3 * want.valid));
+    EXPECT_EQ(values<float>(out->expand_scales), want.expand_scales);
+    const float* dyn = out->dynamic_scales.ptr<float>();
+    std::vector<int8_t> q(static_cast<std::size_t>(H));
+    for (int64_t j = 0; j < want.A; ++j) {
+      float scale = 0.0f;
+      std::fill(q.begin(), q.end(), int8_t{0});
+      if (j < want.valid) {
+        const int64_t e = want.row_expert[j];
+        const float* row = b.spec.smooth ? smooth.data() + (e >= 0 ? Ns + e : -1 - e) * H : nullptr;
+        scale = ref::quantize_row_int8(b.spec.dtype, want.expand_x.data() + j * row_bytes, row, H,
+                                       q.data());
+      }
+      const bool rows = j >= want.valid || same_bytes(out->expand_x.ptr<int8_t>() + j * H, q.data(),
+                                                      static_cast<std::size_t>(H));
+      ASSERT_TRUE(rows && same_float(dyn[j], scale))
+          << "quantised row " << j << " of " << want.valid << " differs from the reference";
+    }
+  }
+}
+
+// SPEC §2.3 with comm_quant_mode 2: the rows travel back as int8 and are summed dequantised;
+// without the handle and with it, the same bits as the reference's comm_quant sum.
+void comm_quant_combine_round(const Batch& b, const DispatchOutputs& out, const Tensor& y) {
+  const int rank = comm()->rank();
+  const auto want = ref::combine_reference(ref_inputs(b), b.world, ref::scale_expert(b.spec.E),
+                                           shared_expert(), true)[rank];
+  for (bool handle : {false, true}) {
+    SCOPED_TRACE(handle ? "comm_quant_mode 2 with the handle" : "comm_quant_mode 2");
+    CombineInputs cin = combine_inputs(b, rank, out, y);
+    cin.comm_quant_mode = 2;
+    if (handle) {
+      cin.handle = &out.handle;
+      cin.assist_info_for_combine = TensorView{};
+      cin.ep_send_counts = TensorView{};
+    }
+    const Tensor x = combine_v2(cin, config(b));
+    ASSERT_EQ(x.nbytes(), want.size());
+    EXPECT_TRUE(same_values(b.spec.dtype, x.data(), want.data(), x.nbytes()))
+        << "combine_v2 with comm_quant_mode 2 differs from the reference";
+  }
+}
+
+// dispatch (both types), the experts, combine: everything against the reference; then the
+// quantised modes the spec asks for.
 void round_trip(const Batch& b) {
   const int rank = comm()->rank();
   const auto want = ref::dispatch_reference(ref_inputs(b), b.world);
@@ -489,6 +567,8 @@ void round_trip(const Batch& b) {
       << "combine_v2 differs from SPEC §2.3 computed by the reference";
   handle_round_trip(b, out, combined[rank]);
   backward_round_trip(b, out, y);
+  if (b.spec.quant) quant_dispatch_round(b, want[rank]);
+  if (b.spec.comm_quant) comm_quant_combine_round(b, out, y);
   if (rank == 0 && b.spec.name.rfind("stress_", 0) != 0) {  // the stress run is quiet
     uint64_t h = 1469598103934665603ull;
     for (const auto& part : combined) h ^= fnv1a(part.data(), part.size()) + (h << 6);
@@ -589,6 +669,11 @@ Spec stress_spec(test::SplitMix64& rng, int W, uint64_t round) {
   s.shared_x_3d = s.shared_x && rng.below(2) == 0;
   s.nonfinite = rng.below(4) == 0;
   s.transport = rng.below(2) == 0 ? "shm" : "mpi";
+  s.quant = rng.below(3) == 0;
+  s.smooth = s.quant && rng.below(2) == 0;
+  // Under hierarchy on several nodes the int8 partials have their own sum (checked within its
+  // bound by Hierarchy.CombineWithinSpecBoundAndDeterministic), not this reference's.
+  s.comm_quant = rng.below(3) == 0 && (comm_alg() != "hierarchy" || node_ranks(W) == W);
   return s;
 }
 
@@ -600,8 +685,9 @@ std::string describe(const Spec& s) {
          std::to_string(s.Z) + "/" + std::to_string(s.C) + "/" + std::to_string(s.Q) + ", mask " +
          mask + ", uneven " + std::to_string(s.uneven) + ", inactive " +
          std::to_string(s.inactive) + ", shared_x " + std::to_string(s.shared_x) + ", nonfinite " +
-         std::to_string(s.nonfinite) + ", transport " + s.transport + ", seed " +
-         std::to_string(s.seed);
+         std::to_string(s.nonfinite) + ", transport " + s.transport + ", quant " +
+         std::to_string(s.quant) + ", smooth " + std::to_string(s.smooth) + ", comm_quant " +
+         std::to_string(s.comm_quant) + ", seed " + std::to_string(s.seed);
 }
 
 uint64_t env_count(const char* name, uint64_t fallback) {
