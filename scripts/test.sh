@@ -3,9 +3,9 @@
 # Python package into a venv (.venv) and runs pytest (python/tests).
 # MOE_EP_TEST_SANITIZE=1 also builds with AddressSanitizer + UndefinedBehaviorSanitizer into
 # build-asan/ and runs the library's tests there. MOE_EP_TEST_TSAN=1 also runs the ThreadSanitizer
-# stage (scripts/tsan.sh: clang 16, build-tsan/). MOE_EP_TEST_FUZZ=1 also builds the libFuzzer
-# targets with clang-16 into build-fuzz/ and runs each for MOE_EP_FUZZ_SECONDS (default here 30)
-# from its seed corpus (scripts/fuzz.sh). MOE_EP_TEST_PYTHON=0 skips the Python part.
+# stage (scripts/tsan.sh: clang 16, build-tsan/). Then the libFuzzer targets, built with clang-16
+# into build-fuzz/, run each for MOE_EP_FUZZ_SECONDS (default here 30) from its seed corpus
+# (scripts/fuzz.sh); MOE_EP_TEST_FUZZ=0 skips them. MOE_EP_TEST_PYTHON=0 skips the Python part.
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 moe_ep_install_deps
 moe_ep_mpi_env
@@ -25,6 +25,6 @@ fi
 if [ "${MOE_EP_TEST_TSAN:-0}" = 1 ]; then
   "$MOE_EP_ROOT/scripts/tsan.sh"
 fi
-if [ "${MOE_EP_TEST_FUZZ:-0}" = 1 ]; then
+if [ "${MOE_EP_TEST_FUZZ:-1}" = 1 ]; then
   MOE_EP_FUZZ_SECONDS=${MOE_EP_FUZZ_SECONDS:-30} "$MOE_EP_ROOT/scripts/fuzz.sh"
 fi
