@@ -701,11 +701,11 @@ TEST(Stress, RandomRoundTripsMatchTheReference) {
   const uint64_t rounds = env_count("MOE_EP_STRESS_ROUNDS", 30);
   test::SplitMix64 rng{env_count("MOE_EP_STRESS_SEED", 1)};
   const auto start = std::chrono::steady_clock::now();
-  uint64_t done = 0;
+  uint64_t done = 0, quant = 0, comm_quant = 0;
   for (uint64_t round = 0; round < rounds; ++round) {
     const Spec s = stress_spec(rng, W, round);
     if (!runnable(s, W)) continue;
-    ++done;
+    ++done, quant += s.quant, comm_quant += s.comm_quant;
     SCOPED_TRACE(describe(s));
     round_trip(make_batch(s, W));
     // Every rank stops at the same round (a failure on one rank is not seen by the others).
@@ -717,9 +717,12 @@ TEST(Stress, RandomRoundTripsMatchTheReference) {
     }
   }
   if (world_rank() == 0)
-    std::printf("[ stress ] W=%d %llu verified round trips in %.1f s\n", W,
-                static_cast<unsigned long long>(done),
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    std::printf(
+        "[ stress ] W=%d %llu verified round trips (%llu with quant_mode 2, %llu with "
+        "comm_quant_mode 2) in %.1f s\n",
+        W, static_cast<unsigned long long>(done), static_cast<unsigned long long>(quant),
+        static_cast<unsigned long long>(comm_quant),
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
 // A hosted shared expert (S = 1) gives the same bits as passing its output as shared_expert_x
