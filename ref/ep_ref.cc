@@ -218,7 +218,10 @@ std::vector<std::vector<unsigned char>> combine_reference(const std::vector<EpRa
         for (int64_t h = 0; h < H; ++h) {
           float value;
           if (e < E) {
-            if (h == 0) expert(e, dtype, row_of(r.x, i), y.data(), H), received();
+            if (h == 0) {
+              expert(e, dtype, row_of(r.x, i), y.data(), H);
+              received();
+            }
             value = yf[h];
           } else if (e < E + Z + C) {
             value = load(dtype, row_of(*r.ori_x, i), h);
