@@ -161,7 +161,7 @@ Tensor owner_rows(const CombineBackward& b, const DispatchOutputs& g, std::vecto
       void* dst = orows + j * row_bytes;
       const char* grow = grows + j * row_bytes;
       if (shared_rank) {
-        std::memcpy(dst, grow, static_cast<std::size_t>(row_bytes));
+        if (row_bytes > 0) std::memcpy(dst, grow, static_cast<std::size_t>(row_bytes));
         continue;
       }
       // The TP peer's rows: the gradient only (their dots are the peer's).
@@ -171,7 +171,7 @@ Tensor owner_rows(const CombineBackward& b, const DispatchOutputs& g, std::vecto
                          grow, b.dtype, &w[j], &y, b.dtype, 1, H);
     }
   });
-  if (R > valid)
+  if (R > valid && row_bytes > 0)  // H = 0: no row has memory
     std::memset(orows + valid * row_bytes, 0, static_cast<std::size_t>((R - valid) * row_bytes));
   return out;
 }
@@ -248,7 +248,7 @@ void source_grads(const CombineBackward& b, CombineBackwardOutputs& o) {
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(b.dtype));
   for (int64_t i = 0; i < BS; ++i) {
     const bool active = act.token(i);
-    if (in.shared_expert_x && active)
+    if (in.shared_expert_x && active && row_bytes > 0)  // H = 0: grad_out's data may be null
       std::memcpy(o.grad_shared_expert_x.ptr<char>() + i * row_bytes, row_ptr(in.grad_out, i),
                   static_cast<std::size_t>(row_bytes));
     if (!specials) continue;
