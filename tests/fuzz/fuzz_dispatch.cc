@@ -1,13 +1,14 @@
-// libFuzzer target: argument and header checks of dispatch_v2 / combine_v2 (moe_ep/dispatch.h)
-// and dispatch_workspace, on one rank. The target initialises MPI itself (a singleton: run it
-// without mpirun) and makes a Communicator over MPI_COMM_WORLD of size 1. The input picks the
-// EpConfig (mostly W = 1 and small expert counts, but any value), each tensor's dtype, shape,
-// strides and contents (fuzz_common.h: Views), the optional arguments, a cached dispatch with the
-// first call's handle (its routing perhaps changed), caller buffers, and combine_v2's inputs:
-// the dispatch's outputs (one of them perhaps altered) or the fuzzer's own. A moe_ep::Error of
-// kind InvalidArgument or Unsupported, or System for an allocation (an output the fuzzer's sizes
-// made too large) is fine; any other outcome is a finding (Timeout, Remote, Internal and an MPI
-// failure included: one rank has no peer to wait for or to blame).
+// libFuzzer target: argument and header checks of dispatch_v2 / combine_v2 (moe_ep/dispatch.h),
+// their backward ops (moe_ep/backward.h) and dispatch_workspace, on one rank. The target
+// initialises MPI itself (a singleton: run it without mpirun) and makes a Communicator over
+// MPI_COMM_WORLD of size 1. The input picks the EpConfig (mostly W = 1 and small expert counts, but
+// any value), each tensor's dtype, shape, strides and contents (fuzz_common.h: Views), the optional
+// arguments, a cached dispatch with the first call's handle (its routing perhaps changed), caller
+// buffers, and combine_v2's inputs: the dispatch's outputs (one of them perhaps altered) or the
+// fuzzer's own; or a backward op over the dispatch's handle. A moe_ep::Error of kind
+// InvalidArgument or Unsupported, or System for an allocation (an output the fuzzer's sizes made
+// too large) is fine; any other outcome is a finding (Timeout, Remote, Internal and an MPI failure
+// included: one rank has no peer to wait for or to blame).
 #include <mpi.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "fuzz_common.h"
+#include "moe_ep/backward.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/tensor.h"
@@ -187,6 +189,62 @@ void run_combine(Input& in, Views& views, const moe_ep::EpConfig& cfg, const Siz
   (void)moe_ep::combine_v2(c, cfg);
 }
 
+// The expert-side rows of a backward op: the dispatch's expand_x (a view of the fuzzer's in x's
+// dtype when it was int8), or the fuzzer's own.
+TensorView expert_rows(Input& in, Views& views, const Sizes& s,
+                       const moe_ep::DispatchOutputs& out) {
+  if (in.byte() >= 224) return views.make(s.dtype, 2, {mul(s.bs, s.k), s.h});
+  TensorView v = out.expand_x;
+  if (v.dtype == DType::kI8) v = views.make(s.dtype, 2, {v.shape[0], s.h});
+  return v;
+}
+
+// dispatch_v2_backward or combine_v2_backward (SPEC §6) over the dispatch's handle (or a
+// default-made one, or none), their other inputs the dispatch's (perhaps changed since) or the
+// fuzzer's own.
+void run_backward(Input& in, Views& views, const moe_ep::EpConfig& cfg, const Sizes& s,
+                  const moe_ep::DispatchInputs& d, const moe_ep::DispatchOutputs& out) {
+  static const moe_ep::DispatchHandle kNone;
+  const uint8_t h = in.byte();
+  const moe_ep::DispatchHandle* handle = h < 240 ? &out.handle : h < 248 ? &kNone : nullptr;
+  TensorView ids = d.expert_ids;
+  if (in.byte() >= 224) {
+    ids = views.make(DType::kI32, 2, {s.bs, s.k});
+    views.fill_ids(ids, in.flag() ? -1 : 0, all_experts(cfg) + 1);
+  }
+  std::optional<TensorView> mask = d.x_active_mask;
+  if (in.byte() >= 232)
+    mask =
+        in.flag() ? views.make(DType::kBool, 1, {s.bs}) : views.make(DType::kBool, 2, {s.bs, s.k});
+  if (in.flag()) {
+    moe_ep::DispatchBackwardInputs b;
+    b.grad_expand_x = expert_rows(in, views, s, out);
+    b.expert_ids = ids;
+    b.x_active_mask = mask;
+    b.handle = handle;
+    (void)moe_ep::dispatch_v2_backward(b, cfg);
+    return;
+  }
+  moe_ep::CombineBackwardInputs c;
+  c.grad_out = views.make(s.dtype, 2, {s.bs, s.h});
+  c.expand_x = expert_rows(in, views, s, out);
+  c.expert_ids = ids;
+  c.expert_scales = d.expert_scales && in.byte() < 224 ? *d.expert_scales
+                                                       : views.make(DType::kF32, 2, {s.bs, s.k});
+  c.x_active_mask = mask;
+  c.shared_expert_x = in.flag();
+  const int64_t q = cfg.const_expert_num;
+  if (cfg.copy_expert_num > 0 || q > 0 || in.byte() >= 224)
+    c.ori_x = views.make(s.dtype, 2, {s.bs, s.h});
+  if (q > 0 || in.byte() >= 240) {
+    c.const_expert_alpha_1 = views.make(s.dtype, 2, {q, s.h});
+    c.const_expert_alpha_2 = views.make(s.dtype, 2, {q, s.h});
+    c.const_expert_v = views.make(s.dtype, 2, {q, s.h});
+  }
+  c.handle = handle;
+  (void)moe_ep::combine_v2_backward(c, cfg);
+}
+
 void run(Input& in) {
   Views views(in);
   const moe_ep::EpConfig cfg = config(in);
@@ -217,6 +275,10 @@ void run(Input& in) {
     if (in.flag() && d.expert_ids.data != nullptr && d.expert_ids.numel() > 0)
       static_cast<int32_t*>(d.expert_ids.data)[0] = static_cast<int32_t>(in.size());
     (void)moe_ep::dispatch_v2(again, cfg);
+  }
+  if (what >= 176) {  // a backward op over this dispatch
+    run_backward(in, views, cfg, s, d, out);
+    return;
   }
   run_combine(in, views, cfg, s, d, &out);
 }
