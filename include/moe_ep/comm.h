@@ -1,12 +1,13 @@
 // The communicator: an MPI communicator plus moe-ep's deadline settings.
 //
 // moe-ep duplicates the caller's MPI communicator (MPI_Comm_idup, collective over it, waited on
-// with the deadline), so its messages never match the caller's. Every blocking wait inside an op polls non-blocking MPI
-// requests against a deadline; on expiry the op throws Error(kTimeout) naming this rank, the peer
-// still pending and the phase. After a timeout the communicator is unusable: sends of the op that
-// timed out may still be posted and read the caller's input (x, expand_x) if a late peer matches
-// them, so keep those inputs alive until the job ends (or MPI is aborted), and do not reuse the
-// communicator. moe-ep's own buffers are kept alive for the rest of the process.
+// with the deadline), so its messages never match the caller's. Every blocking wait inside an op
+// polls non-blocking MPI requests against a deadline; on expiry the op throws Error(kTimeout)
+// naming this rank, the peer still pending and the phase. After a timeout the communicator is
+// unusable: sends of the op that timed out may still be posted and read the caller's input (x,
+// expand_x) if a late peer matches them, so keep those inputs alive until the job ends (or MPI is
+// aborted), and do not reuse the communicator. moe-ep's own buffers are kept alive for the rest of
+// the process.
 #pragma once
 
 #include <mpi.h>
@@ -105,6 +106,9 @@ class MOE_EP_API Communicator {
   mutable int node_ranks_ = 0;
   mutable int node_ranks_env_ = -1;
   mutable Traffic traffic_;
+  // The first failure of an op's wait on this communicator (a timeout, an MPI error), or "":
+  // afterwards messages of the failed op may still be in flight, so no later op may start on it.
+  mutable std::string broken_;
   // Unique in the process: a plan names its communicator by it, not by its address (which a
   // later communicator may reuse).
   uint64_t serial_ = 0;

@@ -3,12 +3,15 @@
 #include <mpi.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "base/check.h"
 #include "base/env.h"
@@ -67,10 +70,20 @@ void note_this_machine(MPI_Comm comm) {
   detail::note_node(ranks, CPU_COUNT(&all));
 }
 
+// The MPI communicators whose duplication timed out: their MPI_Comm_idup is still pending, so a
+// new collective over one would pair, on the late ranks, with that idup instead of its own.
+std::mutex g_pending_mutex;
+std::vector<MPI_Comm> g_pending_dup;
+
+bool dup_pending(MPI_Comm comm) {
+  std::lock_guard<std::mutex> lock(g_pending_mutex);
+  return std::find(g_pending_dup.begin(), g_pending_dup.end(), comm) != g_pending_dup.end();
+}
+
 // MPI_Comm_idup waited on with the deadline: a rank that never creates its Communicator (it
 // exited, stopped, or took another path) is a Timeout, not a hang in MPI_Comm_dup. On timeout
 // the duplication stays pending (a collective cannot be cancelled): the handle MPI will write
-// when it completes lives on the heap and leaks with it.
+// when it completes lives on the heap and leaks with it, and `comm` is refused from then on.
 void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
   auto* out = new MPI_Comm(MPI_COMM_NULL);
   MPI_Request request = MPI_REQUEST_NULL;
@@ -88,6 +101,10 @@ void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
       return;
     }
     if (std::chrono::steady_clock::now() >= deadline) {
+      {
+        std::lock_guard<std::mutex> lock(g_pending_mutex);
+        g_pending_dup.push_back(comm);
+      }
       int rank = 0, size = 0;
       MPI_Comm_rank(comm, &rank);
       MPI_Comm_size(comm, &size);
@@ -115,6 +132,12 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
   if (!initialized || finalized)
     detail::invalid("Communicator: MPI is not initialised (call MPI_Init first)");
   if (comm == MPI_COMM_NULL) detail::invalid("Communicator: comm is MPI_COMM_NULL");
+  if (dup_pending(comm))
+    detail::invalid(
+        "Communicator: an earlier Communicator over this MPI communicator timed out while "
+        "duplicating it, and that MPI_Comm_idup is still pending: a new collective over it would "
+        "pair, on the late ranks, with the pending one. Make it over another MPI communicator "
+        "(every rank alike), or end the job");
   MPI_Comm dup = MPI_COMM_NULL;
   duplicate(comm, timeout, &dup);
   // Errors come back as codes that moe-ep turns into Error(kSystem), not as aborts.

@@ -25,6 +25,7 @@ struct CommInternals {
   static int& node_ranks(const Communicator& comm) { return comm.node_ranks_; }
   static int& node_ranks_env(const Communicator& comm) { return comm.node_ranks_env_; }
   static Traffic& traffic(const Communicator& comm) { return comm.traffic_; }
+  static std::string& broken(const Communicator& comm) { return comm.broken_; }
 };
 
 // The deadline from_mpi uses: options.timeout_s (finite, > 0), else $MOE_EP_TIMEOUT_S, else

@@ -177,6 +177,7 @@ void Exchange::wait() {
       late.erase(std::unique(late.begin(), late.end()), late.end());
       std::ostringstream peers;
       for (std::size_t i = 0; i < late.size(); ++i) peers << (i ? ", " : "") << late[i];
+      broken(cat(op_, " timed out in phase '", phase_, "' waiting for rank(s) ", peers.str()));
       fail(ErrorKind::kTimeout, op_, ": rank ", comm_.rank(), " timed out after ",
            comm_.timeout_s(), " s in phase '", phase_, "' waiting for rank(s) ", peers.str(), " (",
            pending, " of ", n, " requests pending; a rank may not have called ", op_,
@@ -206,9 +207,16 @@ void Exchange::wait() {
          " received more data than posted for in phase '", phase_, "' (", mpi_failure,
          "); every receive is sized from what its sender announced, so "
          "this is a bug (please report it)");
-  if (!mpi_failure.empty())
+  if (!mpi_failure.empty()) {
+    broken(cat(op_, " failed in MPI in phase '", phase_, "': ", mpi_failure));
     fail(ErrorKind::kSystem, op_, ": MPI failed in phase '", phase_, "' on rank ", comm_.rank(),
          ": ", mpi_failure);
+  }
+}
+
+void Exchange::broken(std::string what) const {
+  std::string& first = CommInternals::broken(comm_);
+  if (first.empty()) first = std::move(what);
 }
 
 void Exchange::progress() const {

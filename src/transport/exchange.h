@@ -84,6 +84,9 @@ class Exchange {
 
  private:
   void make_room();  // capacity for one more request, reserved before it is posted
+  // Marks the communicator unusable with `what` (the first failure only): require_comm refuses
+  // later ops on it.
+  void broken(std::string what) const;
   struct Posted {
     int peer;
     bool recv;

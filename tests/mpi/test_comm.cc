@@ -121,6 +121,17 @@ TEST(Communicator, CreationTimesOutWhenARankIsMissing) {
     const double waited =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_GE(waited, 0.5);
+    // That MPI_Comm_idup is still pending: a second Communicator over comm is refused at once
+    // (its idup would pair with the pending one on the late ranks, and hang or mismatch).
+    try {
+      Communicator::from_mpi(comm, {.timeout_s = 0.5});
+      ADD_FAILURE() << "a second Communicator over a pending duplication was made";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("that MPI_Comm_idup is still pending"),
+                std::string::npos)
+          << e.what();
+    }
   }
   MPI_Barrier(MPI_COMM_WORLD);  // rank 0 has given up
   if (rank != 0) {

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -945,6 +946,22 @@ TEST(DispatchTimeout, MissingRankTimesOut) {
                   std::string::npos)
             << e.what();
       }
+      // The communicator is unusable now (its header messages are still posted, where a late
+      // rank's call would take them): the next op on it is refused at once, naming the failure.
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        dispatch_v2(dispatch_inputs(b), c);
+        ADD_FAILURE() << "a second op on a timed-out communicator ran";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument) << e.what();
+        EXPECT_NE(std::string(e.what()).find(
+                      "dispatch_v2: group_ep is unusable: an earlier op on it failed (dispatch_v2 "
+                      "timed out in phase 'header' waiting for rank(s) 1"),
+                  std::string::npos)
+            << e.what();
+      }
+      EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                0.5);
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <utility>
 
 #include "base/check.h"
 #include "base/env.h"
@@ -196,6 +197,15 @@ void compute_capacity(const char* op, int64_t global_bs, EpShape& sh) {
 
 const Communicator& require_comm(const char* op, const EpConfig& cfg) {
   if (cfg.group_ep == nullptr) invalid(op, ": group_ep is null");
+  for (const auto& [name, group] :
+       {std::pair{"group_ep", cfg.group_ep}, std::pair{"group_tp", cfg.group_tp}}) {
+    if (group == nullptr) continue;
+    if (const std::string& why = CommInternals::broken(*group); !why.empty())
+      invalid(op, ": ", name, " is unusable: an earlier op on it failed (", why,
+              ") and its messages may still be in flight, where a new op would take them for its "
+              "own. Release the communicator on every rank (Python: moe_ep.torch.release_group) "
+              "and make a new one, or end the job");
+  }
   return *cfg.group_ep;
 }
 
