@@ -6,8 +6,10 @@
 // naming this rank, the peer still pending and the phase. After a timeout the communicator is
 // unusable: sends of the op that timed out may still be posted and read the caller's input (x,
 // expand_x) if a late peer matches them, so keep those inputs alive until the job ends (or MPI is
-// aborted), and do not reuse the communicator. moe-ep's own buffers are kept alive for the rest of
-// the process.
+// aborted). Later ops on it (as group_ep or group_tp) are refused with Error(kInvalidArgument)
+// naming the failure, as after an MPI error in an op: release it and make a new one. moe-ep's own
+// buffers are kept alive for the rest of the process. A duplication that timed out stays pending:
+// from_mpi then refuses that MPI communicator (Error(kInvalidArgument)).
 #pragma once
 
 #include <mpi.h>
@@ -60,7 +62,8 @@ class MOE_EP_API Communicator {
   // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout or a negative
   // shm_window_bytes, Error(kTimeout) when another rank of `comm` does not create its
   // Communicator within the deadline (the duplication is then left pending and leaks: `comm`
-  // must not be used for collectives again unless the missing ranks join it late).
+  // must not be used for collectives again unless the missing ranks join it late, and from_mpi
+  // refuses it from then on with Error(kInvalidArgument)).
   static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});
 
   // Frees the duplicate (if MPI is not finalised yet); local, never blocks, never throws. When
