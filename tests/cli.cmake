@@ -329,6 +329,10 @@ cli_expect_error_once(load_bad_seed
                       "InvalidArgument: routing file '[^']*seed.safetensors': metadata seed = 'xyz' is not an unsigned integer"
                       "${_run2} --load-routing ${_bad}/seed.safetensors"
                       FIXTURES_REQUIRED cli_bad_ids)
+cli_expect_error_once(load_bad_expert_count
+                      "InvalidArgument: --load-routing '[^']*experts.safetensors': metadata moe_expert_num = 'abc' is not a decimal integer"
+                      "${_run2} --load-routing ${_bad}/experts.safetensors"
+                      FIXTURES_REQUIRED cli_bad_ids)
 cli_expect_error_once(load_nan_scale
                       "InvalidArgument: routing file '[^']*nan.safetensors': expert_scales\\[3,0\\] = nan is not finite"
                       "${_run2} --load-routing ${_bad}/nan.safetensors"
@@ -751,6 +755,10 @@ set_tests_properties(cli.plan.matches_measured_bytes PROPERTIES ENVIRONMENT "${M
                                                                  TIMEOUT 300 PROCESSORS 4)
 cli_expect_output(plan_deepseek "inter-node byte ratio hierarchy/fullmesh: dispatch [0-9.]+, combine [0-9.]+"
                   "${_exe} plan --preset deepseek-v3 --ranks 256 --ranks-per-node 16")
+cli_expect_error(plan_link_nan "--link-gbit: must be a finite number of Gbit/s > 0, got nan"
+                 "${_exe} plan --link-gbit nan --ranks 4 --ranks-per-node 2")
+cli_expect_error(plan_link_zero "--link-gbit: must be a finite number of Gbit/s > 0, got 0"
+                 "${_exe} plan --link-gbit 0")
 cli_expect_usage_error(plan_uneven_nodes "moe-ep plan: --ranks 10 is not a multiple of --ranks-per-node 4"
                        "plan --ranks 10 --ranks-per-node 4")
 

@@ -9,10 +9,10 @@
       fp32 arithmetic is emulated with doubles rounded through array('f') (exact: a product or sum of
       two floats is rounded once from a double holding it to within double rounding's innocuous
       bound).
-  stcheck.py corrupt IN OUT --mode repeat|range|nan|inf|seed --experts E
+  stcheck.py corrupt IN OUT --mode repeat|range|nan|inf|seed|experts --experts E
       Copies a routing file, making token 0 repeat its first expert (repeat), giving the last
       token's last slot the id E + 3 (range), setting expert_scales[3,0] to NaN (nan) or x[5,17]
-      to +inf (inf), or the metadata seed to 'xyz' (seed).
+      to +inf (inf), the metadata seed to 'xyz' (seed), or moe_expert_num to 'abc' (experts).
 """
 import argparse
 import json
@@ -140,8 +140,10 @@ def corrupt(args):
         x = decode(xdt, xdata)
         x[5 * H + 17] = float("inf")
         t["x"] = (xdt, [n, H], encode(xdt, x))
-    else:
+    elif args.mode == "seed":
         meta["seed"] = "xyz"
+    else:
+        meta["moe_expert_num"] = "abc"
     t["expert_ids"] = (dtype, [N, K], struct.pack("<%di" % (N * K), *ids))
     write(args.output, t, meta)
 
@@ -157,7 +159,7 @@ def main():
     b = sub.add_parser("corrupt")
     b.add_argument("input")
     b.add_argument("output")
-    b.add_argument("--mode", choices=["repeat", "range", "nan", "inf", "seed"], required=True)
+    b.add_argument("--mode", choices=["repeat", "range", "nan", "inf", "seed", "experts"], required=True)
     b.add_argument("--experts", type=int, required=True)
     b.set_defaults(fn=corrupt)
     args = p.parse_args()

@@ -140,15 +140,17 @@ std::string check_unsigned(const std::string& text) {
   return {};
 }
 
-std::string check_timeout(const std::string& text) {
+std::string check_positive(const std::string& text, const std::string& unit) {
   char* end = nullptr;
   errno = 0;
   const double v = text.empty() ? 0 : std::strtod(text.c_str(), &end);
   if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(v) || !(v > 0)) {
-    return "must be a finite number of seconds > 0, got " + text;
+    return "must be a finite number of " + unit + " > 0, got " + text;
   }
   return {};
 }
+
+std::string check_timeout(const std::string& text) { return check_positive(text, "seconds"); }
 
 void check_sizes(const RunShape& s) {
   const int64_t W = s.world, H = s.hidden, E = s.experts, K = s.top_k, F = s.ffn;

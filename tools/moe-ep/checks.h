@@ -37,6 +37,8 @@ std::string check_integer(const std::string& text, int64_t low, int64_t high,
 std::string check_unsigned(const std::string& text);
 // A finite number of seconds > 0.
 std::string check_timeout(const std::string& text);
+// "" when `text` is a finite number > 0, else "must be a finite number of <unit> > 0, got <text>".
+std::string check_positive(const std::string& text, const std::string& unit);
 
 // What the run's sizes are and where they came from (for the messages).
 struct RunShape {

@@ -255,7 +255,7 @@ void add_plan_options(CLI::App* plan, PlanOptions& o) {
   plan->add_option("--comm-quant", o.comm_quant, "combine rows and partials: none or int8")
       ->check(CLI::IsMember({"none", "int8"}));
   plan->add_option("--link-gbit", o.link_gbit, "each node's link in Gbit/s (default 100)")
-      ->check(CLI::PositiveNumber);
+      ->check(validator([](const std::string& v) { return check_positive(v, "Gbit/s"); }, "> 0"));
   plan->add_option("--seed", o.seed, "unsigned seed (default 0) of the routing")
       ->check(validator(check_unsigned, "[0, 2^64 - 1]"));
   plan->add_option("--routing", o.routing,

@@ -1,9 +1,12 @@
 #include "run_plan.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <numeric>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -183,14 +186,20 @@ void plan_placement(const RunOptions& o, Plan& p, int64_t W) {
 }
 
 // The integer value of a metadata key: 0 when absent, -1 when not an integer.
-int64_t metadata_count(const Batch& file, const char* key) {
+// The integer the file's metadata holds under `key` (0 when absent); kInvalidArgument naming the
+// key and the value when it is not a decimal integer.
+int64_t metadata_count(const Batch& file, const char* key, const std::string& where) {
   auto it = file.metadata.find(key);
   if (it == file.metadata.end()) return 0;
-  try {
-    return std::stoll(it->second);
-  } catch (const std::exception&) {
-    return -1;
-  }
+  const std::string& v = it->second;
+  errno = 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || errno == ERANGE)
+    throw Error(ErrorKind::kInvalidArgument, where + "metadata " + key + " = '" + v +
+                                                 "' is not a decimal integer (a file moe-ep "
+                                                 "run --save-routing wrote has one)");
+  return n;
 }
 
 // A loaded batch must fit the layer: H, K, E and the special-expert counts it was saved with.
@@ -210,11 +219,11 @@ void check_file_fits(const RunOptions& o, const Plan& p) {
                     layer.name + " has K = " + std::to_string(layer.top_k) +
                     " (choose the preset or --top-k it was saved with)");
   }
-  if (auto it = file.metadata.find("moe_expert_num");
-      it != file.metadata.end() && it->second != std::to_string(layer.experts)) {
+  if (file.metadata.count("moe_expert_num") &&
+      metadata_count(file, "moe_expert_num", where) != layer.experts) {
     throw Error(ErrorKind::kInvalidArgument,
-                where + "saved with E = " + it->second + ", the preset " + layer.name +
-                    " has E = " + std::to_string(layer.experts) +
+                where + "saved with E = " + file.metadata.at("moe_expert_num") + ", the preset " +
+                    layer.name + " has E = " + std::to_string(layer.experts) +
                     " (choose the preset or --experts it was saved with)");
   }
   const std::tuple<const char*, const char*, int64_t> counts[] = {
@@ -222,7 +231,7 @@ void check_file_fits(const RunOptions& o, const Plan& p) {
       {"copy_expert_num", "--copy-experts", p.C},
       {"const_expert_num", "--const-experts", p.Q}};
   for (const auto& [key, flag, value] : counts) {
-    const int64_t saved = metadata_count(file, key);
+    const int64_t saved = metadata_count(file, key, where);
     if (saved != value) {
       throw Error(ErrorKind::kInvalidArgument,
                   where + "saved with " + key + " = " +
