@@ -755,6 +755,11 @@ set_tests_properties(cli.plan.matches_measured_bytes PROPERTIES ENVIRONMENT "${M
                                                                  TIMEOUT 300 PROCESSORS 4)
 cli_expect_output(plan_deepseek "inter-node byte ratio hierarchy/fullmesh: dispatch [0-9.]+, combine [0-9.]+"
                   "${_exe} plan --preset deepseek-v3 --ranks 256 --ranks-per-node 16")
+# Ranks given other options (each would compute other data, or take other steps) are named at
+# once, on every rank.
+cli_expect_error(options_differ
+                 "moe-ep: rank\\(s\\) 1 were given another command line than rank 0; every rank must be given the same options"
+                 "${_mpi} -n 1 ${_exe} run --tokens 8 --seed 1 : -n 1 ${_exe} run --tokens 8 --seed 2")
 cli_expect_error(plan_link_nan "--link-gbit: must be a finite number of Gbit/s > 0, got nan"
                  "${_exe} plan --link-gbit nan --ranks 4 --ranks-per-node 2")
 cli_expect_error(plan_link_zero "--link-gbit: must be a finite number of Gbit/s > 0, got 0"

@@ -1,4 +1,5 @@
-"""Fault cases (issue 23): a rank that exits early, calls an extra op, is SIGSTOPped past the
+"""Fault cases (issue 23): a rank that exits early, calls an extra op (the tool: is given an extra
+iteration, named at the command-line comparison), is SIGSTOPped past the
 deadline or is SIGKILLed, under `moe-ep bench` and under the Python front. Each case runs one
 mpirun job and checks, from outside:
   - every process exits (mpirun returns) within deadline + 5 s of the fault;
@@ -167,6 +168,7 @@ _NAMED = [
     re.compile(r"ranks? ([0-9, and]+?) did not arrive"),
     re.compile(r"rank ([0-9]+) (?:failed|exited|died|is gone)"),
     re.compile(r"is at .*?, rank ([0-9]+) at "),  # the tool: a rank at another step
+    re.compile(r"rank\(s\) ([0-9, ]+) were given another command line"),  # the tool
 ]
 
 
@@ -253,7 +255,8 @@ def cli_cases(tool: str) -> Dict[str, callable]:
         return job, survivors, {CULPRIT}, fault
 
     def extra_op():
-        # Rank 1 times one more iteration than the others: they wait for it in the next step.
+        # Rank 1 is told to time one more iteration than the others: every rank names it at the
+        # command-line comparison, before any op.
         fault = healthy_end()
         job = run_job(mpmd(bench_args(tool, 4), 3), {})
         return job, survivors, {CULPRIT}, fault

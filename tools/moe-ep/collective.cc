@@ -158,6 +158,39 @@ void present(const char* what) {
 
 void barrier_idle(const char* what) { present(what); }
 
+void same_command_line(const std::string& args, bool compared) {
+  present("the command-line comparison");
+  uint64_t mine = 0;  // 0: not compared; else FNV-1a of the arguments, never 0
+  if (compared) {
+    mine = 1469598103934665603ull;
+    for (const char c : args) mine = (mine ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+    mine |= 1;
+  }
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  std::vector<uint64_t> all(static_cast<std::size_t>(world));
+  MPI_Request request;
+  MPI_Iallgather(&mine, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD, &request);
+  wait_idle(&request, "the command-line comparison");
+  const auto first = std::find_if(all.begin(), all.end(), [](uint64_t h) { return h != 0; });
+  if (first == all.end()) return;
+  std::string differ;
+  for (auto it = first + 1; it != all.end(); ++it)
+    if (*it != 0 && *it != *first)
+      differ += (differ.empty() ? "" : ", ") + std::to_string(it - all.begin());
+  if (differ.empty() || !compared) return;
+  std::string shown = args;
+  std::replace(shown.begin(), shown.end(), '\0', ' ');
+  if (!shown.empty()) shown.pop_back();  // the last argument's end
+  throw Error(ErrorKind::kInvalidArgument,
+              std::string(g_command) + ": rank(s) " + differ +
+                  " were given another command line than rank " +
+                  std::to_string(first - all.begin()) +
+                  "; every rank must be given the same options (other data or steps on one rank "
+                  "give wrong results or waits). Rank " +
+                  std::to_string(world_rank()) + "'s: '" + shown + "'");
+}
+
 void agree_on_error(const std::exception_ptr& error, const char* when) {
   const int rank = world_rank();
   present("the error agreement");

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -40,6 +41,13 @@ void wait_idle(MPI_Request* request, const char* what);
 void present(const char* what);
 // present(what).
 void barrier_idle(const char* what);
+
+// Collective: the ranks that are `compared` (those that run a command) were given the same
+// arguments `args` (argv after the program name, each ended by '\0'), else each of them throws
+// Error(kInvalidArgument) naming the ranks whose arguments differ from the lowest compared rank's
+// and showing its own. A rank not compared (it only prints, e.g. --version) takes part and
+// returns.
+void same_command_line(const std::string& args, bool compared);
 
 // Collective. Every rank learns whether any failed in a local step (`when`: "before the run",
 // "writing the results"): the lowest failed rank rethrows its error, the others throw kRemote

@@ -14,6 +14,7 @@
 #include <exception>
 #include <new>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "bench.h"
@@ -75,13 +76,18 @@ int fail(const char* kind, const char* message, bool remote, bool agreed) {
 // Collective: the command line's outcome when it runs nothing (-1 when it is a command to run).
 // Ranks parse the same argv, but a file check (--load-routing) may differ between machines:
 // they agree, and the lowest failing rank prints its error.
-int finish_command_line(const CommandLine& line, int rank) {
+int finish_command_line(const CommandLine& line, int rank, const std::string& args) {
   std::exception_ptr error;
   if (line.action == CommandLine::Action::kError) {
     error = std::make_exception_ptr(moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, line.text));
   }
   try {
     moe_ep_tool::agree_on_error(error, "parsing the command line");
+    // Options that differ across ranks would give each rank other data (--seed, --ffn, --mask)
+    // or other steps: refused on every rank before any op. A rank that only prints takes part
+    // (the others' next step would otherwise wait for it) without being compared.
+    moe_ep_tool::same_command_line(args, line.action == CommandLine::Action::kRun ||
+                                             line.action == CommandLine::Action::kBench);
   } catch (const moe_ep::Error& e) {
     if (e.kind() == moe_ep::ErrorKind::kInvalidArgument) print_error("InvalidArgument", e.what());
     if (e.kind() == moe_ep::ErrorKind::kTimeout) throw;
@@ -140,7 +146,9 @@ int main(int argc, char** argv) {
   moe_ep_tool::set_wait_context("moe-ep", agreement_deadline(line));
   int code = -1;
   try {
-    code = finish_command_line(line, rank);
+    std::string args;  // argv after the program name, each ended by '\0'
+    for (int i = 1; i < argc; ++i) (args += argv[i]) += '\0';
+    code = finish_command_line(line, rank, args);
   } catch (const moe_ep::Error& e) {  // the agreement timed out: a rank is missing
     fail(moe_ep::error_kind_name(e.kind()), e.what(), false, false);
   }
