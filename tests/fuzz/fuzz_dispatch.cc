@@ -136,6 +136,21 @@ void poke(Input& in, const Tensor& t) {
   t.ptr<int32_t>()[i] = static_cast<int32_t>(in.size());
 }
 
+// The special experts' inputs of combine_v2 or combine_v2_backward (SPEC §2.2): ori_x when copy
+// or const experts need it, the const tables when const experts do, or when the input says.
+template <typename Inputs>
+void special_inputs(Input& in, Views& views, const moe_ep::EpConfig& cfg, const Sizes& s,
+                    Inputs& c) {
+  const int64_t q = cfg.const_expert_num;
+  if (cfg.copy_expert_num > 0 || q > 0 || in.byte() >= 224)
+    c.ori_x = views.make(s.dtype, 2, {s.bs, s.h});
+  if (q > 0 || in.byte() >= 240) {
+    c.const_expert_alpha_1 = views.make(s.dtype, 2, {q, s.h});
+    c.const_expert_alpha_2 = views.make(s.dtype, 2, {q, s.h});
+    c.const_expert_v = views.make(s.dtype, 2, {q, s.h});
+  }
+}
+
 void run_combine(Input& in, Views& views, const moe_ep::EpConfig& cfg, const Sizes& s,
                  const moe_ep::DispatchInputs& d, const moe_ep::DispatchOutputs* out) {
   moe_ep::CombineInputs c;
@@ -175,14 +190,7 @@ void run_combine(Input& in, Views& views, const moe_ep::EpConfig& cfg, const Siz
   if (in.byte() >= 224) c.expand_scales = views.make(DType::kF32, 1, {mul(s.bs, s.k)});
   if (in.byte() >= 224) c.shared_expert_x = views.make(s.dtype, in.flag() ? 2 : 3, {s.bs, s.h});
   if (d.elastic_info && in.byte() < 224) c.elastic_info = d.elastic_info;
-  const int64_t q = cfg.const_expert_num;
-  if (cfg.copy_expert_num > 0 || q > 0 || in.byte() >= 224)
-    c.ori_x = views.make(s.dtype, 2, {s.bs, s.h});
-  if (q > 0 || in.byte() >= 240) {
-    c.const_expert_alpha_1 = views.make(s.dtype, 2, {q, s.h});
-    c.const_expert_alpha_2 = views.make(s.dtype, 2, {q, s.h});
-    c.const_expert_v = views.make(s.dtype, 2, {q, s.h});
-  }
+  special_inputs(in, views, cfg, s, c);
   if (in.byte() >= 240) c.performance_info = views.make(DType::kI64, 1, {cfg.ep_world_size});
   c.comm_quant_mode = in.byte() < 192 ? 0 : small(in, 2);
   if (in.byte() >= 224) c.out = views.make(s.dtype, 2, {s.bs, s.h});
@@ -233,14 +241,7 @@ void run_backward(Input& in, Views& views, const moe_ep::EpConfig& cfg, const Si
                                                        : views.make(DType::kF32, 2, {s.bs, s.k});
   c.x_active_mask = mask;
   c.shared_expert_x = in.flag();
-  const int64_t q = cfg.const_expert_num;
-  if (cfg.copy_expert_num > 0 || q > 0 || in.byte() >= 224)
-    c.ori_x = views.make(s.dtype, 2, {s.bs, s.h});
-  if (q > 0 || in.byte() >= 240) {
-    c.const_expert_alpha_1 = views.make(s.dtype, 2, {q, s.h});
-    c.const_expert_alpha_2 = views.make(s.dtype, 2, {q, s.h});
-    c.const_expert_v = views.make(s.dtype, 2, {q, s.h});
-  }
+  special_inputs(in, views, cfg, s, c);
   c.handle = handle;
   (void)moe_ep::combine_v2_backward(c, cfg);
 }
