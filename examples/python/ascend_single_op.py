@@ -1,6 +1,7 @@
-"""The single-op example of torch_npu's npu_moe_distribute_combine_v2 document (../shared/seeds/
-002_42503cbd757df1a9.txt, "单算子模式调用"), ported to CPU by swapping its import and its group
-set-up, then checked against a dense reference (the check is this port's addition).
+"""The single-op example ("单算子模式调用", "the seed" below) of torch_npu's
+npu_moe_distribute_combine_v2 document (Ascend/op-plugin; docs/spec.md), ported to CPU by swapping
+its import and its group set-up, then checked against a dense reference (the check is this port's
+addition).
 
     mpirun -n 4 --oversubscribe python examples/python/ascend_single_op.py
 

@@ -1,5 +1,5 @@
 // Sharded permute / unpermute on hidden-dimension shards: SPEC §5 (the DTensor sharding rules of
-// torch_npu's npu_moe_token_permute / unpermute family, seeds/000).
+// torch_npu's npu_moe_token_permute / unpermute family, torch_npu/distributed/tensor/_moe_ops.py).
 //
 // A 1-D mesh is a Communicator: mesh rank r holds one piece of every distributed tensor. A
 // distributed tensor (DTensor) is this rank's local piece plus the global shape and a placement:

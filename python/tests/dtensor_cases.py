@@ -41,7 +41,7 @@ import torch
 
 R, S = "R", "S"
 
-# SPEC §5's table, written out from SPEC.md (not from moe_ep): op -> strategy -> (inputs,
+# SPEC §5's table, written out from docs/spec.md (not from moe_ep): op -> strategy -> (inputs,
 # outputs). "R" Replicate, "S1" Shard(1), "P" Partial, "-" absent. Inputs list the tensor
 # arguments by their schema names; `probs` (and unpermute_grad_v2's permuted_tokens) are "-"
 # when absent. Outputs are in the op's return order; grad_probs without probs is "-".

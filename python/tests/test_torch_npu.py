@@ -1,5 +1,5 @@
 """moe_ep.torch_npu takes exactly torch_npu's keyword names, defaults and argument order (the
-signatures below are torch_npu's, as SPEC.md states them from its documents). The ops
+signatures below are torch_npu's, as docs/spec.md states them from its documents). The ops
 themselves run in mpi_autograd_cases.py (torch_npu_names, ascend_single_op_example)."""
 
 from __future__ import annotations
