@@ -93,9 +93,9 @@ Iterations::Iterations(const BenchOptions& o, const Setup& s, const Point& p,
 
 template <typename F>
 void Iterations::timed(Op op, bool guard, F&& fn) {
-  // present() is the barrier itself: a blocking MPI_Barrier after it left a window in which a
-  // rank that died was outwaited by the watchdog, not named.
-  present("a barrier between timed ops");
+  // The presence rounds are the barrier itself: a blocking MPI_Barrier after them left a window
+  // in which a rank that died was outwaited by the watchdog, not named.
+  line_up("a barrier between timed ops");
   if (guard) dog_.arm("a baseline's MPI collective");
   const double t0 = now_s();
   fn();

@@ -1,5 +1,7 @@
 #include "collective.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -8,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "common.h"
 #include "moe_ep/error.h"
@@ -124,7 +127,8 @@ void present(const char* what) {
       missing.push_back(r);
     }
   }
-  const double deadline = now_s() + g_timeout_s;
+  const double start = now_s(), deadline = start + g_timeout_s;
+  constexpr double kSpinS = 2e-3;
   std::vector<int> index(n);
   bool all = false;
   for (int polls = 0; missing.empty(); ++polls) {
@@ -133,8 +137,16 @@ void present(const char* what) {
       break;  // a receive failed: its peer is gone, named below
     }
     if ((all = done == MPI_UNDEFINED)) break;
-    if (now_s() > deadline) break;
-    if (polls > 100) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    const double now = now_s();
+    if (now > deadline) break;
+    // Yield for the first kSpinS (a peer a little behind is seen at once, and oversubscribed
+    // ranks still leave the CPU to it), then sleep: a sleeping rank leaves this round up to a
+    // sleep (and its wake-up) after the last arrival.
+    if (now - start < kSpinS || polls < 100) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
   if (all) {
     // Every peer posted its receive before its send arrived here: the sends complete now.
@@ -157,6 +169,14 @@ void present(const char* what) {
 }
 
 void barrier_idle(const char* what) { present(what); }
+
+void line_up(const char* what) {
+  // The first round waits as long as it must, sleeping when long, so the ranks leave it up to a
+  // sleep apart; the second then starts within that on every rank, ends while each one still
+  // yields, and lets them go within microseconds of each other.
+  present(what);
+  present(what);
+}
 
 void same_command_line(const std::string& args, bool compared) {
   present("the command-line comparison");

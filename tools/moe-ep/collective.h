@@ -41,6 +41,10 @@ void wait_idle(MPI_Request* request, const char* what);
 void present(const char* what);
 // present(what).
 void barrier_idle(const char* what);
+// A barrier before a timed op: present(what) twice, so that the ranks leave it together (one
+// round lets a rank that slept out a long wait leave late, and the op after it would count that
+// skew as its own time). Errors as present().
+void line_up(const char* what);
 
 // Collective: the ranks that are `compared` (those that run a command) were given the same
 // arguments `args` (argv after the program name, each ended by '\0'), else each of them throws
