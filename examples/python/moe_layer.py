@@ -125,7 +125,9 @@ def moe_forward_dense(x, router, experts, args) -> torch.Tensor:
     return out
 
 
-@torch.no_grad()  # inference: dispatch_v2 / combine_v2 have no autograd
+# Inference: no gradients here. dispatch_v2 / combine_v2 are differentiable (SPEC §6, with
+# combine_v2 given handle=); examples/python/train_moe.py trains a MoE block through them.
+@torch.no_grad()
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--experts", type=int, default=8, help="E, a multiple of the world size")
