@@ -219,7 +219,8 @@ void print_measurements(const RunOptions& o, const Plan& p, const std::vector<Ra
     for (const RankStats& s : all) sum += s.*field;
     return fmt("%.3f", sum / W / 1e6);
   };
-  print_wrapped("bytes per rank, MB (moved by the first call, mean over ranks; comm_alg " +
+  print_wrapped("bytes per rank, MB (all that the first call moved: the rows with their per-row "
+                "metadata and the counts; mean over ranks; comm_alg " +
                     o.comm_alg + "): dispatch inter-node " + mb(&RankStats::dispatch_inter) +
                     ", intra-node " + mb(&RankStats::dispatch_intra) + "; combine inter-node " +
                     mb(&RankStats::combine_inter) + ", intra-node " + mb(&RankStats::combine_intra),
@@ -244,12 +245,13 @@ void print_measurements(const RunOptions& o, const Plan& p, const std::vector<Ra
                                    "combine " + gbps(combine_row, combine_s, warm.combine_s)})
                           .c_str());
   print_wrapped(
-      "  bytes per rank = rows sent to other EP ranks x " + fmt("%.0f", dispatch_row) +
-          " B per row (dispatch) / " + fmt("%.0f", combine_row) + " B (combine), self-traffic" +
-          (p.T > 1 ? " and TP traffic" : "") +
+      "  the bandwidth counts the row data alone: rows sent to other EP ranks x " +
+          fmt("%.0f", dispatch_row) + " B per row (dispatch) / " + fmt("%.0f", combine_row) +
+          " B (combine), self-traffic" + (p.T > 1 ? " and TP traffic" : "") +
           " excluded, mean over ranks = " + fmt("%.3f", rows_per_rank * dispatch_row / 1e6) +
           " / " + fmt("%.3f", rows_per_rank * combine_row / 1e6) +
-          " MB; combine sends the same rows back; time = max over ranks",
+          " MB per rank (the bytes above add the metadata and counts); combine sends the same "
+          "rows back; time = max over ranks",
       4);
 }
 
