@@ -34,7 +34,7 @@ dir=$MOE_EP_ROOT/build-tsan
 # full debug info only lengthens the build).
 cmake -S "$MOE_EP_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=Debug \
   -DCMAKE_CXX_FLAGS_DEBUG="-gline-tables-only -O1" \
-  -DCMAKE_CXX_COMPILER=$MOE_EP_TSAN_LLVM/bin/clang++ -DMOE_EP_SANITIZE=thread \
+  "-DCMAKE_CXX_COMPILER=$MOE_EP_TSAN_LLVM/bin/clang++" -DMOE_EP_SANITIZE=thread \
   -DMOE_EP_BUILD_TESTS=ON -DMOE_EP_BUILD_TOOLS=ON
 cmake --build "$dir" -j "$(nproc)" --target moe_ep_unit_tests moe_ep_mpi_tests
 
@@ -43,9 +43,11 @@ cmake --build "$dir" -j "$(nproc)" --target moe_ep_unit_tests moe_ep_mpi_tests
 # OpenMPI and the C++ runtime, which are not instrumented; moe-ep's own accesses are all checked.
 # tests/tsan.supp: each entry says why it is there.
 export OMP_TOOL_LIBRARIES=$MOE_EP_TSAN_LLVM/lib/libarcher.so ARCHER_OPTIONS=verbose=1
+# The paths are quoted within the options: the sanitizers split them at spaces, and the checkout's
+# path may hold some.
 export TSAN_OPTIONS="halt_on_error=1 ignore_noninstrumented_modules=1 \
-suppressions=$MOE_EP_ROOT/tests/tsan.supp \
-external_symbolizer_path=$MOE_EP_TSAN_LLVM/bin/llvm-symbolizer"
+suppressions='$MOE_EP_ROOT/tests/tsan.supp' \
+external_symbolizer_path='$MOE_EP_TSAN_LLVM/bin/llvm-symbolizer'"
 log=$dir/tsan-archer.log
 
 # moe_ep_tsan_run COMMAND...: runs it, failing also when Archer did not load.

@@ -15,7 +15,7 @@ target_compile_definitions(moe_ep_cli_tests PRIVATE
                            MOE_EP_TEST_ROUTING_CSV="${MOE_EP_ROUTING_CSV}"
                            MOE_EP_TEST_VERSION="${PROJECT_VERSION}")
 gtest_discover_tests(moe_ep_cli_tests TEST_PREFIX cli. DISCOVERY_MODE PRE_TEST
-                     PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120)
+                     PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120 LABELS paths)
 
 # The main job on real routing, every preset, dtype, routing and expert function; each run
 # checks itself against the dense reference and exits non-zero on FAIL.
@@ -88,7 +88,33 @@ add_test(NAME cli.bad_ids.setup
                  -P ${_cli}/make_bad_routing.cmake)
 set_tests_properties(cli.bad_ids.setup PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 120
                                                   FIXTURES_SETUP cli_bad_ids)
+# A command line given as one string (CMD of cli/expect_error.cmake and cli/expect_output.cmake)
+# is split there as a shell would split it (separate_arguments(UNIX_COMMAND)), so cli_command
+# double-quotes every path in it of the tool, mpiexec, the build tree and the checkout: a checkout
+# path with spaces stays one argument (.ci/run runs the tests from such a path). Each path is
+# quoted once, the longest first, through a placeholder (the build tree may lie in the checkout).
+function(cli_command out cmd)
+  set(paths "${_exe}" "${_mpi}" "${PROJECT_BINARY_DIR}" "${PROJECT_SOURCE_DIR}")
+  string(LENGTH "${PROJECT_BINARY_DIR}" b)
+  string(LENGTH "${PROJECT_SOURCE_DIR}" s)
+  if(s GREATER b)
+    set(paths "${_exe}" "${_mpi}" "${PROJECT_SOURCE_DIR}" "${PROJECT_BINARY_DIR}")
+  endif()
+  string(ASCII 1 mark)
+  set(i 0)
+  foreach(path IN LISTS paths)
+    string(REPLACE "${path}" "${mark}${i}${mark}" cmd "${cmd}")
+    math(EXPR i "${i} + 1")
+  endforeach()
+  set(i 0)
+  foreach(path IN LISTS paths)
+    string(REPLACE "${mark}${i}${mark}" "\"${path}\"" cmd "${cmd}")
+    math(EXPR i "${i} + 1")
+  endforeach()
+  set(${out} "${cmd}" PARENT_SCOPE)
+endfunction()
 function(cli_expect_error name regex cmd)
+  cli_command(cmd "${cmd}")
   add_test(NAME cli.error.${name}
            COMMAND ${CMAKE_COMMAND} "-DCMD=${cmd}" "-DREGEX=${regex}" -DTIMEOUT=45
                    -P ${_cli}/expect_error.cmake)
@@ -97,6 +123,7 @@ function(cli_expect_error name regex cmd)
 endfunction()
 # The same, and stderr holds one "moe-ep: error:" line: ranks whose error is Remote stay quiet.
 function(cli_expect_error_once name regex cmd)
+  cli_command(cmd "${cmd}")
   add_test(NAME cli.error.${name}
            COMMAND ${CMAKE_COMMAND} "-DCMD=${cmd}" "-DREGEX=${regex}" -DTIMEOUT=45 -DONCE=1
                    -P ${_cli}/expect_error.cmake)
@@ -108,6 +135,7 @@ endfunction()
 # NOT_REGEX <regex> (not in stdout or stderr) and test properties after it.
 function(cli_expect_output name regex cmd)
   cmake_parse_arguments(O "" "NOT_REGEX" "" ${ARGN})
+  cli_command(cmd "${cmd}")
   add_test(NAME cli.${name}
            COMMAND ${CMAKE_COMMAND} "-DCMD=${cmd}" "-DREGEX=${regex}" "-DNOT_REGEX=${O_NOT_REGEX}"
                    -DTIMEOUT=200 -P ${_cli}/expect_output.cmake)
@@ -123,8 +151,9 @@ cli_expect_error(id_out_of_range "moe-ep: error: [A-Za-z]+: dispatch_v2: expert_
                  FIXTURES_REQUIRED cli_bad_ids)
 # An error every rank raises (here: one rank's bad expert id, the others learn it through the
 # header agreement) ends the job with status 2 through MPI_Finalize, not MPI_Abort's banner.
+cli_command(_cmd "${_run2} --load-routing ${_work}/bad_ids/repeat.safetensors")
 add_test(NAME cli.error.agreed_error_finalizes
-         COMMAND ${CMAKE_COMMAND} "-DCMD=${_run2} --load-routing ${_work}/bad_ids/repeat.safetensors"
+         COMMAND ${CMAKE_COMMAND} "-DCMD=${_cmd}"
                  "-DREGEX=moe-ep: error: [A-Za-z]+: dispatch_v2: expert_ids" -DEXIT=2
                  -DNOT_REGEX=MPI_ABORT -DONCE=1 -DTIMEOUT=45 -P ${_cli}/expect_error.cmake)
 set_tests_properties(cli.error.agreed_error_finalizes PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
@@ -141,8 +170,9 @@ cli_expect_error(load_wrong_dtype "InvalidArgument: --load-routing.*bf16.*fp16"
 # line for all ranks, and exit with status 2 through MPI_Finalize (no MPI_ABORT banner, no
 # CLI11 "Run with --help"); an unknown option names the closest known one.
 function(cli_expect_usage_error name regex args)
+  cli_command(cmd "${_mpi} -n 2 --oversubscribe ${_exe} ${args}")
   add_test(NAME cli.usage.${name}
-           COMMAND ${CMAKE_COMMAND} "-DCMD=${_mpi} -n 2 --oversubscribe ${_exe} ${args}"
+           COMMAND ${CMAKE_COMMAND} "-DCMD=${cmd}"
                    "-DREGEX=(^|\n)moe-ep: error: InvalidArgument: ${regex}" -DEXIT=2 -DONCE=1
                    "-DNOT_REGEX=MPI_ABORT|Run with --help" -DTIMEOUT=45
                    -P ${_cli}/expect_error.cmake)
@@ -198,8 +228,9 @@ cli_expect_output(version "^moe-ep ${PROJECT_VERSION}\n$"
                   "${_mpi} -n 2 --oversubscribe ${_exe} --version" PROCESSORS 2)
 cli_expect_output(help "Usage: [^\n]*moe-ep run \\[OPTIONS\\].*--warm-repeats.*--progress"
                   "${_mpi} -n 2 --oversubscribe ${_exe} run --help" NOT_REGEX "error" PROCESSORS 2)
+cli_command(_cmd "${_mpi} -n 2 --oversubscribe ${_exe} --help")
 add_test(NAME cli.help_once
-         COMMAND ${CMAKE_COMMAND} "-DCMD=${_mpi} -n 2 --oversubscribe ${_exe} --help"
+         COMMAND ${CMAKE_COMMAND} "-DCMD=${_cmd}"
                  "-DREGEX=Usage: " -DONCE=1 -P ${_cli}/expect_output.cmake)
 set_tests_properties(cli.help_once PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60)
 
@@ -775,3 +806,18 @@ add_test(NAME faults.cli
          COMMAND ${Python3_EXECUTABLE} ${PROJECT_SOURCE_DIR}/tests/faults/faults.py cli ${_exe})
 set_tests_properties(faults.cli PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 300
                                            RUN_SERIAL TRUE)
+
+# Label `paths` (with the tool's unit tests above and a few in tests/CMakeLists.txt): some tests
+# of each kind that prints a path or passes one on; scripts/path-test.sh (.ci/run) runs them from
+# a checkout at a long path with spaces in it. The run report names the routing file beside the
+# tool (cli.report.*, cli.run.*, cli.installed); command strings (cli_command) of each helper and
+# of the tests that call the scripts directly; the cmake -P scripts and the Python checkers.
+set_property(TEST cli.report.warm_progress_on cli.report.cold_only_progress_off
+             cli.report.swiglu_tolerance cli.report.everything_scale cli.run.olmoe_real.np1
+             cli.installed cli.roundtrip.mixtral_scale_fp16 cli.error.routing_negative_count
+             cli.error.routing_file_directory cli.error.load_bad_seed
+             cli.error.agreed_error_finalizes cli.error.save_output_is_input
+             cli.usage.missing_value cli.help_once cli.version cli.load.seed_header
+             cli.plan_deepseek cli.plan.matches_measured_bytes cli.bench.compare
+             cli.bench.compare_nodes
+             APPEND PROPERTY LABELS paths)

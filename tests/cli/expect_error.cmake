@@ -1,7 +1,8 @@
-# Runs CMD (space-separated) and passes when it exits with a non-zero code (not a signal, not a
-# timeout) within TIMEOUT seconds and its stderr matches REGEX; with ONCE set, stderr must also
-# hold exactly one "moe-ep: error:" line (the failing rank's; the others stay quiet); with EXIT
-# set, the exit code must be EXIT; with NOT_REGEX set, stderr must not match it.
+# Runs CMD (one string, split as a shell would: cli.cmake's cli_command quotes its paths) and
+# passes when it exits with a non-zero code (not a signal, not a timeout) within TIMEOUT seconds
+# and its stderr matches REGEX; with ONCE set, stderr must also hold exactly one "moe-ep: error:"
+# line (the failing rank's; the others stay quiet); with EXIT set, the exit code must be EXIT;
+# with NOT_REGEX set, stderr must not match it.
 separate_arguments(cmd UNIX_COMMAND "${CMD}")
 if(NOT TIMEOUT)
   set(TIMEOUT 30)

@@ -1,8 +1,8 @@
-# Runs CMD (space-separated) and passes when it exits with EXIT (default 0) within TIMEOUT
-# seconds and its stdout matches REGEX; with NOT_REGEX set, stdout and stderr must not match it;
-# with ONCE set, REGEX must match exactly once in stdout. Unlike a test's
-# PASS_REGULAR_EXPRESSION (a list: CMake splits it at each ';' and passes on any piece, and the
-# exit status is ignored), the whole regex applies, ';' included.
+# Runs CMD (one string, split as a shell would: cli.cmake's cli_command quotes its paths) and
+# passes when it exits with EXIT (default 0) within TIMEOUT seconds and its stdout matches REGEX;
+# with NOT_REGEX set, stdout and stderr must not match it; with ONCE set, REGEX must match exactly
+# once in stdout. Unlike a test's PASS_REGULAR_EXPRESSION (a list: CMake splits it at each ';' and
+# passes on any piece, and the exit status is ignored), the whole regex applies, ';' included.
 separate_arguments(cmd UNIX_COMMAND "${CMD}")
 if(NOT TIMEOUT)
   set(TIMEOUT 120)

@@ -934,6 +934,12 @@ TEST(Report, WrapKeepsLinesWithinTheWidthAndBreaksBetweenFields) {
   // A word longer than the line stands alone; "§" counts one column.
   const std::string path(120, 'p');
   EXPECT_EQ(wrap("file " + path + " end", 4, 100), "file\n    " + path + "\n    end");
+  // A path marked whole() keeps its spaces unbroken: on its own line when it does not fit.
+  const std::string spaced = "/tmp/a path with spaces/" + std::string(90, 'x') + "/f.csv";
+  EXPECT_EQ(wrap("counts from " + whole(spaced), 4, 100), "counts from\n    " + spaced);
+  EXPECT_EQ(wrap("counts from " + whole("/a b/f.csv") + " end", 4, 100),
+            "counts from /a b/f.csv end");
+  EXPECT_EQ(unmarked("from " + whole(spaced)), "from " + spaced);
   // 64 columns in 65 bytes: it fits.
   EXPECT_EQ(wrap(std::string(58, 'a') + " §2.3)", 2, 64), std::string(58, 'a') + " §2.3)");
   // In the last third of the line, a break between clauses beats a fuller line.

@@ -1,5 +1,6 @@
 #include "common.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 
@@ -8,6 +9,9 @@
 namespace moe_ep_tool {
 
 namespace {
+
+// whole()'s mark for a space inside a path (ASCII unit separator: no report text holds it).
+constexpr char kPathSpace = '\x1f';
 
 // Columns of a UTF-8 string: its code points (continuation bytes 10xxxxxx do not count).
 std::size_t columns(const std::string& s, std::size_t begin, std::size_t end) {
@@ -95,7 +99,7 @@ std::string wrap(const std::string& text, std::size_t indent, std::size_t width)
     const std::size_t nl = text.find('\n', from);
     out +=
         wrap_paragraph(text.substr(from, nl == std::string::npos ? nl : nl - from), indent, width);
-    if (nl == std::string::npos) return out;
+    if (nl == std::string::npos) return unmarked(std::move(out));
     out += '\n';
     from = nl + 1;
   }
@@ -121,6 +125,17 @@ std::string wrap_fields(const std::vector<std::string>& fields, std::size_t inde
 
 void print_wrapped(const std::string& text, std::size_t indent) {
   std::printf("%s\n", wrap(text, indent).c_str());
+}
+
+std::string whole(const std::string& path) {
+  std::string marked = path;
+  std::replace(marked.begin(), marked.end(), ' ', kPathSpace);
+  return marked;
+}
+
+std::string unmarked(std::string text) {
+  std::replace(text.begin(), text.end(), kPathSpace, ' ');
+  return text;
 }
 
 moe_ep::CombineInputs combine_inputs(const moe_ep::DispatchInputs& in,

@@ -41,6 +41,16 @@ std::string wrap_fields(const std::vector<std::string>& fields, std::size_t inde
 // Prints wrap(text, indent) and a newline on stdout.
 void print_wrapped(const std::string& text, std::size_t indent = 2);
 
+// `path` as one word for wrap(): its spaces are marked so that no line breaks inside it, and
+// wrap() turns the marks back into spaces. A file's path so prints whole, on a line of its own
+// when it does not fit after the text before it (longer than the line, it is the one kind of
+// line wider than kReportColumns), so it can be copied from the report whatever the checkout's
+// path.
+std::string whole(const std::string& path);
+
+// `text` with whole()'s marks turned back into spaces: for text that is saved, not wrap()ped.
+std::string unmarked(std::string text);
+
 // combine_v2's inputs that a dispatch_v2 call fixes: its expert_ids, expert_scales and
 // x_active_mask, the assist_info_for_combine and ep_recv_counts it returned (and with `tp`, its
 // tp_recv_counts), with `expand_x`: the experts' outputs in dispatch's layout.

@@ -80,7 +80,7 @@ Batch gather_batch(const Plan& plan, const LocalBatch& b) {
                      {"copy_expert_num", std::to_string(plan.C)},
                      {"const_expert_num", std::to_string(plan.Q)},
                      {"preset", plan.layer.name},
-                     {"routing", plan.routing_desc}};
+                     {"routing", unmarked(plan.routing_desc)}};
   if (plan.mask_dims > 0) global.metadata["mask"] = plan.mask_desc;
   if (plan.batch_seed) global.metadata["seed"] = std::to_string(*plan.batch_seed);
   return global;
@@ -187,7 +187,7 @@ int run_command(const RunOptions& o) {
     progress.phase("saving the routing");
     on_rank_0("saving the routing", [&] {
       with_flag("--save-routing", [&] { save_routing(o.save_routing, global); });
-      std::printf("  routing saved to %s\n", o.save_routing.c_str());
+      print_wrapped("  routing saved to " + whole(o.save_routing), 4);
       std::fflush(stdout);
     });
   }
@@ -205,7 +205,7 @@ int run_command(const RunOptions& o) {
       with_flag("--save-output", [&] {
         save_output(o.save_output, g.output, plan.N, plan.layer.hidden, plan.dtype);
       });
-      std::printf("output saved to %s\n", o.save_output.c_str());
+      print_wrapped("output saved to " + whole(o.save_output));
     }
     std::fflush(stdout);
     progress.phase("the dense single-process reference on rank 0");

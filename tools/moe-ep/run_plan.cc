@@ -246,6 +246,14 @@ void check_file_fits(const RunOptions& o, const Plan& p) {
   }
 }
 
+// A saved routing's description with its statistics file whole (common.h): the file ends it,
+// after the last " from " (files saved before went on after it: left as they are).
+std::string saved_routing(const std::string& text) {
+  const std::size_t at = text.rfind(" from ");
+  if (at == std::string::npos || text.find("; ", at) != std::string::npos) return text;
+  return text.substr(0, at + 6) + whole(text.substr(at + 6));
+}
+
 // The inputs of --load-routing: the file (checked against the layer), its split over the ranks.
 // Returns the file's size in bytes (0 when unknown).
 uint64_t plan_loaded_inputs(const RunOptions& o, Plan& p, int64_t W, uint64_t physical) {
@@ -266,12 +274,13 @@ uint64_t plan_loaded_inputs(const RunOptions& o, Plan& p, int64_t W, uint64_t ph
   }
   const bool own_split = static_cast<int64_t>(file.tokens_per_rank.size()) == W;
   p.routing_desc =
-      "loaded from " + o.load_routing + " (" + std::to_string(file.tokens) + " tokens, " +
+      "loaded from " + whole(o.load_routing) + " (" + std::to_string(file.tokens) + " tokens, " +
       (own_split ? std::string("its tokens_per_rank")
                  : std::string("split evenly over the ranks")) +
-      (file.metadata.count("routing") ? "; saved routing: " + file.metadata.at("routing")
-                                      : std::string()) +
-      ")";
+      ")" +
+      (file.metadata.count("routing")
+           ? "; saved routing: " + saved_routing(file.metadata.at("routing"))
+           : std::string());
   return file_bytes;
 }
 
@@ -439,7 +448,9 @@ void plan_routing_source(const RunOptions& o, Plan& p) {
     // Special experts: each with the mean probability of a routed one (sum of p is 1).
     p.real_p.resize(static_cast<size_t>(layer.experts + special),
                     1.0 / static_cast<double>(layer.experts));
-    p.routing_desc = d.description + " from " + routing_file + special_note;
+    // The file last, whole (common.h): the report prints its path unbroken, at the line's end.
+    p.routing_desc = d.description + special_note +
+                     (special_note.empty() ? " from " : "; counts from ") + whole(routing_file);
   } else if (p.kind == RoutingKind::kGate) {
     p.routing_desc =
         "gate (router matrix Wr [H, E] from the seed, logits = x @ Wr, top-k)" + special_note;
