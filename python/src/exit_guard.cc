@@ -73,4 +73,23 @@ double arm_exit_guard() {
   return grace;
 }
 
+bool abort_job(const std::string& what) {
+  int initialized = 0, finalized = 0, rank = -1, size = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return false;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size < 2) return false;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const std::string line =
+      "moe_ep: rank " + std::to_string(rank) + " of " + std::to_string(size) +
+      " (MPI_COMM_WORLD) ended on an uncaught " + what.substr(0, 200) +
+      " (traceback above); calling MPI_Abort so that the other ranks do not wait for it "
+      "(MOE_EP_ABORT_ON_EXCEPTION=0 turns this off)\n";
+  ssize_t unused = ::write(2, line.data(), line.size());
+  (void)unused;
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  ::_exit(1);  // not reached: MPI_Abort does not return
+}
+
 }  // namespace moe_ep_python

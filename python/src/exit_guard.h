@@ -19,4 +19,12 @@ void note_fault(const char* kind, const std::string& message);
 // calls _exit(1). Returns the grace period in seconds.
 double arm_exit_guard();
 
+// The end of a process whose Python died on an uncaught exception (moe_ep's sys.excepthook,
+// python/moe_ep/__init__.py): its MPI_Finalize at exit would wait for the other ranks, which
+// wait for it (a collective it never joins) until their deadline. When MPI is initialised, not
+// finalised, and MPI_COMM_WORLD has more than one process: writes one line to stderr naming this
+// rank and `what` (the exception's type), then calls MPI_Abort(MPI_COMM_WORLD, 1), which ends
+// every process of the job (does not return). Otherwise returns false and does nothing.
+bool abort_job(const std::string& what);
+
 }  // namespace moe_ep_python

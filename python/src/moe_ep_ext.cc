@@ -712,6 +712,10 @@ NB_MODULE(_C, m) {
         "ends the process with status 1 if it still runs after $MOE_EP_EXIT_GRACE_S seconds "
         "(default 2), naming the first error on stderr; returns that grace, or -1 (no fault "
         "seen, nothing armed). exit_guard.h");
+  m.def("_abort_job", &moe_ep_python::abort_job, "what"_a,
+        "moe_ep's sys.excepthook, after the traceback: under MPI with more than one process in "
+        "MPI_COMM_WORLD, names this rank and `what` on stderr and calls MPI_Abort (does not "
+        "return); otherwise returns False. exit_guard.h");
   m.def(
       "check_environment",
       [](std::optional<double> timeout_s, const std::string& transport) {

@@ -281,7 +281,10 @@ def cli_cases(tool: str) -> Dict[str, callable]:
 def python_cases(python: str) -> Dict[str, callable]:
     program = os.path.join(HERE, "fault_case.py")
     survivors = [r for r in range(WORLD) if r != CULPRIT]
-    env = {"MOE_EP_TIMEOUT_S": f"{DEADLINE_S:g}"}  # the exit guard at its default grace
+    # The exit guard at its default grace. MOE_EP_ABORT_ON_EXCEPTION=0: each survivor raises its
+    # own error (naming rank 1) and exits through the guard, instead of the first to raise ending
+    # the job with MPI_Abort (python/moe_ep/__init__.py) before the others have said anything.
+    env = {"MOE_EP_TIMEOUT_S": f"{DEADLINE_S:g}", "MOE_EP_ABORT_ON_EXCEPTION": "0"}
 
     def fault_time(job: Job, t0_wall: float) -> float:
         m = re.search(r"FAULT ([0-9.]+)", job.stdout[CULPRIT])
