@@ -1817,6 +1817,34 @@ def compile_fullgraph(ctx):
     agreed(ctx, checks)
 
 
+def _raised(call) -> Optional[Exception]:
+    try:
+        call()
+    except moe_ep.Error as e:
+        return e
+    return None
+
+
+def _check_raised(what: str, err, cls, needle: str) -> None:
+    check(type(err) is cls and needle in str(err),
+          f"{what}: raised {err!r}, want {cls.__name__} with {needle!r}")
+
+
+@case(only=2)
+def uneven_bs_without_global_bs(ctx):
+    """Issue 30: ranks with BS 0 and 5 and no global_bs. Every rank is told exactly what to pass
+    (global_bs = W * max BS, with the numbers), and with that value the round trip gives the
+    reference result."""
+    spec = Spec(71, (0, 5), k=2, e=4)
+    mine = make_inputs(spec, ctx.rank)
+    err = _raised(lambda: mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e))
+    agreed(ctx, lambda: _check_raised(
+        "dispatch_v2 without global_bs", err, moe_ep.InvalidArgumentError,
+        "dispatch_v2: BS (x.shape[0]) differs across ranks with global_bs = 0: rank 0 has 0, "
+        "rank 1 has 5; pass global_bs = ep_world_size * max BS = 2 * 5 = 10 (rank 1 has BS = 5"))
+    round_trip(ctx, replace(spec, global_bs=10))
+
+
 @case(only=4)
 def moe_layer_example(ctx):
     """examples/python/moe_layer.py with its default sizes, run as __main__ in this launch (a

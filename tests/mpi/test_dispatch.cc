@@ -687,8 +687,13 @@ TEST(DispatchErrors, BatchSizeDiffersWithoutGlobalBs) {
     in.expert_ids.shape[0] -= 1;
     in.expert_scales->shape[0] -= 1;
   }
+  // The message gives the fix with its numbers (rank 0 has the largest BS here).
+  const int64_t W = mpi().size, max_bs = b.bs[0];
   expect_error([&] { dispatch_v2(in, config(b)); }, -1, ErrorKind::kInvalidArgument,
-               {"BS (x.shape[0]) differs across ranks with global_bs = 0"});
+               {"BS (x.shape[0]) differs across ranks with global_bs = 0",
+                "; pass global_bs = ep_world_size * max BS = " + std::to_string(W) + " * " +
+                    std::to_string(max_bs) + " = " + std::to_string(W * max_bs) +
+                    " (rank 0 has BS = " + std::to_string(max_bs)});
 }
 
 TEST(DispatchErrors, GlobalBsNotMultipleOfW) {

@@ -829,8 +829,12 @@ def dispatch_v2(
 ) -> DispatchOutputs:
     """SPEC §1: moves each token to the ranks that host its experts.
 
-    x (BS, H) bf16/fp16/fp32; expert_ids (BS, K) int32. group_ep: an mpi4py communicator (None:
-    MPI.COMM_WORLD) or a group id; ep_world_size / ep_rank_id default to its size and rank.
+    x (BS, H) bf16/fp16/fp32; expert_ids (BS, K) int32 (torch.topk's indices are int64: .int()).
+    group_ep: an mpi4py communicator (None: MPI.COMM_WORLD) or a group id; ep_world_size /
+    ep_rank_id default to its size and rank. When BS differs across ranks (a rank may have 0
+    tokens), pass global_bs = ep_world_size * max BS (or a larger multiple of ep_world_size) on
+    every rank, to combine_v2 as well (SPEC §1.3); with the default 0, InvalidArgumentError gives
+    that value.
     group_tp: the TP pair's communicator when tp_world_size = 2. Keyword arguments as SPEC §1
     (scales, x_active_mask, expert_scales, elastic_info, performance_info (int64 (W,), added to
     in place), tp_world_size, tp_rank_id, expert_shard_type, shared_expert_num,

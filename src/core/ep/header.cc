@@ -67,16 +67,21 @@ void record_failure(OpHeader& h, std::optional<Error>& local, Error e) {
 void check_batch_sizes(const char* op, const std::vector<OpHeader>& h,
                        const std::vector<int>& peers, int64_t global_bs, const char* bs_name) {
   const int64_t W = static_cast<int64_t>(h.size());
-  int64_t max_bs = 0, max_rank = 0;
+  int64_t max_bs = 0, max_rank = 0, differ_rank = 0;
   bool differ = false;
   for (int64_t p = 0; p < W; ++p) {
-    if (h[p].BS != h[0].BS) differ = true;
-    if (global_bs == 0 && h[p].BS != h[0].BS)
-      invalid(op, ": BS (", bs_name, ") differs across ranks with global_bs = 0: rank ", peers[0],
-              " has ", h[0].BS, ", rank ", peers[p], " has ", h[p].BS,
-              " (pass global_bs = ep_world_size * max BS)");
+    if (h[p].BS != h[0].BS && !differ) differ = true, differ_rank = p;
     if (h[p].BS > max_bs) max_bs = h[p].BS, max_rank = p;
   }
+  // The fix, with its numbers: the same global_bs on every rank, for the dispatch_v2 and the
+  // combine_v2 (and backward ops) of the step, since A and the layout depend on it (SPEC §1.3).
+  if (global_bs == 0 && differ)
+    invalid(op, ": BS (", bs_name, ") differs across ranks with global_bs = 0: rank ", peers[0],
+            " has ", h[0].BS, ", rank ", peers[differ_rank], " has ", h[differ_rank].BS,
+            "; pass global_bs = ep_world_size * max BS = ", W, " * ", max_bs, " = ", W * max_bs,
+            " (rank ", peers[max_rank], " has BS = ", max_bs,
+            "; or any multiple of ep_world_size at least that) on every rank, to dispatch_v2 "
+            "and to the combine_v2 of its rows alike (SPEC §1.3)");
   if (global_bs > 0 && global_bs < W * max_bs)
     invalid(op, ": global_bs = ", global_bs, " is less than ep_world_size * max BS = ", W, " * ",
             max_bs, " = ", W * max_bs, " (rank ", peers[max_rank], " has BS = ", max_bs, ")");
