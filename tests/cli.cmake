@@ -479,21 +479,19 @@ moe_ep_add_mpi_test(NAME cli.run.special_experts_many_identity
                     NPROCS 1 2 TIMEOUT 120)
 # comm_alg "hierarchy" (SPEC §3) on 2 and 3 emulated nodes of 2 ranks, with shared and special
 # experts, a 2-D mask and int8 both ways, against the dense reference.
+# Exit status 0 and the PASS line (cli_expect_output: a PASS_REGULAR_EXPRESSION alone would
+# ignore the exit status, so a run that printed PASS and then failed would pass).
 foreach(n 4 6)
-  add_test(NAME cli.run.hierarchy.np${n}
-           COMMAND ${_mpi} -n ${n} --oversubscribe ${_exe} run --comm-alg hierarchy --hidden 128
-                   --tokens 12 --experts 16 --top-k 4 --shared-experts 1 --shared-expert-ranks 2 --zero-experts 1
-                   --copy-experts 1 --mask entries --expert-fn scale)
+  cli_expect_output(run.hierarchy.np${n} "comm_alg hierarchy.*PASS"
+                    "${_mpi} -n ${n} --oversubscribe ${_exe} run --comm-alg hierarchy --hidden 128 --tokens 12 --experts 16 --top-k 4 --shared-experts 1 --shared-expert-ranks 2 --zero-experts 1 --copy-experts 1 --mask entries --expert-fn scale"
+                    PROCESSORS ${n})
   set_tests_properties(cli.run.hierarchy.np${n} PROPERTIES
-                       ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2" TIMEOUT 120
-                       PROCESSORS ${n} PASS_REGULAR_EXPRESSION "comm_alg hierarchy.*PASS")
-  add_test(NAME cli.run.hierarchy_int8.np${n}
-           COMMAND ${_mpi} -n ${n} --oversubscribe ${_exe} run --comm-alg hierarchy --hidden 128
-                   --tokens 12 --experts 16 --top-k 4 --quant int8 --comm-quant int8
-                   --expert-fn scale)
+                       ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2")
+  cli_expect_output(run.hierarchy_int8.np${n} "comm_alg hierarchy.*PASS"
+                    "${_mpi} -n ${n} --oversubscribe ${_exe} run --comm-alg hierarchy --hidden 128 --tokens 12 --experts 16 --top-k 4 --quant int8 --comm-quant int8 --expert-fn scale"
+                    PROCESSORS ${n})
   set_tests_properties(cli.run.hierarchy_int8.np${n} PROPERTIES
-                       ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2" TIMEOUT 120
-                       PROCESSORS ${n} PASS_REGULAR_EXPRESSION "comm_alg hierarchy.*PASS")
+                       ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2")
 endforeach()
 # x_active_mask: 1-D prefix and 2-D entries; inactive tokens give 0.
 moe_ep_add_mpi_test(NAME cli.run.mask_prefix_identity
@@ -706,33 +704,22 @@ set_tests_properties(cli.bench.compare_nodes PROPERTIES
                      PROCESSORS 4)
 # --transport mpi: moe-ep's ops on plain MPI, verified like the shm default, and named in the
 # header line.
-add_test(NAME cli.bench.transport_mpi
-         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --transport mpi --tokens 8,16
-                 --hidden 64 --iters 2 --warmup 0 --compare)
-set_tests_properties(cli.bench.transport_mpi PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
-  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "seed 0  transport mpi  comm_alg fullmesh  --compare  --quant int8\n.*verified\n.*verified\n"
-  FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
+cli_expect_output(bench.transport_mpi "seed 0  transport mpi  comm_alg fullmesh  --compare  --quant int8\n.*verified\n.*verified\n"
+  "${_mpi} -n 2 --oversubscribe ${_exe} bench --transport mpi --tokens 8,16 --hidden 64 --iters 2 --warmup 0 --compare"
+  NOT_REGEX "error|FAILED|abort|verification failed" PROCESSORS 2)
 # --exact-size: moe-ep's outputs sized to the rows received, verified like the default, named
 # in the header line; the peak RSS line follows.
-add_test(NAME cli.bench.exact_size
-         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --exact-size --tokens 8,16
-                 --hidden 64 --iters 2 --warmup 0 --quant int8)
-set_tests_properties(cli.bench.exact_size PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
-  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "transport shm  comm_alg fullmesh  --exact-size  --quant int8\n.*verified\n.*verified\n.*peak RSS per rank \\(VmHWM, whole run\\): min"
-  FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
+cli_expect_output(bench.exact_size "transport shm  comm_alg fullmesh  --exact-size  --quant int8\n.*verified\n.*verified\n.*peak RSS per rank \\(VmHWM, whole run\\): min"
+  "${_mpi} -n 2 --oversubscribe ${_exe} bench --exact-size --tokens 8,16 --hidden 64 --iters 2 --warmup 0 --quant int8"
+  NOT_REGEX "error|FAILED|abort|verification failed" PROCESSORS 2)
 # --compare times int8 dispatch too unless --quant none: the issue's targets include it.
-add_test(NAME cli.bench.compare_times_int8
-         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 8 --hidden 64 --iters 2
-                 --warmup 0 --compare)
-set_tests_properties(cli.bench.compare_times_int8 PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
-  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "--compare  --quant int8\n.*dispatch int8/bf16 time"
-  FAIL_REGULAR_EXPRESSION "error|FAILED|abort|verification failed")
-add_test(NAME cli.bench.compare_quant_none
-         COMMAND ${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 8 --hidden 64 --iters 2
-                 --warmup 0 --compare --quant none)
-set_tests_properties(cli.bench.compare_quant_none PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV}"
-  TIMEOUT 120 PROCESSORS 2 PASS_REGULAR_EXPRESSION "combine moe-ep/textbook"
-  FAIL_REGULAR_EXPRESSION "--quant int8|dispatch-int8|int8/bf16|error|FAILED|abort|verification failed")
+cli_expect_output(bench.compare_times_int8 "--compare  --quant int8\n.*dispatch int8/bf16 time"
+  "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 8 --hidden 64 --iters 2 --warmup 0 --compare"
+  NOT_REGEX "error|FAILED|abort|verification failed" PROCESSORS 2)
+cli_expect_output(bench.compare_quant_none "combine moe-ep/textbook"
+  "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 8 --hidden 64 --iters 2 --warmup 0 --compare --quant none"
+  NOT_REGEX "--quant int8|dispatch-int8|int8/bf16|error|FAILED|abort|verification failed"
+  PROCESSORS 2)
 # A write that fails after the run (a full device) ends the job at once with the flag named, on
 # every rank: rank 0 no longer unwinds while the others wait for it until the deadline.
 if(EXISTS /dev/full)
@@ -747,6 +734,36 @@ if(EXISTS /dev/full)
                         "System: moe-ep run: --save-routing: writing '/dev/full' failed"
                         "${_mpi} -n 2 --oversubscribe ${_exe} run --tokens 4 --hidden 32 --ffn 16 --save-routing /dev/full")
 endif()
+# A write that fails names the option, the path and the cause (strerror: /proc/version opens for
+# root and takes no data, EIO; for others it is not writable, refused up front), printed once, and
+# every rank ends with status 2 through MPI_Finalize: no MPI_ABORT banner.
+if(EXISTS /proc/version)
+  foreach(case "run;--save-routing" "run;--save-output" "bench;--json" "bench;--csv")
+    list(GET case 0 sub)
+    list(GET case 1 flag)
+    string(REPLACE "-" "_" name "${sub}${flag}")
+    if(sub STREQUAL "run")
+      set(args "--tokens 4 --hidden 32 --ffn 16")
+    else()
+      set(args "--tokens 4 --hidden 32 --iters 1")
+    endif()
+    cli_command(_cmd "${_mpi} -n 2 --oversubscribe ${_exe} ${sub} ${args} ${flag} /proc/version")
+    add_test(NAME cli.error.write_errno_${name}
+             COMMAND ${CMAKE_COMMAND} "-DCMD=${_cmd}"
+                     "-DREGEX=moe-ep: error: [A-Za-z]+: moe-ep ${sub}: ${flag}[^\n]*'/proc/version'[^\n]*: (Input/output error|Permission denied)\n"
+                     -DEXIT=2 -DNOT_REGEX=MPI_ABORT -DONCE=1 -DTIMEOUT=45
+                     -P ${_cli}/expect_error.cmake)
+    set_tests_properties(cli.error.write_errno_${name} PROPERTIES
+                         ENVIRONMENT "${MOE_EP_TEST_ENV}" TIMEOUT 60 PROCESSORS 2)
+  endforeach()
+endif()
+# One rank has no other rank to wait for: a deadline shorter than any MPI call (1 ns) fails
+# neither the Communicator's creation (which blamed "another rank") nor the run.
+cli_expect_output(run.one_rank_tiny_timeout "PASS"
+                  "${_mpi} -n 1 ${_exe} run --tokens 4 --hidden 64 --progress off"
+                  NOT_REGEX "moe-ep: error|Timeout|another rank")
+set_tests_properties(cli.run.one_rank_tiny_timeout PROPERTIES
+                     ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_TIMEOUT_S=1e-9")
 cli_expect_error(bench_bad_transport "--transport: tcp not in \\{mpi,shm\\}"
                  "${_mpi} -n 1 ${_exe} bench --transport tcp")
 # The verification can fail: a corrupted baseline row stops the run before timing, exit 1.

@@ -40,7 +40,12 @@ struct CommOptions {
   // with dispatch_workspace() (dispatch.h): n x shm_slot_bytes + shm_stage_bytes for n outputs
   // alive at once, so that no later call grows it. Later calls that need more still grow it (a
   // larger request, or a full window while this rank's windows map less than 4 times its largest
-  // request).
+  // request). At most this machine's physical memory (sysconf(_SC_PHYS_PAGES) x
+  // sysconf(_SC_PAGESIZE)): a rank's segment is memory of its machine; from_mpi refuses more.
+  // A size within that bound that MPI_Win_allocate_shared still cannot give (the machine's other
+  // ranks' segments, the rest of the job, a limit on /dev/shm or the address space) fails the op
+  // that creates or grows the window with Error(kSystem) naming the bytes asked for and this
+  // value.
   int64_t shm_window_bytes = 0;
 };
 
@@ -59,11 +64,13 @@ class MOE_EP_API Communicator {
   // (MPI_Comm_split_type, MPI_Allreduce) for the automatic thread count of moe-ep's parallel
   // loops (threads.h): process-wide, it only ever lowers that count, also after the
   // Communicator is gone.
-  // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout or a negative
-  // shm_window_bytes, Error(kTimeout) when another rank of `comm` does not create its
-  // Communicator within the deadline (the duplication is then left pending and leaks: `comm`
+  // Throws Error(kSystem) if MPI fails, Error(kInvalidArgument) for a bad timeout or a
+  // shm_window_bytes that is negative or above this machine's physical memory (both checked on
+  // this rank, before duplicating), Error(kTimeout) when another rank of `comm` does not create
+  // its Communicator within the deadline (the duplication is then left pending and leaks: `comm`
   // must not be used for collectives again unless the missing ranks join it late, and from_mpi
-  // refuses it from then on with Error(kInvalidArgument)).
+  // refuses it from then on with Error(kInvalidArgument)); never for a `comm` of one rank, which
+  // has no other rank to wait for.
   static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});
 
   // Frees the duplicate (if MPI is not finalised yet); local, never blocks, never throws. When

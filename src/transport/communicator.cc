@@ -2,11 +2,13 @@
 
 #include <mpi.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
@@ -39,6 +41,13 @@ double resolve_timeout(const CommOptions& options, const char* op) {
 namespace moe_ep {
 
 namespace {
+
+// sysconf(_SC_PHYS_PAGES) x sysconf(_SC_PAGESIZE), or 0 when unknown (or beyond int64_t).
+int64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0 || pages > INT64_MAX / page) return 0;
+  return static_cast<int64_t>(pages) * page;
+}
 
 // Tells the automatic thread count (moe_ep/threads.h) how many ranks share this machine and on
 // how many CPUs: the ranks of `comm` on it and the union of their affinity masks (collective over
@@ -91,6 +100,10 @@ void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
     delete out;
     detail::fail(ErrorKind::kSystem, "Communicator: MPI_Comm_idup failed");
   }
+  // A communicator of one rank has no other rank to wait for: its duplication completes by
+  // itself, whatever the deadline (a tiny one would otherwise blame a rank that is not there).
+  int ranks = 1;
+  MPI_Comm_size(comm, &ranks);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   for (int polls = 0;; ++polls) {
     int done = 0;
@@ -100,7 +113,7 @@ void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
       delete out;
       return;
     }
-    if (std::chrono::steady_clock::now() >= deadline) {
+    if (ranks > 1 && std::chrono::steady_clock::now() >= deadline) {
       {
         std::lock_guard<std::mutex> lock(g_pending_mutex);
         g_pending_dup.push_back(comm);
@@ -126,6 +139,14 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
   if (options.shm_window_bytes < 0)
     detail::invalid("Communicator: shm_window_bytes = ", options.shm_window_bytes,
                     " must be >= 0 (0: sized by the first op)");
+  // A rank's window segment is memory of this machine: more than all of it cannot be had, and
+  // MPI_Win_allocate_shared would fail much later with an error code naming neither.
+  if (const int64_t physical = physical_memory_bytes();
+      physical > 0 && options.shm_window_bytes > physical)
+    detail::invalid("Communicator: shm_window_bytes = ", options.shm_window_bytes,
+                    " exceeds this machine's physical memory of ", physical,
+                    " bytes (sysconf(_SC_PHYS_PAGES) x sysconf(_SC_PAGESIZE)), which each "
+                    "rank's segment of the shared-memory window must fit in");
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -209,6 +210,54 @@ TEST(Communicator, HugeTimeoutWaitsForALatePeer) {
   DispatchOutputs out;
   EXPECT_NO_THROW(out = dispatch_v2(in, cfg));
   EXPECT_EQ(out.expand_x.size(1), 4);
+}
+
+// A communicator of one rank has no other rank to wait for: a deadline far shorter than any MPI
+// call (1 ns, from timeout_s or $MOE_EP_TIMEOUT_S) neither fails its creation nor its ops. The
+// creation (MPI_Comm_idup, polled against the deadline) used to time out blaming "another rank".
+TEST(Communicator, OneRankNeverTimesOutAlone) {
+  for (const bool from_env : {false, true}) {
+    ScopedEnv env("MOE_EP_TIMEOUT_S", from_env ? "1e-9" : nullptr);
+    SCOPED_TRACE(from_env ? "MOE_EP_TIMEOUT_S=1e-9" : "timeout_s = 1e-9");
+    CommOptions options;
+    if (!from_env) options.timeout_s = 1e-9;
+    std::shared_ptr<Communicator> comm;
+    ASSERT_NO_THROW(comm = Communicator::from_mpi(MPI_COMM_SELF, options));
+    ASSERT_EQ(comm->timeout_s(), 1e-9);
+    for (const char* transport : {"mpi", "shm"}) {
+      SCOPED_TRACE(transport);
+      const int64_t BS = 16, H = 64, E = 4;
+      std::vector<float> x(BS * H, 0.5f), scales(BS * 2, 0.5f);
+      std::vector<int32_t> ids(BS * 2);
+      for (int64_t i = 0; i < BS * 2; ++i) ids[i] = static_cast<int32_t>((i + i / 2) % E);
+      EpConfig cfg;
+      cfg.group_ep = comm.get();
+      cfg.ep_world_size = 1;
+      cfg.ep_rank_id = 0;
+      cfg.moe_expert_num = E;
+      cfg.transport = transport;
+      DispatchInputs in;
+      in.x = TensorView::contiguous(x.data(), DType::kF32, {BS, H});
+      in.expert_ids = TensorView::contiguous(ids.data(), DType::kI32, {BS, 2});
+      in.expert_scales = TensorView::contiguous(scales.data(), DType::kF32, {BS, 2});
+      for (int call = 0; call < 20; ++call) {
+        try {
+          const DispatchOutputs out = dispatch_v2(in, cfg);
+          CombineInputs cin;
+          cin.expand_x = out.expand_x;
+          cin.expert_ids = in.expert_ids;
+          cin.assist_info_for_combine = out.assist_info_for_combine;
+          cin.ep_send_counts = out.ep_recv_counts;
+          cin.expert_scales = *in.expert_scales;
+          const Tensor y = combine_v2(cin, cfg);
+          ASSERT_EQ(y.size(0), BS);
+          ASSERT_EQ(y.ptr<float>()[0], 0.5f);  // 0.5 x (0.5 + 0.5)
+        } catch (const Error& e) {
+          FAIL() << "call " << call << ": " << e.what();
+        }
+      }
+    }
+  }
 }
 
 TEST(Communicator, RejectsNullCommunicator) {

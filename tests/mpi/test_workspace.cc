@@ -4,8 +4,12 @@
 // its first generation (no call grows it); bad arguments raise errors naming the value.
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -174,6 +178,101 @@ TEST(Workspace, ReservedWindowHoldsTheLiveOutputsAndACombine) {
   const Tensor in_place = combine_v2(cin, cfg);
   EXPECT_EQ(std::memcmp(staged.data(), in_place.data(), staged.nbytes()), 0);
   EXPECT_EQ(ctx->capacity(), reserve);
+}
+
+int64_t physical_memory() {
+  return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+}
+
+// A window segment is memory of this machine: more than its physical memory is refused by
+// from_mpi (on this rank, before duplicating), naming the value and the bound; the bound itself
+// is accepted (nothing is allocated until an op needs the window). 2^62 was accepted and failed
+// inside MPI_Win_allocate_shared (MPI_ERR_INTERN) naming neither.
+TEST(Workspace, WindowBeyondThePhysicalMemoryIsRefused) {
+  const int64_t physical = physical_memory();
+  ASSERT_GT(physical, 0);
+  for (const int64_t bytes : {int64_t{1} << 62, physical + 1, INT64_MAX}) {
+    CommOptions o;
+    o.shm_window_bytes = bytes;
+    try {
+      Communicator::from_mpi(MPI_COMM_SELF, o);
+      ADD_FAILURE() << "no error for shm_window_bytes = " << bytes;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      EXPECT_EQ(std::string(e.what()),
+                "Communicator: shm_window_bytes = " + std::to_string(bytes) +
+                    " exceeds this machine's physical memory of " + std::to_string(physical) +
+                    " bytes (sysconf(_SC_PHYS_PAGES) x sysconf(_SC_PAGESIZE)), which each rank's "
+                    "segment of the shared-memory window must fit in");
+    }
+  }
+  CommOptions o;
+  o.shm_window_bytes = physical;
+  EXPECT_EQ(Communicator::from_mpi(MPI_COMM_SELF, o)->shm_window_bytes(), physical);
+}
+
+// Lowers this process's address-space limit (RLIMIT_AS, soft) to `bytes` above what it maps now,
+// restoring it on destruction; ok() is false when that is not possible here.
+class AddressSpaceLimit {
+ public:
+  explicit AddressSpaceLimit(int64_t bytes) {
+    if (getrlimit(RLIMIT_AS, &old_) != 0) return;
+    std::FILE* f = std::fopen("/proc/self/statm", "r");
+    if (f == nullptr) return;
+    unsigned long pages = 0;
+    const bool read = std::fscanf(f, "%lu", &pages) == 1;
+    std::fclose(f);
+    if (!read) return;
+    rlimit lower = old_;
+    lower.rlim_cur = static_cast<rlim_t>(pages) * sysconf(_SC_PAGESIZE) + bytes;
+    if (old_.rlim_cur != RLIM_INFINITY && old_.rlim_cur <= lower.rlim_cur) return;
+    ok_ = setrlimit(RLIMIT_AS, &lower) == 0;
+  }
+  ~AddressSpaceLimit() {
+    if (ok_) setrlimit(RLIMIT_AS, &old_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  rlimit old_{};
+  bool ok_ = false;
+};
+
+// A size within the bound that MPI_Win_allocate_shared still cannot give (here: the address
+// space is limited to 256 MiB more than the process maps, the window asks for 1 GiB) fails the
+// op with Error(kSystem) naming the bytes asked for and shm_window_bytes, not only MPI's error
+// code. One rank per communicator (MPI_COMM_SELF): every rank fails alike, alone.
+TEST(Workspace, FailedWindowAllocationNamesTheSizeAndTheOption) {
+  const int64_t window = int64_t{1} << 30;
+  if (physical_memory() < 2 * window) GTEST_SKIP() << "less than 2 GiB of memory";
+  CommOptions o;
+  o.shm_window_bytes = window;
+  auto comm = Communicator::from_mpi(MPI_COMM_SELF, o);
+  const EpConfig cfg = make_cfg(*comm, "shm");
+  const Inputs in = make_inputs(kBS, 64, kL, 0);
+  DispatchInputs din;
+  din.x = in.x;
+  din.expert_ids = in.ids;
+  std::string what;
+  {
+    AddressSpaceLimit limit(int64_t{256} << 20);
+    if (!limit.ok()) GTEST_SKIP() << "cannot lower RLIMIT_AS here";
+    try {
+      dispatch_v2(din, cfg);
+      ADD_FAILURE() << "dispatch_v2 created a 1 GiB window under a 256 MiB address-space limit";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kSystem) << e.what();
+      what = e.what();
+    }
+  }
+  const std::string asked = std::to_string(window + 4096);
+  EXPECT_NE(what.find("dispatch_v2: MPI_Win_allocate_shared of " + asked + " bytes"),
+            std::string::npos)
+      << what;
+  EXPECT_NE(what.find("CommOptions::shm_window_bytes = " + std::to_string(window)),
+            std::string::npos)
+      << what;
+  EXPECT_NE(what.find(") failed: "), std::string::npos) << what;  // then MPI's error string
 }
 
 TEST(Workspace, Errors) {

@@ -1,12 +1,15 @@
 #include "bench_output.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "common.h"
 #include "moe_ep/error.h"
@@ -21,6 +24,22 @@ using moe_ep::ErrorKind;
 namespace {
 
 std::string ratio(double r) { return std::isnan(r) ? "-" : fmt("%.2fx", r); }
+
+// Writes `text` to `path` (created or truncated) with stdio, so that the failing call's errno
+// names the cause. Returns "" or why not: "cannot open it for writing: <strerror>" or "write
+// failed: <strerror>" (a full device shows at the last flush, in fclose).
+std::string write_text(const std::string& path, const std::string& text) {
+  auto failure = [] { return std::strerror(errno != 0 ? errno : EIO); };
+  errno = 0;
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return std::string("cannot open it for writing: ") + failure();
+  errno = 0;
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  std::string why = written ? "" : std::string("write failed: ") + failure();
+  errno = 0;
+  if (std::fclose(f) != 0 && why.empty()) why = std::string("write failed: ") + failure();
+  return why;
+}
 
 void print_targets(const BenchOptions& o, const Setup& s, const std::vector<Target>& targets) {
   const Preset& layer = s.layer;
@@ -41,7 +60,7 @@ void print_targets(const BenchOptions& o, const Setup& s, const std::vector<Targ
 }
 
 void write_csv(const std::string& path, const std::vector<Result>& all) {
-  std::ofstream f(path);
+  std::ostringstream f;
   f << "tokens_per_rank,op,impl,bytes_per_rank,p50_ms,p99_ms,gbps,ratio_vs_alltoallv,"
        "ratio_vs_textbook\n";
   for (const Result& r : all) {
@@ -50,8 +69,8 @@ void write_csv(const std::string& path, const std::vector<Result>& all) {
       << num(r.p50_s * 1e3) << ',' << num(r.p99_s * 1e3) << ',' << num(r.gbps) << ','
       << num(r.vs_alltoallv) << ',' << num(r.vs_textbook) << '\n';
   }
-  f.close();  // a full device reports the failure when the buffer is flushed
-  if (!f) throw Error(ErrorKind::kSystem, "moe-ep bench: --csv '" + path + "': write failed");
+  const std::string why = write_text(path, f.str());
+  if (!why.empty()) throw Error(ErrorKind::kSystem, "moe-ep bench: --csv '" + path + "': " + why);
 }
 
 nlohmann::json json_results(const Sweep& sweep) {
@@ -113,10 +132,10 @@ void write_json(const BenchOptions& o, const Setup& s, const Rules& rules, const
                             {"at_least", t.at_least},
                             {"pass", t.pass}});
   }
-  std::ofstream f(o.json);
-  f << j.dump(2) << '\n';
-  f.close();
-  if (!f) throw Error(ErrorKind::kSystem, "moe-ep bench: --json '" + o.json + "': write failed");
+  const std::string why = write_text(o.json, j.dump(2) + '\n');
+  if (!why.empty()) {
+    throw Error(ErrorKind::kSystem, "moe-ep bench: --json '" + o.json + "': " + why);
+  }
 }
 
 // gnuplot single-quoted string: '' stands for '.

@@ -219,7 +219,13 @@ void agree_on_error(const std::exception_ptr& error, const char* when) {
   MPI_Iallreduce(&mine, &lowest, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, &request);
   wait_idle(&request, "the error agreement");
   if (lowest == INT_MAX) return;
-  if (rank == lowest) std::rethrow_exception(error);
+  if (rank == lowest) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const Error& e) {
+      throw AgreedError(e.kind(), e.what());  // other exceptions go on as they are
+    }
+  }
   throw Error(ErrorKind::kRemote, std::string(g_command) + ": rank " + std::to_string(lowest) +
                                       " failed " + when + " (its message says why)");
 }

@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include "moe_ep/error.h"
+
 namespace moe_ep_tool {
 
 // main: after MPI_Init, before any collective below (collective: duplicates MPI_COMM_WORLD for
@@ -53,10 +55,19 @@ void line_up(const char* what);
 // returns.
 void same_command_line(const std::string& args, bool compared);
 
+// The error agree_on_error rethrows on the lowest failed rank (a moe_ep::Error of the same kind
+// and message): every rank leaves the step with an error (the others with kRemote), so main
+// ends the job through MPI_Finalize with status 2 whatever the kind (a failed write: System),
+// not through MPI_Abort.
+class AgreedError : public moe_ep::Error {
+ public:
+  using moe_ep::Error::Error;
+};
+
 // Collective. Every rank learns whether any failed in a local step (`when`: "before the run",
-// "writing the results"): the lowest failed rank rethrows its error, the others throw kRemote
-// naming it (main prints only the former, so a failure every rank shares is reported once), and
-// no rank is left waiting for one that is unwinding.
+// "writing the results"): the lowest failed rank rethrows its error (a moe_ep::Error as
+// AgreedError), the others throw kRemote naming it (main prints only the former, so a failure
+// every rank shares is reported once), and no rank is left waiting for one that is unwinding.
 void agree_on_error(const std::exception_ptr& error, const char* when);
 
 // Collective: every rank runs `step` (a local step: no communication), then every rank agrees on

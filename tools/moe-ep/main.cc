@@ -3,9 +3,10 @@
 // error prints one line "moe-ep: error: <kind>: <message>" and ends the job with status 2:
 //   - a mistake on the command line (cli.h; kind InvalidArgument): every rank parses the same
 //     argv, the ranks agree on it and the lowest failing rank prints it; MPI_Finalize;
-//   - an error of the run: through MPI_Finalize when every rank fails within 10 s, else MPI_Abort
-//     (fail()). A rank whose error is Remote (another rank failed and prints the real error)
-//     prints nothing.
+//   - an error of the run: through MPI_Finalize when every rank fails within 10 s (an argument
+//     error every rank learns, or any error of a local step the ranks agreed on: a failed write
+//     of the results), else MPI_Abort (fail()). A rank whose error is Remote (another rank
+//     failed and prints the real error) prints nothing.
 // --help and --version print on rank 0 and exit with status 0.
 #include <mpi.h>
 
@@ -53,7 +54,8 @@ void print_error(const char* kind, const char* message) {
 
 // Prints the error, unless it is kRemote: then another rank failed and prints the real error.
 // `agreed`: an error every rank raises once the op's header agreement has run (a bad argument,
-// or kRemote: another rank's), which leaves no message pending: if every rank reaches the same
+// or kRemote: another rank's), or after agree_on_error (AgreedError: a local step's error of any
+// kind), which leaves no message pending: if every rank reaches the same
 // point within a few seconds, they all end with MPI_Finalize and exit status 2, without
 // OpenMPI's MPI_ABORT banner. Otherwise (a timeout, an MPI or internal failure, or ranks that
 // do not all fail: an InvalidArgument only the source of a combine can see waits the 10 s) the job
@@ -122,9 +124,12 @@ int run(const CommandLine& line) {
                                                     : moe_ep_tool::bench_command(line.bench);
   } catch (const moe_ep::Error& e) {
     const moe_ep::ErrorKind k = e.kind();
+    // A local step's error every rank agreed on (AgreedError here, kRemote on the others, e.g.
+    // a failed write of the results) leaves no rank behind either, whatever its kind.
+    const bool agreed_on = dynamic_cast<const moe_ep_tool::AgreedError*>(&e) != nullptr;
     return fail(moe_ep::error_kind_name(k), e.what(), k == moe_ep::ErrorKind::kRemote,
-                k == moe_ep::ErrorKind::kInvalidArgument || k == moe_ep::ErrorKind::kUnsupported ||
-                    k == moe_ep::ErrorKind::kRemote);
+                agreed_on || k == moe_ep::ErrorKind::kInvalidArgument ||
+                    k == moe_ep::ErrorKind::kUnsupported || k == moe_ep::ErrorKind::kRemote);
   } catch (const std::bad_alloc&) {
     return fail("System", "out of memory (std::bad_alloc); use fewer --tokens or a smaller --ffn",
                 false, false);

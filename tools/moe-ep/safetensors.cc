@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -133,16 +135,27 @@ void write_safetensors(const std::string& path, const StFile& file) {
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   const uint64_t n = text.size();
 
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw Error(ErrorKind::kSystem, "cannot open '" + path + "' for writing");
-  out.write(reinterpret_cast<const char*>(&n), 8);
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  for (const auto& [name, t] : file.tensors) {
-    out.write(reinterpret_cast<const char*>(t.data.data()),
-              static_cast<std::streamsize>(t.data.size()));
+  // stdio, not a stream: the failing call's errno names the cause (a full device, a file that
+  // takes no data), and it is read right after that call.
+  std::FILE* out = std::fopen(path.c_str(), "wb");
+  if (out == nullptr) {
+    throw Error(ErrorKind::kSystem,
+                "cannot open '" + path + "' for writing: " + std::strerror(errno));
   }
-  out.close();
-  if (!out) throw Error(ErrorKind::kSystem, "writing '" + path + "' failed");
+  int failed = 0;  // the errno of the first failed call (EIO when it set none), or 0
+  auto failure = [] { return errno != 0 ? errno : EIO; };
+  auto put = [&](const void* data, std::size_t bytes) {
+    errno = 0;
+    if (failed == 0 && bytes > 0 && std::fwrite(data, 1, bytes, out) != bytes) failed = failure();
+  };
+  put(&n, 8);
+  put(text.data(), text.size());
+  for (const auto& [name, t] : file.tensors) put(t.data.data(), t.data.size());
+  errno = 0;
+  if (std::fclose(out) != 0 && failed == 0) failed = failure();  // the buffer's last flush
+  if (failed != 0) {
+    throw Error(ErrorKind::kSystem, "writing '" + path + "' failed: " + std::strerror(failed));
+  }
 }
 
 StFile read_safetensors(const std::string& path) {

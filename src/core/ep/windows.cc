@@ -48,7 +48,7 @@ ShmContext& ensure_shm(const Communicator& comm, const char* op, const std::vect
   if (grow)
     ctx->grow(std::max({ctx->capacity(), 2 * ShmContext::slot_bytes(own_need), kMinShmBytes,
                         comm.shm_window_bytes()}),
-              op);
+              op, comm.shm_window_bytes());
   return *ctx;
 }
 

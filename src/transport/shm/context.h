@@ -76,8 +76,10 @@ class ShmContext {
   // Bytes of this rank's segment in the newest generation (0: no window yet).
   int64_t capacity() const;
   // Node-collective (every rank of the node, same op): allocates a new generation in which this
-  // rank's segment has `own_bytes` bytes.
-  void grow(int64_t own_bytes, const char* op);
+  // rank's segment has `own_bytes` bytes. Throws Error(kSystem) naming the bytes asked for and
+  // `shm_window_bytes` (the communicator's CommOptions value, for the message) when
+  // MPI_Win_allocate_shared fails.
+  void grow(int64_t own_bytes, const char* op, int64_t shm_window_bytes);
   // The bytes of a segment a request of `bytes` takes (at least 1, rounded up to 4 KiB).
   static int64_t slot_bytes(int64_t bytes);
   // Reserves slot_bytes(bytes) of this rank's segment in a generation, the newest first (an
