@@ -41,7 +41,7 @@ UnpermuteGradRefResult unpermute_grad(const TensorView& grad_out, const TensorVi
 
 // padded_mode (SPEC §4.1): `table` holds token ids (int32/int64, 1-D or 2-D, read row-major:
 // slot p is its p-th entry); probs, when given, one weight per slot in the same order.
-// permuted[p] = tokens[table.flat[p]]; sorted_indices = table flattened, int32.
+// permuted[p] = tokens[table.flat[p]]; sorted_indices = the table in its own shape, int32.
 PermuteRefResult permute_padded(const TensorView& tokens, const TensorView& table);
 // out (n, H) in out_dtype: out[t] = sum over the slots p with table.flat[p] == t, in increasing
 // p, of probs.flat[p] * src[p] (unweighted without probs). unpermute and permute_grad alike.

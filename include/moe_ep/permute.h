@@ -31,15 +31,19 @@
 //   indices is a table of token ids, one per capacity slot, int32/int64, 1-D or 2-D (typically
 //   (num_experts, capacity)), every id in [0, N); M = its entry count, taken in row-major order.
 //   permute gathers permuted[p] = tokens[indices.flat[p]] (M rows, none dropped: num_out_tokens
-//   must be None, 0 or M) and returns sorted_indices = indices flattened, int32. In every other
-//   op sorted_indices is that table (int32/int64, 1-D or 2-D, values in [0, N), repeats allowed),
+//   must be None, 0 or M) and returns sorted_indices = indices: the table in its own shape
+//   ((num_experts, capacity) for a 2-D table, as Megatron-LM's permute_with_padded_tokens
+//   returns it; (M,) for a 1-D one), int32. In every other op sorted_indices is that table
+//   (int32/int64, 1-D or 2-D: permute's 2-D output or the same entries flattened; values in
+//   [0, N), repeats allowed),
 //   the permuted side has exactly M rows, and probs, when given, holds one weight per slot (M
 //   entries, 1-D or 2-D; grad_probs comes back in its shape). unpermute needs restore_shape =
 //   [N, H] (N is the output rows) and sums out[t] = sum over the slots p holding t, in increasing
 //   p, of probs.flat[p] * permuted[p] (fp32 as below; 0 for a token no slot holds);
 //   permute_grad is the same sum unweighted; unpermute_grad gives grad_permuted[p] =
 //   probs.flat[p] * grad_out[S[p]] and grad_probs.flat[p] = dot(grad_out[S[p]], permuted[p]).
-//   permute_grad checks that sorted_indices equals indices; num_topk is unused.
+//   permute_grad checks that sorted_indices holds indices' entries (row-major order, either
+//   shape); num_topk is unused.
 // - Bad input raises Error(kInvalidArgument) naming the op, the parameter, the value and the bound;
 //   e.g. "permute: indices[2,0] = -1 is outside [0, 2147483648)". docs/errors.md lists each
 //   check.
@@ -67,6 +71,7 @@ struct PermuteArgs {
 struct PermuteResult {
   Tensor permuted_tokens;  // (rows, H), tokens' dtype: permuted[p] = tokens[order[p] / topK]
   Tensor sorted_indices;   // (M,) int32: row of permuted_tokens holding entry j; >= rows if dropped
+                           // (padded_mode: indices' entries in indices' shape, int32)
 };
 MOE_EP_API PermuteResult permute(const PermuteArgs& args);
 

@@ -239,7 +239,7 @@ struct PermuteArgs {
 };
 struct PermuteResult {
   DTensor permuted_tokens{};  // (rows, H): R or Shard(1)
-  DTensor sorted_indices{};   // (M,) int32: Replicate
+  DTensor sorted_indices{};   // (M,) int32 (padded_mode: indices' shape): Replicate
   StrategyChoice choice{};
 };
 MOE_EP_API PermuteResult permute(const Communicator& mesh, const PermuteArgs& args);

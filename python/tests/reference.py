@@ -183,9 +183,9 @@ def _blocked_dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def permute_padded(tokens: Tensor, table: Tensor) -> Tuple[Tensor, Tensor]:
-    """permuted[p] = tokens[table.flat[p]]; sorted_indices = the table flattened, int32."""
+    """permuted[p] = tokens[table.flat[p]]; sorted_indices = the table in its own shape, int32."""
     ids = table.reshape(-1).long()
-    return tokens[ids], ids.to(torch.int32)
+    return tokens[ids], table.to(torch.int32)
 
 
 def unpermute_padded(src: Tensor, table: Tensor, probs: Optional[Tensor], n: int,

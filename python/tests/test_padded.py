@@ -89,6 +89,55 @@ def test_matches_megatron_formulas():
     assert got[tokens.shape[0] - 1].abs().sum() == 0  # the token no slot holds
 
 
+def _megatron_permute_with_padded_tokens(tokens, indices):
+    """Megatron-LM's permute_with_padded_tokens (moe_utils.py), verbatim: the golden of SPEC
+    §4.1's padded_mode."""
+    permuted_tokens = tokens.index_select(dim=0, index=indices.view(-1))
+    return permuted_tokens, indices
+
+
+@pytest.mark.parametrize("two_d", [True, False])
+def test_sorted_indices_is_megatrons_table(two_d):
+    """SPEC §4.1: padded permute returns sorted_indices = indices, the (num_experts, capacity)
+    table itself (int32), not its flattening; eager, fake (torch.compile) and the table's 1-D
+    form alike. Every op taking sorted_indices takes it in that shape and flattened, with the
+    same bits."""
+    tokens, table, probs = _capacity_case(n=7, h=12, e=3, c=5, seed=11, two_d=two_d)
+    n, h, m = tokens.shape[0], tokens.shape[1], table.numel()
+    want_p, want_si = _megatron_permute_with_padded_tokens(tokens, table)
+    permuted, si = ops.token_permute(tokens, table, None, True)
+    assert si.shape == want_si.shape == ((3, 5) if two_d else (15,)), si.shape
+    assert si.dtype == torch.int32
+    assert torch.equal(si.long(), want_si) and torch.equal(permuted, want_p)
+    compiled = torch.compile(lambda x: ops.token_permute(x, table, None, True),
+                             backend="aot_eager", fullgraph=True)
+    assert compiled(tokens)[1].shape == want_si.shape
+
+    y, g = torch.randn(m, h), torch.randn(n, h)
+    flat = si.reshape(-1)
+    for name, call in [
+        ("permute_grad", lambda s: ops.token_permute_grad(tokens, y, table, s, True)),
+        ("permute_grad_v2", lambda s: ops.token_permute_grad_v2(y, s, n, torch.float32, 1, True)),
+        ("unpermute", lambda s: ops.token_unpermute(y, s, probs, True, [n, h])),
+        ("_unpermute", lambda s: ops._token_unpermute(y, s, probs, True, [n, h])[0]),
+        ("unpermute_grad", lambda s: ops.token_unpermute_grad(y, g, s, probs, True, [n, h])),
+        ("unpermute_grad_v2",
+         lambda s: ops.token_unpermute_grad_v2(g, s, m, torch.float32, probs, True, None, y)),
+    ]:
+        a, b = call(si), call(flat)
+        for x, z in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            _bits(x, z)
+    # the unpermute of permute's own outputs is Megatron's scatter_add, up to its open order
+    out = ops.token_unpermute(permuted, si, probs, True, [n, h])
+    idx = table.reshape(-1, 1).expand(-1, h)
+    want = torch.zeros(n, h).scatter_add(0, idx, probs.reshape(-1, 1) * want_p)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    torch.library.opcheck(ops.token_permute.default, (tokens, table, None, True))
+    torch.library.opcheck(ops.token_permute_grad.default, (tokens, y, table, si, True))
+    torch.library.opcheck(ops.token_unpermute_grad_v2.default,
+                          (g, si, m, torch.float32, probs, True, [n, h], y))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_autograd_matches_plain_torch(dtype):
     """permute -> expert scale -> unpermute, differentiated by moe-ep's backward ops, against

@@ -1,7 +1,8 @@
 // SPEC §4.1's padded_mode, Megatron-LM's capacity layout (permute_with_padded_tokens and
 // unpermute_with_padded_tokens): indices is a table of token ids, one per capacity slot
 // (typically (num_experts, capacity)), and permute is a plain gather of those rows. Its
-// sorted_indices is the table itself (flattened, int32); unpermute sums each token's slots back,
+// sorted_indices is the table itself (int32, in the table's shape, as Megatron-LM's
+// sorted_indices = indices); unpermute sums each token's slots back,
 // weighted by probs (one weight per slot). Every slot is kept: there is nothing to drop.
 //
 // Where Megatron-LM is silent or non-deterministic (scatter_add), moe-ep fixes the order: a
@@ -167,7 +168,11 @@ PermuteResult permute_padded(const PermuteArgs& args) {
             " (the entries of indices; padded_mode keeps every slot)");
   check_output_size(op, "permuted_tokens shape (slots, H)", m, h, tokens.dtype);
   PermuteResult res;
-  res.sorted_indices = Tensor::empty(DType::kI32, {m});
+  // sorted_indices = indices (SPEC §4.1): the table in its own shape, (num_experts, capacity)
+  // for a 2-D table, (M,) for a 1-D one.
+  res.sorted_indices = Tensor::empty(
+      DType::kI32, std::vector<int64_t>(args.indices.shape.begin(),
+                                        args.indices.shape.begin() + args.indices.ndim));
   std::copy(ids.begin(), ids.end(), res.sorted_indices.ptr<int32_t>());
   res.permuted_tokens = Tensor::empty(tokens.dtype, {m, h});
   if (h > 0) gather_rows(static_cast<char*>(res.permuted_tokens.data()), tokens, ids.data(), m);
@@ -189,16 +194,18 @@ Tensor permute_grad_padded(const PermuteGradArgs& args) {
       token_ids(op, "sorted_indices", args.sorted_indices, n, "N = tokens.shape[0]");
   const std::vector<int32_t> table =
       token_ids(op, "indices", args.indices, n, "N = tokens.shape[0]");
-  // In padded mode permute's sorted_indices is indices itself; two different tables mean the
-  // caller mixed up two layers' tensors.
+  // In padded mode permute's sorted_indices is indices itself (in its shape, or flattened: the
+  // entries are compared in row-major order); two different tables mean the caller mixed up two
+  // layers' tensors.
   if (table.size() != ids.size())
     invalid(op, ": indices has ", table.size(), " entries, sorted_indices ", ids.size(),
-            " (padded_mode: sorted_indices is indices, flattened)");
+            " (padded_mode: sorted_indices is indices)");
   for (std::size_t j = 0; j < ids.size(); ++j)
     if (table[j] != ids[j])
-      invalid(op, ": sorted_indices[", j, "] = ", ids[j], " differs from indices",
+      invalid(op, ": sorted_indices", slot_name(args.sorted_indices, static_cast<int64_t>(j)),
+              " = ", ids[j], " differs from indices",
               slot_name(args.indices, static_cast<int64_t>(j)), " = ", table[j],
-              " (padded_mode: sorted_indices is indices, flattened)");
+              " (padded_mode: sorted_indices is indices)");
   expect_slot_rows(op, "grad_permuted_tokens.shape[0]", grad.shape[0],
                    static_cast<int64_t>(ids.size()), "the entries of sorted_indices");
   return scatter_sum(op, grad, ids, n, tokens.dtype, nullptr, "grad_tokens shape (N, H)");

@@ -282,6 +282,8 @@ TEST(PermutePadded, HandComputed) {
   const PermuteResult p = permute(pa);
   EXPECT_EQ(std::vector<float>(p.permuted_tokens.ptr<float>(), p.permuted_tokens.ptr<float>() + 8),
             (std::vector<float>{1, 2, 5, 6, 5, 6, 3, 4}));
+  // sorted_indices = indices, as Megatron-LM's permute_with_padded_tokens: 2-D (E, capacity)
+  EXPECT_EQ(shape_of(p.sorted_indices), "int32[2, 2]");
   EXPECT_EQ(
       std::vector<int32_t>(p.sorted_indices.ptr<int32_t>(), p.sorted_indices.ptr<int32_t>() + 4),
       (std::vector<int32_t>{0, 2, 2, 1}));
@@ -362,7 +364,7 @@ TEST(PermutePaddedErrors, NameTheOpParameterValueAndBound) {
   ua.restore_shape = std::vector<int64_t>{2, 2};
   expect_error(
       [&] { unpermute_with_saved(ua); },
-      {"unpermute_with_saved: sorted_indices[1] = 2 is outside [0, 2)", "N = restore_shape[0]"});
+      {"unpermute_with_saved: sorted_indices[0,1] = 2 is outside [0, 2)", "N = restore_shape[0]"});
   ua.restore_shape = std::vector<int64_t>{3, 2};
   ua.probs = TensorView::contiguous(w, DType::kF32, {3});
   expect_error([&] { unpermute(ua); }, {"unpermute: probs has 3 entries, must equal 4"});
@@ -409,7 +411,7 @@ TEST(PermutePaddedErrors, NameTheOpParameterValueAndBound) {
   ug.padded_mode = true;
   expect_error(
       [&] { unpermute_grad(ug); },
-      {"unpermute_grad: sorted_indices[1] = 2 is outside [0, 2)", "N = grad_out.shape[0]"});
+      {"unpermute_grad: sorted_indices[0,1] = 2 is outside [0, 2)", "N = grad_out.shape[0]"});
   int32_t three_d[1] = {0};
   ug.sorted_indices = TensorView::contiguous(three_d, DType::kI32, {1, 1, 1});
   expect_error([&] { unpermute_grad(ug); },

@@ -20,9 +20,11 @@ Decisions of this front (beyond SPEC §4):
   because under a DTensor Shard(1) strategy every shard sees the global restore_shape.
 - padded_mode=True is Megatron-LM's capacity layout (SPEC §4.1, include/moe_ep/permute.h):
   indices is a table of token ids, one per slot, 1-D or 2-D (num_experts, capacity); permute
-  gathers the slots' rows and returns the table flattened (int32) as sorted_indices; the other
-  ops take that table (or the caller's own, int32/int64, 1-D or 2-D), probs with one weight per
-  slot, and give grad_probs in probs' shape. Ascend's torch_npu kernel has no padded mode.
+  gathers the slots' rows and returns the table itself, in its shape (int32), as sorted_indices
+  (Megatron-LM's permute_with_padded_tokens returns sorted_indices = indices); the other ops
+  take that table (or the caller's own, or the same entries flattened: int32/int64, 1-D or
+  2-D), probs with one weight per slot, and give grad_probs in probs' shape. Ascend's torch_npu
+  kernel has no padded mode.
 - The public functions below are plain functions over the custom ops (torch.ops.moe_ep.*): they
   check every argument's type first (moe_ep.InvalidArgumentError naming op, parameter, value and
   expected type: None or a list for a tensor, a bool for an int, ...), which the torch dispatcher
@@ -183,7 +185,8 @@ def _op_token_permute(
 ) -> Tuple[Tensor, Tensor]:
     """SPEC §4.1. tokens (N, H); indices (N,) or (N, topK) int32/int64.
     Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32). padded_mode: indices
-    is a table of token ids (one per slot); permuted_tokens has a row per slot."""
+    is a table of token ids (one per slot); permuted_tokens has a row per slot and
+    sorted_indices is the table, int32, in indices' shape ((num_experts, capacity) or (M,))."""
     _check_permute(tokens, indices, num_out_tokens, padded_mode)
     m = indices.numel()
     rows = m if padded_mode or not num_out_tokens or num_out_tokens < 0 else min(num_out_tokens, m)
@@ -204,7 +207,10 @@ def _(tokens, indices, num_out_tokens=None, padded_mode=False):
         rows = _padded_permute_rows("permute", indices, num_out_tokens)
     else:
         rows = _permute_rows("token_permute", m, num_out_tokens)
-    return tokens.new_empty((rows, tokens.shape[1])), indices.new_empty((m,), dtype=torch.int32)
+    # padded_mode: sorted_indices = indices (SPEC §4.1), in its shape
+    si_shape = tuple(indices.shape) if padded_mode else (m,)
+    return (tokens.new_empty((rows, tokens.shape[1])),
+            indices.new_empty(si_shape, dtype=torch.int32))
 
 
 def _permute_setup(ctx, inputs, output):
@@ -594,7 +600,8 @@ def token_permute(
     """SPEC §4.1 (torch.ops.moe_ep.token_permute). tokens (N, H); indices (N,) or (N, topK)
     int32/int64. Returns (permuted_tokens (rows, H), sorted_indices (N*topK,) int32).
     padded_mode: indices is a table of token ids (one per slot); permuted_tokens has a row per
-    slot. Differentiable in tokens."""
+    slot and sorted_indices is the table, int32, in indices' shape ((num_experts, capacity) for
+    a 2-D table, as Megatron-LM's). Differentiable in tokens."""
     _check_permute(tokens, indices, num_out_tokens, padded_mode)
     return _op_token_permute(tokens, indices, num_out_tokens, padded_mode)
 
