@@ -208,7 +208,10 @@ def dense_reference(x, expert_ids, expert_scales, scales):
         w = expert_scales[:, kk : kk + 1]
         moe = e < moe_expert_num
         xf = x.float() * scales[e.clamp(max=moe_expert_num - 1)]
-        q = torch.round(xf * (127 / xf.abs().amax(dim=1, keepdim=True)))
+        # s = 127 / max|xf| as one fp32 division (SPEC §1.5): not `127 / tensor`, which torch
+        # computes as reciprocal(tensor) * 127, one ulp off for about a quarter of the rows
+        s_ = torch.tensor(127.0) / xf.abs().amax(dim=1, keepdim=True)
+        q = torch.round(xf * s_)
         y = torch.where(moe[:, None], q.to(input_dtype).float(), x.float())
         term = torch.where((e == moe_expert_num)[:, None], torch.zeros(()), w * y)
         acc = acc + term

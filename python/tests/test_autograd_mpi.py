@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 
 import pytest
 
-from test_dispatch_mpi import HERE, _mpirun, _tail  # the launcher and its skips
+from test_dispatch_mpi import HERE, ROOT, _mpirun, _tail  # the launcher and its skips
 
 import mpi_autograd_cases  # noqa: E402
 
@@ -66,3 +67,37 @@ def test_ascend_single_op_example():
     assert results.get("ascend_single_op_example") == {r: "OK" for r in range(4)}, _tail(
         proc.stdout)
     assert re.search(r"^ascend_single_op\.py rank=0: PASS", proc.report, re.M), _tail(proc.stdout)
+
+
+@functools.lru_cache(maxsize=None)
+def _graph_mode_launch():
+    """examples/python/ascend_graph_mode.py on 4 ranks, both backends in one launch (each rank
+    compiles its model for each; inductor builds C++ on 2 cores: about a minute in all)."""
+    import subprocess
+
+    import test_dispatch_mpi as tdm
+
+    cmd = [tdm.MPIRUN, "-n", "4"]
+    if "Open MPI" in tdm._mpirun_version():
+        cmd.append("--oversubscribe")
+    cmd += [sys.executable, str(ROOT / "examples" / "python" / "ascend_graph_mode.py")]
+    # The ranks' compilations end at different times and the first op waits for the slowest:
+    # a deadline of its own, above the launcher's 60 s.
+    env = dict(tdm._env(), MOE_EP_TIMEOUT_S="240")
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=tdm.LAUNCH_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_ascend_graph_mode_example(backend):
+    """The seed's graph-mode example (a model calling npu_moe_distribute_dispatch_v2 and
+    combine_v2, compiled; examples/python/ascend_graph_mode.py) runs under 4 ranks with
+    moe_ep.torch_npu's device no-ops (model.npu(), torch.npu.synchronize()), compiled as one
+    graph (fullgraph=True) by each stock backend, and its outputs equal a dense reference on
+    every rank."""
+    proc = _graph_mode_launch()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, _tail(out)
+    assert re.search(rf"^{backend}: OK \(", proc.stdout, re.M), _tail(out)
+    assert re.search(r"^PASS: the model compiled as one graph \(fullgraph\) with aot_eager and "
+                     r"inductor;", proc.stdout, re.M), _tail(out)

@@ -95,6 +95,32 @@ def test_check_environment_reads_the_variables_without_mpi(monkeypatch):
     monkeypatch.setenv("MOE_EP_TRANSPORT", "tcp")
     with pytest.raises(moe_ep.InvalidArgumentError,
                        match='check_environment: MOE_EP_TRANSPORT = "tcp"'):
+@pytest.mark.parametrize("n,shown", [("2", "'2' (str)"), (2.0, "2.0 (float)"),
+                                     (True, "True (bool)"), (None, "None (NoneType)")])
+def test_set_num_threads_refuses_a_non_int_naming_it(n, shown):
+    """Not nanobind's TypeError: moe-ep's InvalidArgumentError naming the function, n, its value
+    and type; the count is left as it was."""
+    before = moe_ep.num_threads()
+    with pytest.raises(moe_ep.InvalidArgumentError,
+                       match=re.escape(f"set_num_threads: n = {shown} must be an int")):
+        moe_ep.set_num_threads(n)
+    assert moe_ep.num_threads() == before
+
+
+def test_set_num_threads_takes_numpy_ints_and_refuses_beyond_int64():
+    np = pytest.importorskip("numpy")
+    try:
+        moe_ep.set_num_threads(np.int64(1))
+        assert moe_ep.num_threads() == 1
+    finally:
+        moe_ep.set_num_threads(0)
+    for n, message in [(2**70, f"n = {2**70} exceeds 1024"),
+                       (-(2**70), f"n = {-(2**70)} must be >= 0")]:
+        with pytest.raises(moe_ep.InvalidArgumentError,
+                           match=re.escape("set_num_threads: " + message)):
+            moe_ep.set_num_threads(n)
+
+
         moe_ep.check_environment()
     assert moe_ep.check_environment(transport="shm") == 7.5  # the variable is not used then
     monkeypatch.setenv("MOE_EP_STREAM_MIN_BYTES", "-1")
