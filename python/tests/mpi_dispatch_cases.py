@@ -1845,6 +1845,123 @@ def uneven_bs_without_global_bs(ctx):
     round_trip(ctx, replace(spec, global_bs=10))
 
 
+@case(only=2)
+def front_messages(ctx):
+    """Issue 30: int64 expert_ids (torch.topk's) hint .int(); a dtype the binding cannot take
+    lists only the dtypes that parameter takes; combine_v2 with neither a handle nor dispatch_v2's
+    layout tensors says it needs one of them; an unregistered group id names the op and the
+    parameter. Every rank passes the same mistake (each raises its own error)."""
+    spec = Spec(72, bs_all(ctx, 4), k=2, e=2 * ctx.world)
+    mine = make_inputs(spec, ctx.rank)
+    e = spec.e
+    got = {
+        "int64 ids": _raised(lambda: mt.dispatch_v2(mine.x, mine.ids.long(), ctx.comm,
+                                                    moe_expert_num=e)),
+        "fp64 x": _raised(lambda: mt.dispatch_v2(mine.x.double(), mine.ids, ctx.comm,
+                                                 moe_expert_num=e)),
+        "fp64 scales": _raised(lambda: mt.dispatch_v2(mine.x, mine.ids, ctx.comm,
+                                                      moe_expert_num=e,
+                                                      expert_scales=mine.w.double())),
+    }
+    d = mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=e)
+    got["combine without layout"] = _raised(lambda: mt.combine_v2(
+        d.expand_x, mine.ids, None, None, mine.w, ctx.comm, moe_expert_num=e))
+    got["combine without counts"] = _raised(lambda: mt.combine_v2(
+        d.expand_x, mine.ids, d.assist_info_for_combine, None, mine.w, ctx.comm,
+        moe_expert_num=e))
+    got["unregistered id"] = _raised(lambda: mt.dispatch_v2(mine.x, mine.ids, 987654,
+                                                             moe_expert_num=e))
+    y = mt.combine_v2(d.expand_x, mine.ids, None, None, mine.w, ctx.comm, moe_expert_num=e,
+                      handle=d.handle)  # still in step
+
+    def checks():
+        _check_raised("int64 expert_ids", got["int64 ids"], moe_ep.InvalidArgumentError,
+                      "dispatch_v2: expert_ids dtype torch.int64 is not one of {torch.int32} "
+                      "(torch.topk returns int64 indices: pass expert_ids.int())")
+        check(str(got["fp64 x"]) == "dispatch_v2: x dtype torch.float64 is not one of "
+              "torch.bfloat16, torch.float16, torch.float32"
+              and type(got["fp64 x"]) is moe_ep.UnsupportedError, f"fp64 x: {got['fp64 x']!r}")
+        check(str(got["fp64 scales"]) == "dispatch_v2: expert_scales dtype torch.float64 is not "
+              "one of torch.float32", f"fp64 expert_scales: {got['fp64 scales']!r}")
+        _check_raised("combine_v2 without a handle or the layout",
+                      got["combine without layout"], moe_ep.InvalidArgumentError,
+                      "combine_v2: assist_info_for_combine and ep_send_counts are None and no "
+                      "handle is given: combine_v2 needs either handle= (the .handle of the "
+                      "dispatch_v2 these rows came from) or that dispatch_v2's "
+                      "assist_info_for_combine and ep_recv_counts (as ep_send_counts)")
+        _check_raised("combine_v2 without ep_send_counts", got["combine without counts"],
+                      moe_ep.InvalidArgumentError,
+                      "combine_v2: ep_send_counts is None and no handle is given")
+        _check_raised("an unregistered group id", got["unregistered id"],
+                      moe_ep.InvalidArgumentError,
+                      "dispatch_v2: group_ep = 987654 is not a registered group id (pass the "
+                      "mpi4py communicator itself, or the id moe_ep.torch.group_id(comm)")
+        check(y.shape == mine.x.shape, "the round trip after the errors failed")
+
+    agreed(ctx, checks)
+
+
+@case(only=2)
+def int8_modes_refuse_autograd_at_the_forward(ctx):
+    """Issue 30: quant_mode 2 (dispatch_v2) and comm_quant_mode 2 (combine_v2) have no gradient:
+    with grad mode on and an input that requires grad they raise UnsupportedError at the forward,
+    naming the op and the parameter (not an expand_x silently without grad, nor an error at
+    backward()). Under torch.no_grad(), or with detached inputs, they run."""
+    spec = Spec(73, bs_all(ctx, 4), k=2, e=2 * ctx.world)
+    mine = make_inputs(spec, ctx.rank)
+    e = spec.e
+    x = mine.x.clone().requires_grad_()
+    err_d = _raised(lambda: mt.dispatch_v2(x, mine.ids, ctx.comm, moe_expert_num=e,
+                                           quant_mode=2))
+    with torch.no_grad():
+        q = mt.dispatch_v2(x, mine.ids, ctx.comm, moe_expert_num=e, quant_mode=2)
+    d = mt.dispatch_v2(x, mine.ids, ctx.comm, moe_expert_num=e)
+    y = d.expand_x * 2  # requires grad
+    err_c = _raised(lambda: mt.combine_v2(y, mine.ids, None, None, mine.w, ctx.comm,
+                                          moe_expert_num=e, handle=d.handle, comm_quant_mode=2))
+    out = mt.combine_v2(y.detach(), mine.ids, None, None, mine.w, ctx.comm, moe_expert_num=e,
+                        handle=d.handle, comm_quant_mode=2)
+
+    def checks():
+        _check_raised("dispatch_v2 quant_mode 2", err_d, moe_ep.UnsupportedError,
+                      "dispatch_v2: quant_mode = 2 has no gradient (SPEC §6: int8 rows have "
+                      "none), but x requires grad with grad mode on")
+        _check_raised("combine_v2 comm_quant_mode 2", err_c, moe_ep.UnsupportedError,
+                      "combine_v2: comm_quant_mode = 2 has no gradient (SPEC §6: int8 rows have "
+                      "none), but expand_x requires grad with grad mode on")
+        check(q.expand_x.dtype == torch.int8, "quant_mode 2 under no_grad did not run")
+        check(out.shape == mine.x.shape and not out.requires_grad,
+              "comm_quant_mode 2 on detached rows did not run")
+
+    agreed(ctx, checks)
+
+
+@case(only=2)
+def compile_fullgraph_unregistered_comm(ctx):
+    """Issue 30: torch.compile(fullgraph=True) of a layer whose first use of an mpi4py
+    communicator is inside the compiled code (Dynamo cannot trace mpi4py's py2f: the group is
+    resolved at trace time, as a constant). The output equals eager's, bitwise."""
+    from moe_ep.torch import distributed as D
+
+    spec = Spec(74, bs_all(ctx, 5), k=2, e=2 * ctx.world)
+    mine = make_inputs(spec, ctx.rank)
+    comm = ctx.comm.Dup()
+    check(id(comm) not in D._by_object, "the new communicator is registered already")
+
+    def layer(x, ids, weights):
+        d = mt.dispatch_v2(x, ids, comm, moe_expert_num=spec.e)
+        return mt.combine_v2(d.expand_x * 2.0, ids, None, None, weights, comm,
+                             moe_expert_num=spec.e, handle=d.handle)
+
+    torch._dynamo.reset()
+    got = torch.compile(layer, fullgraph=True, backend="aot_eager")(mine.x, mine.ids, mine.w)
+    want = layer(mine.x, mine.ids, mine.w)
+    mt.release_group(comm)
+    torch._dynamo.reset()
+    comm.Free()
+    agreed(ctx, lambda: check_bitwise("compiled layer on an unregistered comm", got, want))
+
+
 @case(only=4)
 def moe_layer_example(ctx):
     """examples/python/moe_layer.py with its default sizes, run as __main__ in this launch (a

@@ -31,8 +31,18 @@ def test_unknown_group_id_is_named():
     ids = torch.zeros(1, 1, dtype=torch.int32)
     with pytest.raises(moe_ep.InvalidArgumentError, match="group_ep = 12345 is not a registered"):
         torch.ops.moe_ep.dispatch_v2(x, ids, 12345, 1, 0, 1)
-    with pytest.raises(moe_ep.InvalidArgumentError, match="group_id: 777 is not a registered"):
+    with pytest.raises(moe_ep.InvalidArgumentError) as info:
         mt.group_id(777)
+    assert str(info.value) == (
+        "group_id: comm = 777 is not a registered group id (pass the mpi4py communicator itself, "
+        "or the id moe_ep.torch.group_id(comm) returned for it, not released since)")
+    # The wrappers name the op and the parameter (issue 30: "group_id: 7 is not ...").
+    with pytest.raises(moe_ep.InvalidArgumentError) as info:
+        mt.dispatch_v2(x, ids, 7, moe_expert_num=1)
+    assert str(info.value).startswith("dispatch_v2: group_ep = 7 is not a registered group id")
+    with pytest.raises(moe_ep.InvalidArgumentError) as info:
+        mt.combine_v2(x, ids, None, None, torch.ones(1, 1), 7, moe_expert_num=1)
+    assert str(info.value).startswith("combine_v2: group_ep = 7 is not a registered group id")
 
 
 def test_dispatch_workspace_refuses_dtype_and_group_before_mpi():
@@ -45,7 +55,8 @@ def test_dispatch_workspace_refuses_dtype_and_group_before_mpi():
         "dispatch_workspace: dtype = torch.float64 is not one of torch.bfloat16, torch.float16, "
         "torch.float32"
     )
-    with pytest.raises(moe_ep.InvalidArgumentError, match="group_id: 12345 is not a registered"):
+    with pytest.raises(moe_ep.InvalidArgumentError,
+                       match="dispatch_workspace: group_ep = 12345 is not a registered"):
         mt.dispatch_workspace(4, 8, 2, torch.bfloat16, 12345, moe_expert_num=2)
 
 
@@ -84,17 +95,6 @@ def test_set_num_threads_fixes_then_resets_the_count():
     assert moe_ep.num_threads() == automatic
 
 
-def test_check_environment_reads_the_variables_without_mpi(monkeypatch):
-    monkeypatch.delenv("MOE_EP_TIMEOUT_S", raising=False)
-    monkeypatch.delenv("MOE_EP_TRANSPORT", raising=False)
-    monkeypatch.delenv("MOE_EP_STREAM_MIN_BYTES", raising=False)
-    assert moe_ep.check_environment() == 300
-    assert moe_ep.check_environment(timeout_s=5.0, transport="mpi") == 5
-    monkeypatch.setenv("MOE_EP_TIMEOUT_S", "7.5")
-    assert moe_ep.check_environment() == 7.5
-    monkeypatch.setenv("MOE_EP_TRANSPORT", "tcp")
-    with pytest.raises(moe_ep.InvalidArgumentError,
-                       match='check_environment: MOE_EP_TRANSPORT = "tcp"'):
 @pytest.mark.parametrize("n,shown", [("2", "'2' (str)"), (2.0, "2.0 (float)"),
                                      (True, "True (bool)"), (None, "None (NoneType)")])
 def test_set_num_threads_refuses_a_non_int_naming_it(n, shown):
@@ -121,6 +121,17 @@ def test_set_num_threads_takes_numpy_ints_and_refuses_beyond_int64():
             moe_ep.set_num_threads(n)
 
 
+def test_check_environment_reads_the_variables_without_mpi(monkeypatch):
+    monkeypatch.delenv("MOE_EP_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("MOE_EP_TRANSPORT", raising=False)
+    monkeypatch.delenv("MOE_EP_STREAM_MIN_BYTES", raising=False)
+    assert moe_ep.check_environment() == 300
+    assert moe_ep.check_environment(timeout_s=5.0, transport="mpi") == 5
+    monkeypatch.setenv("MOE_EP_TIMEOUT_S", "7.5")
+    assert moe_ep.check_environment() == 7.5
+    monkeypatch.setenv("MOE_EP_TRANSPORT", "tcp")
+    with pytest.raises(moe_ep.InvalidArgumentError,
+                       match='check_environment: MOE_EP_TRANSPORT = "tcp"'):
         moe_ep.check_environment()
     assert moe_ep.check_environment(transport="shm") == 7.5  # the variable is not used then
     monkeypatch.setenv("MOE_EP_STREAM_MIN_BYTES", "-1")
@@ -273,3 +284,15 @@ def test_dispatch_combine_fakes_check_ranks(op, args, message):
         a = args()
         with pytest.raises(moe_ep.InvalidArgumentError, match=re.escape(message)):
             getattr(torch.ops.moe_ep, op)(*a)
+
+
+def test_traced_group_id_carries_the_mark_assume_constant_result_sets():
+    # distributed._traced_group_id is marked by hand (importing torch._dynamo costs seconds): the
+    # mark must stay what this PyTorch's torch.compiler.assume_constant_result sets.
+    from moe_ep.torch import distributed as D
+
+    def probe():
+        pass
+
+    marks = dict(vars(torch.compiler.assume_constant_result(probe)))
+    assert marks and all(getattr(D._traced_group_id, k, None) == v for k, v in marks.items())

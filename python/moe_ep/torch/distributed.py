@@ -30,11 +30,15 @@ rank must run the backward, in the same order, as it ran the forward: keep every
 the same shape, e.g. run each local expert on its slice of expand_x even when it is empty, so
 that no rank's graph skips dispatch_v2's backward). combine_v2's backward
 needs handle= (the .handle of its dispatch_v2): without it, InvalidArgumentError when the
-gradient is taken; with quant_mode 2 or comm_quant_mode 2, UnsupportedError.
+gradient is taken. quant_mode 2 and comm_quant_mode 2 (int8 rows) have no gradient: with grad
+mode on and an input that requires grad, the forward raises UnsupportedError (run it under
+torch.no_grad(), or on detached tensors).
 The fake implementations give the SPEC §1.4 output shapes, so torch.compile can trace a layer that
 calls them (not with elastic_info, whose output shapes depend on the table's values). The wrappers
-trace too (fullgraph) once their communicators are registered: torch.compile cannot trace into
-mpi4py, so make the first call on a communicator (or group_id(comm)) outside the compiled code.
+trace too, fullgraph included, given an mpi4py communicator: torch.compile cannot trace into
+mpi4py, so its group id is resolved while tracing (group_id, run for real, its result a constant
+of the graph; the first use of a communicator, collective, then happens during the trace, which
+every rank runs at the same point). After release_group(comm), call torch._dynamo.reset().
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def group_id(
         comm = _world()
     if isinstance(comm, int):
         if comm not in _groups:
-            raise InvalidArgumentError(f"group_id: {comm} is not a registered group id")
+            raise _unregistered("group_id", "comm", comm)
         _check_options(comm, timeout_s, shm_window_bytes)
         return comm
     try:
@@ -190,19 +194,42 @@ def release_group(comm) -> None:
         del _by_object[key]
 
 
-def _resolve(comm) -> Tuple[int, int, int]:
+def _traced_group_id(comm) -> int:
+    """group_id(comm) while torch.compile traces: Dynamo calls it with the real communicator
+    (guarded by identity: another communicator object retraces) and bakes the id into the graph
+    as a constant, so a compiled layer may make the first use of a communicator (collective: every
+    rank traces the same code at the same point) without tracing into mpi4py (py2f). After
+    release_group(comm), reset the compiled code (torch._dynamo.reset()): its id is released."""
+    return group_id(comm)
+
+
+# What torch.compiler.assume_constant_result(_traced_group_id) does in PyTorch 2.13, without
+# importing torch._dynamo (seconds) into every process that imports moe_ep.torch.
+_traced_group_id._dynamo_marked_constant = True
+
+
+def _unregistered(op: str, param: str, gid: int) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{op}: {param} = {gid} is not a registered group id (pass the mpi4py communicator "
+        "itself, or the id moe_ep.torch.group_id(comm) returned for it, not released since)")
+
+
+def _resolve(comm, op: str = "group_id", param: str = "comm") -> Tuple[int, int, int]:
     """(group id, size, rank) of an mpi4py communicator (None: MPI.COMM_WORLD) or a group id.
     A registered communicator is found by identity, a lookup torch.compile can trace; the first
-    use of one goes through group_id (collective, not traceable)."""
+    use of one goes through group_id (collective; under torch.compile, _traced_group_id). An
+    unregistered group id is an InvalidArgumentError naming op and param."""
     if isinstance(comm, int):
         gid = comm
+    elif torch.compiler.is_compiling():
+        gid = _traced_group_id(comm)
     else:
         if comm is None:
             comm = _world()
         hit = _by_object.get(id(comm))
         gid = hit[2] if hit is not None and hit[0] is comm else group_id(comm)
     if gid not in _size_rank:
-        group_id(gid)  # raises InvalidArgumentError naming the unknown id
+        raise _unregistered(op, param, gid)
     size, rank = _size_rank[gid]
     return gid, size, rank
 
@@ -211,9 +238,7 @@ def _group(op: str, param: str, gid: int):
     try:
         return _groups[gid]
     except KeyError:
-        raise InvalidArgumentError(
-            f"{op}: {param} = {gid} is not a registered group id (use moe_ep.torch.group_id(comm))"
-        ) from None
+        raise _unregistered(op, param, gid) from None
 
 
 def _binding_args(op: str, args: Dict[str, object]) -> Dict[str, object]:
@@ -276,6 +301,7 @@ def _arg_error(op: str, impl, values: Dict[str, object]) -> Optional[Error]:
                     f"{', '.join(p for p in params if p not in _GROUPS)})"
                 )
             _KINDS[params[name]](op, name, value)
+        _tensor_errors(op, values)
         for name, value in values.items():
             _args.in_bytes(op, name, value)
         made = 0
@@ -287,6 +313,51 @@ def _arg_error(op: str, impl, values: Dict[str, object]) -> Optional[Error]:
     except Error as e:
         return e
     return None
+
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+# The dtypes each tensor argument of the collective ops takes (the C++ checks, src/core/ep/): the
+# binding converts only bf16, fp16, fp32, int8, int32, int64 and bool, and would name those.
+_TENSOR_DTYPES = {
+    "x": _FLOATS, "expand_x": _FLOATS, "grad_expand_x": _FLOATS, "grad_out": _FLOATS,
+    "shared_expert_x": _FLOATS, "ori_x": _FLOATS, "const_expert_alpha_1": _FLOATS,
+    "const_expert_alpha_2": _FLOATS, "const_expert_v": _FLOATS,  # expand_x's dtype
+    "expert_ids": (torch.int32,), "assist_info_for_combine": (torch.int32,),
+    "ep_send_counts": (torch.int32,), "tp_send_counts": (torch.int32,),
+    "elastic_info": (torch.int32,), "performance_info": (torch.int64,),
+    "scales": (torch.float32,), "expert_scales": (torch.float32,),
+    "expand_scales": (torch.float32,), "x_active_mask": (torch.bool,),
+}
+_CONVERTIBLE = (*_FLOATS, torch.int8, torch.int32, torch.int64, torch.bool)
+
+
+def _tensor_errors(op: str, values: Dict[str, object]) -> None:
+    """Raises what the C++ checks would say less usefully: int64 expert_ids (torch.topk's
+    indices) with the .int() hint; a dtype the binding cannot convert, with the dtypes this
+    parameter takes; combine_v2 with neither a handle nor dispatch_v2's layout tensors."""
+    for name, value in values.items():
+        if not isinstance(value, Tensor) or name not in _TENSOR_DTYPES:
+            continue
+        allowed = _TENSOR_DTYPES[name]
+        if name == "expert_ids" and value.dtype == torch.int64:
+            raise InvalidArgumentError(
+                f"{op}: expert_ids dtype torch.int64 is not one of {{torch.int32}} "
+                "(torch.topk returns int64 indices: pass expert_ids.int())")
+        if value.dtype not in _CONVERTIBLE:
+            raise UnsupportedError(
+                f"{op}: {name} dtype {value.dtype} is not one of "
+                f"{', '.join(str(d) for d in allowed)}"
+                + (" (expand_x's)" if name in ("shared_expert_x", "ori_x") or
+                   name.startswith("const_expert") else ""))
+    if op == "combine_v2" and values.get("handle") is None:
+        missing = [n for n in ("assist_info_for_combine", "ep_send_counts")
+                   if values.get(n) is None]
+        if missing:
+            raise InvalidArgumentError(
+                f"combine_v2: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                "None and no handle is given: combine_v2 needs either handle= (the .handle of "
+                "the dispatch_v2 these rows came from) or that dispatch_v2's "
+                "assist_info_for_combine and ep_recv_counts (as ep_send_counts)")
 
 
 def _combine_out_bytes(v: Dict[str, object]) -> int:
@@ -865,7 +936,7 @@ def dispatch_v2(
     Errors: moe_ep.InvalidArgumentError / UnsupportedError on this rank's bad arguments,
     RemoteError when another rank's were bad, TimeoutError past the deadline (docs/errors.md).
     """
-    gid, size, rank = _resolve(group_ep)
+    gid, size, rank = _resolve(group_ep, "dispatch_v2", "group_ep")
     ep_world_size = size if ep_world_size is None else ep_world_size
     ep_rank_id = rank if ep_rank_id is None else ep_rank_id
     tp = _front_checks("dispatch_v2", _dispatch_v2_impl, gid, group_tp, dict(
@@ -917,9 +988,11 @@ def combine_v2(
     round, no per-row checks; the same bits) and assist_info_for_combine / ep_send_counts are not
     read (they may be None). Returns x (BS, H) in expand_x's dtype. Differentiable (SPEC §6) in
     expand_x, expert_scales, shared_expert_x, ori_x and the const tables when handle is given
-    (without performance_info).
+    (without performance_info); with comm_quant_mode 2 none is, and an input that requires grad
+    (grad mode on) is an UnsupportedError here, at the forward. Without handle, both
+    assist_info_for_combine and ep_send_counts are required.
     """
-    gid, size, rank = _resolve(group_ep)
+    gid, size, rank = _resolve(group_ep, "combine_v2", "group_ep")
     ep_world_size = size if ep_world_size is None else ep_world_size
     ep_rank_id = rank if ep_rank_id is None else ep_rank_id
     tp = _front_checks("combine_v2", _combine_v2_impl, gid, group_tp, dict(
@@ -950,20 +1023,55 @@ def _front_checks(op: str, impl, gid: int, group_tp, values: Dict[str, object]) 
     traces the wrappers once their communicators are registered (its fake implementations check
     the shapes)."""
     if torch.compiler.is_compiling():
-        return _resolve(group_tp)[0] if group_tp is not None else 0
+        return _resolve(group_tp, op, "group_tp")[0] if group_tp is not None else 0
     tp, err = 0, None
     if group_tp is not None:
         try:
-            tp = _resolve(group_tp)[0]
+            tp = _resolve(group_tp, op, "group_tp")[0]
         except Error as e:  # torch_npu's names carry their own message (front_error)
-            err = e if getattr(group_tp, "front_error", None) is e else type(e)(
+            err = e if (getattr(group_tp, "front_error", None) is e
+                        or str(e).startswith(f"{op}: group_tp")) else type(e)(
                 f"{op}: group_tp = {_args.show(group_tp)}: {e}")
     values["group_tp"] = tp
     if err is None:
         err = _arg_error(op, impl, values)
+    if err is None:
+        err = _no_gradient_error(op, values)
     if err is not None:
         _raise_in_collective(op, err, gid, tp, values.get("tp_world_size"))
     return tp
+
+
+# The inputs autograd differentiates (SPEC §6), per op; with quant_mode 2 (dispatch_v2) or
+# comm_quant_mode 2 (combine_v2) the rows travel as int8, which has no gradient.
+_GRAD_INPUTS = {
+    "dispatch_v2": ("quant_mode", ("x",)),
+    "combine_v2": ("comm_quant_mode", ("expand_x", "expert_scales", "shared_expert_x", "ori_x",
+                                       "const_expert_alpha_1", "const_expert_alpha_2",
+                                       "const_expert_v")),
+}
+
+
+def _no_gradient_error(op: str, values: Dict[str, object]) -> Optional[Error]:
+    """UnsupportedError when autograd would need a gradient the op cannot give: an int8 mode
+    (quant_mode / comm_quant_mode 2) while grad mode is on and an input autograd differentiates
+    requires grad. Raised at the forward (through the collective, like an argument error) rather
+    than as a missing gradient (dispatch_v2: its int8 expand_x has none) or at backward()
+    (combine_v2). Not with performance_info (that op has no autograd)."""
+    mode_name, inputs = _GRAD_INPUTS.get(op, ("", ()))
+    if values.get(mode_name) != 2 or values.get("performance_info") is not None:
+        return None
+    if not torch.is_grad_enabled():
+        return None
+    needs = [n for n in inputs if isinstance(values.get(n), Tensor) and values[n].requires_grad]
+    if not needs:
+        return None
+    return UnsupportedError(
+        f"{op}: {mode_name} = 2 has no gradient (SPEC §6: int8 rows have none), but "
+        f"{', '.join(needs)} require{'s' if len(needs) == 1 else ''} grad with grad mode on: "
+        f"use {mode_name} = 0 for training, or run the op under torch.no_grad() (or on "
+        f"{'.detach()' if len(needs) == 1 else 'detached tensors'})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1067,10 +1175,11 @@ def dispatch_workspace(
     _args.dtype(op, "dtype", dtype)
     name = dtype_name(op, "dtype", dtype, any_dtype=True)
     known = set(_groups)
-    gid, size, rank = _resolve(group_ep)
+    gid, size, rank = _resolve(group_ep, op, "group_ep")
     if gid not in known:  # registered by this call: group_id may still set its options
         _query_only.add(gid)
-    tp = _group(op, "group_tp", _resolve(group_tp)[0]) if group_tp is not None else None
+    tp = (_group(op, "group_tp", _resolve(group_tp, op, "group_tp")[0])
+          if group_tp is not None else None)
     sizes = _C.dispatch_workspace(
         bs,
         hidden,
