@@ -15,7 +15,6 @@ The environment is the README user's (readme_blocks.user_env): mpirun gets no im
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,13 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "readme"))
 import readme_blocks as rb  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import needs  # noqa: E402
+
 TIMEOUT_S = 240
 BLOCKS = rb.load()  # a block without a runner or a skip marker fails the collection here
 VENV_BIN = str(Path(sys.executable).parent)
 
-if shutil.which("mpirun") is None:
-    pytest.skip("mpirun is not on PATH", allow_module_level=True)
-pytest.importorskip("mpi4py")
+needs.mpirun()  # skipped without mpirun or mpi4py; failed under CI (CI=true)
 
 
 def _ids(blocks):
