@@ -246,11 +246,14 @@ void check_file_fits(const RunOptions& o, const Plan& p) {
   }
 }
 
-// A saved routing's description with its statistics file whole (common.h): the file ends it,
-// after the last " from " (files saved before went on after it: left as they are).
+// A saved routing's description with its statistics file whole (common.h): a real routing's
+// file ends it, after the last " from " (files saved before went on after it: left as they are).
 std::string saved_routing(const std::string& text) {
   const std::size_t at = text.rfind(" from ");
-  if (at == std::string::npos || text.find("; ", at) != std::string::npos) return text;
+  if (text.rfind("real (", 0) != 0 || at == std::string::npos ||
+      text.find("; ", at) != std::string::npos) {
+    return text;
+  }
   return text.substr(0, at + 6) + whole(text.substr(at + 6));
 }
 
