@@ -100,7 +100,7 @@ def test_no_file_points_outside_the_repository_for_the_spec():
 
 def test_the_parser_catches_a_missing_section():
     # The check itself: a citation of a section docs/spec.md lacks is reported with file:line.
-    text = "ok " + SECTION + "1.4\nbad " + SECTION + "1.4-9.9, SPEC 8.1 and " + SECTION + "2.3\n"
+    text = "ok " + SECTION + "1.4\nbad " + SECTION + "1.4-9.9, SPEC" + " 8.1 and " + SECTION + "2.3\n"
     assert unresolved({"1.4", "2.3"}, [("x.md", text)]) == [
         "x.md:2: " + SECTION + "9.9", "x.md:2: " + SECTION + "8.1"]
 
