@@ -44,9 +44,11 @@ every rank runs at the same point). After release_group(comm), call torch._dynam
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import inspect
 import itertools
+import threading
 import weakref
 from typing import Dict, NamedTuple, List, Optional, Tuple
 
@@ -413,8 +415,29 @@ def _raise_in_collective(op: str, err: Error, gid: int, group_tp: int, tp_world_
     raise err  # not reached: the binding raises err
 
 
+# The op whose arguments the public wrapper has just checked (_front_checks): its custom op's
+# implementation, called by that wrapper on this thread, need not check them again (the checks
+# are most of a small call's cost in Python). Direct calls of torch.ops.moe_ep.* still check.
+_front_checked = threading.local()
+
+
+@contextlib.contextmanager
+def _checked_by_front(op: str):
+    if torch.compiler.is_compiling():  # the compiled graph's op runs later: it checks itself
+        yield
+        return
+    _front_checked.op = op
+    try:
+        yield
+    finally:
+        _front_checked.op = None
+
+
 def _checked(op: str, impl, values: Dict[str, object], gid: int) -> None:
     """Raises the first malformed argument of values, through op's collective (see above)."""
+    if getattr(_front_checked, "op", None) == op:
+        _front_checked.op = None  # once: the wrapper's call of the op
+        return
     err = _arg_error(op, impl, values)
     if err is not None:
         _raise_in_collective(op, err, gid, values.get("group_tp", 0), values.get("tp_world_size"))
@@ -944,16 +967,17 @@ def dispatch_v2(
         moe_expert_num=moe_expert_num, **kwargs))
     with_perf = kwargs.get("performance_info") is not None
     op = torch.ops.moe_ep.dispatch_v2 if with_perf else torch.ops.moe_ep._dispatch_v2_functional
-    outs = op(
-        x,
-        expert_ids,
-        gid,
-        ep_world_size,
-        ep_rank_id,
-        moe_expert_num,
-        group_tp=tp,
-        **kwargs,
-    )
+    with _checked_by_front("dispatch_v2"):
+        outs = op(
+            x,
+            expert_ids,
+            gid,
+            ep_world_size,
+            ep_rank_id,
+            moe_expert_num,
+            group_tp=tp,
+            **kwargs,
+        )
     result = DispatchResult(*outs[:7])
     result.handle = outs[7]
     return result
@@ -1001,28 +1025,33 @@ def combine_v2(
         ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, **kwargs))
     with_perf = kwargs.get("performance_info") is not None
     op = torch.ops.moe_ep.combine_v2 if with_perf else torch.ops.moe_ep._combine_v2_functional
-    return op(
-        expand_x,
-        expert_ids,
-        assist_info_for_combine,
-        ep_send_counts,
-        expert_scales,
-        gid,
-        ep_world_size,
-        ep_rank_id,
-        moe_expert_num,
-        group_tp=tp,
-        **kwargs,
-    )
+    with _checked_by_front("combine_v2"):
+        return op(
+            expand_x,
+            expert_ids,
+            assist_info_for_combine,
+            ep_send_counts,
+            expert_scales,
+            gid,
+            ep_world_size,
+            ep_rank_id,
+            moe_expert_num,
+            group_tp=tp,
+            **kwargs,
+        )
 
 
 def _front_checks(op: str, impl, gid: int, group_tp, values: Dict[str, object]) -> int:
     """The wrappers' checks, before the torch dispatcher (which raises its own RuntimeError for a
     list or a float and takes True as 1): a malformed argument, group_tp included, is raised
-    through op's collective. Returns group_tp's id (0: none). Not under torch.compile, which
-    traces the wrappers once their communicators are registered (its fake implementations check
-    the shapes)."""
+    through op's collective. Returns group_tp's id (0: none). Under torch.compile only the
+    gradient check runs, raised on every rank alike (the fake implementations check the
+    shapes)."""
     if torch.compiler.is_compiling():
+        # Every rank traces the same check (the modes agree across ranks), so it raises alone.
+        err = _no_gradient_error(op, values)
+        if err is not None:
+            raise err
         return _resolve(group_tp, op, "group_tp")[0] if group_tp is not None else 0
     tp, err = 0, None
     if group_tp is not None:
