@@ -84,7 +84,7 @@ def _install_excepthook() -> None:
         try:
             previous(exc_type, exc, tb)
         finally:
-            if not hasattr(sys, "ps1") and _abort_on_exception_enabled():
+            if not (hasattr(sys, "ps1") or sys.flags.interactive) and _abort_on_exception_enabled():
                 for stream in (sys.stdout, sys.stderr):
                     try:
                         stream.flush()

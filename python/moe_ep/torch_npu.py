@@ -30,6 +30,7 @@ fullgraph=True).
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import sys
 import weakref
@@ -424,13 +425,15 @@ def _same(self, *args, **kwargs):
     return self
 
 
-# Only where torch itself lacks them (a torch with NPU support keeps its own).
-if not hasattr(torch.Tensor, "npu"):
-    torch.Tensor.npu = _same
-if not hasattr(torch.nn.Module, "npu"):
-    torch.nn.Module.npu = _same
-if not hasattr(torch, "npu"):
-    torch.npu = npu
+# Only on a machine without the real torch_npu (which registers torch.npu and Tensor.npu itself,
+# and refuses to when they exist), and only where torch itself lacks them.
+if importlib.util.find_spec("torch_npu") is None:
+    if not hasattr(torch.Tensor, "npu"):
+        torch.Tensor.npu = _same
+    if not hasattr(torch.nn.Module, "npu"):
+        torch.nn.Module.npu = _same
+    if not hasattr(torch, "npu"):
+        torch.npu = npu
 
 __all__ = [
     "group_name",

@@ -94,16 +94,21 @@ bool dup_pending(MPI_Comm comm) {
 // the duplication stays pending (a collective cannot be cancelled): the handle MPI will write
 // when it completes lives on the heap and leaks with it, and `comm` is refused from then on.
 void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
+  // A communicator of one rank has no other rank to wait for: MPI_Comm_dup is local then, and
+  // a tiny deadline must not blame a rank that is not there.
+  int ranks = 1;
+  MPI_Comm_size(comm, &ranks);
+  if (ranks == 1) {
+    if (MPI_Comm_dup(comm, dup) != MPI_SUCCESS)
+      detail::fail(ErrorKind::kSystem, "Communicator: MPI_Comm_dup failed");
+    return;
+  }
   auto* out = new MPI_Comm(MPI_COMM_NULL);
   MPI_Request request = MPI_REQUEST_NULL;
   if (MPI_Comm_idup(comm, out, &request) != MPI_SUCCESS) {
     delete out;
     detail::fail(ErrorKind::kSystem, "Communicator: MPI_Comm_idup failed");
   }
-  // A communicator of one rank has no other rank to wait for: its duplication completes by
-  // itself, whatever the deadline (a tiny one would otherwise blame a rank that is not there).
-  int ranks = 1;
-  MPI_Comm_size(comm, &ranks);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   for (int polls = 0;; ++polls) {
     int done = 0;
@@ -113,7 +118,7 @@ void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
       delete out;
       return;
     }
-    if (ranks > 1 && std::chrono::steady_clock::now() >= deadline) {
+    if (std::chrono::steady_clock::now() >= deadline) {
       {
         std::lock_guard<std::mutex> lock(g_pending_mutex);
         g_pending_dup.push_back(comm);
