@@ -2,7 +2,7 @@
 # Prints the results table of docs/performance.md ("Results on this machine") as Markdown, from
 # fresh runs on this machine:
 #   mpirun -n 2 moe-ep bench --compare                        (512 tokens per rank, bf16 and int8)
-#   mpirun -n 2 moe-ep bench --compare --tokens 1,16 --iters 200 --quant none  (small batches)
+#   mpirun -n 2 moe-ep bench --compare --tokens 1,16,64 --iters 200 --quant none  (small batches)
 #   moe-ep-bench-local --benchmark_repetitions=3 --benchmark_report_aggregates_only=true
 # each RUNS times (default 3), interleaved. Each row shows the run in which moe-ep's time was
 # lowest, with that run's own baselines (a shared machine's load moves whole runs).
@@ -30,7 +30,7 @@ for i in $(seq 1 "$runs"); do
   echo "perf-table.sh: run $i of $runs ($work)" >&2
   mpirun -n 2 "$tool" bench --compare --csv "$work/target.$i.csv" >"$work/target.$i.log" 2>&1 ||
     { cat "$work/target.$i.log" >&2; exit 1; }
-  mpirun -n 2 "$tool" bench --compare --tokens 1,16 --iters 200 --quant none \
+  mpirun -n 2 "$tool" bench --compare --tokens 1,16,64 --iters 200 --quant none \
     --csv "$work/small.$i.csv" \
     >"$work/small.$i.log" 2>&1 || { cat "$work/small.$i.log" >&2; exit 1; }
   "$local_bench" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
