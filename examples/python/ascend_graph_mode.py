@@ -19,8 +19,7 @@ What changed from the seed:
     asynchronously here).
 Everything else (the sizes, the expert_ids table, the warm-up dispatch, the model and its
 arguments, `model.npu()`, `torch.npu.synchronize()`) is the seed's: importing moe_ep.torch_npu
-makes the device calls no-ops on CPU. The warm-up dispatch also makes each communicator's first
-(collective) use outside the compiled code, as moe_ep.torch requires.
+makes the device calls no-ops on CPU.
 """
 
 # 仅支持静态图 (static graphs only)

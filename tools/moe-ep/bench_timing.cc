@@ -93,8 +93,8 @@ Iterations::Iterations(const BenchOptions& o, const Setup& s, const Point& p,
 
 template <typename F>
 void Iterations::timed(Op op, bool guard, F&& fn) {
-  // The presence rounds are the barrier itself: a blocking MPI_Barrier after them left a window
-  // in which a rank that died was outwaited by the watchdog, not named.
+  // The presence rounds are the barrier itself, with no MPI_Barrier after them: a rank dying
+  // inside a blocking barrier would be outwaited by the watchdog, not named.
   line_up("a barrier between timed ops");
   if (guard) dog_.arm("a baseline's MPI collective");
   const double t0 = now_s();

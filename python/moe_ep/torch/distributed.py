@@ -124,7 +124,8 @@ def group_id(
 
     Errors: InvalidArgumentError for an unregistered group id, an object that is not an mpi4py
     communicator, an option that differs from the registered one, a bad timeout_s (or
-    $MOE_EP_TIMEOUT_S) and a negative shm_window_bytes. The last two are checked on this rank
+    $MOE_EP_TIMEOUT_S) and a shm_window_bytes that is negative or above this machine's physical
+    memory. The last two are checked on this rank
     before the duplication: when every rank passes the same value, every rank raises and none
     is left waiting; a rank that raises alone (or never calls) leaves the others waiting in the
     duplication until their deadline (TimeoutError)."""
