@@ -162,8 +162,8 @@ UnpermuteGradRefResult unpermute_grad(const TensorView& grad_out, const TensorVi
 PermuteRefResult permute_padded(const TensorView& tokens, const TensorView& table) {
   const int64_t m = entries(table), h = tokens.shape[1];
   PermuteRefResult r;
-  r.sorted_indices = Tensor::zeros(DType::kI32, std::vector<int64_t>(table.shape.begin(),
-                                                                     table.shape.begin() + table.ndim));
+  r.sorted_indices = Tensor::zeros(
+      DType::kI32, std::vector<int64_t>(table.shape.begin(), table.shape.begin() + table.ndim));
   r.permuted_tokens = Tensor::zeros(tokens.dtype, {m, h});
   for (int64_t p = 0; p < m; ++p) {
     const int64_t t = flat_integer(table, p);

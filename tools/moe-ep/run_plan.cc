@@ -276,14 +276,14 @@ uint64_t plan_loaded_inputs(const RunOptions& o, Plan& p, int64_t W, uint64_t ph
     p.mask_desc = std::string(p.mask_dims == 1 ? "1-D" : "2-D") + " from the file";
   }
   const bool own_split = static_cast<int64_t>(file.tokens_per_rank.size()) == W;
-  p.routing_desc =
-      "loaded from " + whole(o.load_routing) + " (" + std::to_string(file.tokens) + " tokens, " +
-      (own_split ? std::string("its tokens_per_rank")
-                 : std::string("split evenly over the ranks")) +
-      ")" +
-      (file.metadata.count("routing")
-           ? "; saved routing: " + saved_routing(file.metadata.at("routing"))
-           : std::string());
+  p.routing_desc = "loaded from " + whole(o.load_routing) + " (" + std::to_string(file.tokens) +
+                   " tokens, " +
+                   (own_split ? std::string("its tokens_per_rank")
+                              : std::string("split evenly over the ranks")) +
+                   ")" +
+                   (file.metadata.count("routing")
+                        ? "; saved routing: " + saved_routing(file.metadata.at("routing"))
+                        : std::string());
   return file_bytes;
 }
 

@@ -219,12 +219,13 @@ void print_measurements(const RunOptions& o, const Plan& p, const std::vector<Ra
     for (const RankStats& s : all) sum += s.*field;
     return fmt("%.3f", sum / W / 1e6);
   };
-  print_wrapped("bytes per rank, MB (all that the first call moved: the rows with their per-row "
-                "metadata and the counts; mean over ranks; comm_alg " +
-                    o.comm_alg + "): dispatch inter-node " + mb(&RankStats::dispatch_inter) +
-                    ", intra-node " + mb(&RankStats::dispatch_intra) + "; combine inter-node " +
-                    mb(&RankStats::combine_inter) + ", intra-node " + mb(&RankStats::combine_intra),
-                2);
+  print_wrapped(
+      "bytes per rank, MB (all that the first call moved: the rows with their per-row "
+      "metadata and the counts; mean over ranks; comm_alg " +
+          o.comm_alg + "): dispatch inter-node " + mb(&RankStats::dispatch_inter) +
+          ", intra-node " + mb(&RankStats::dispatch_intra) + "; combine inter-node " +
+          mb(&RankStats::combine_inter) + ", intra-node " + mb(&RankStats::combine_intra),
+      2);
   // Bytes of one row on the wire: int8 values and an fp32 scale when quantised.
   const double H = static_cast<double>(p.layer.hidden);
   const double row = H * static_cast<double>(moe_ep::dtype_size(p.dtype));

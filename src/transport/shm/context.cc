@@ -101,17 +101,18 @@ void ShmContext::grow(int64_t own_bytes, const char* op, int64_t shm_window_byte
   // kSlotAlign boundary on (a shared mapping keeps an address's offset within a page in every
   // process, so each rank finds the same boundary in a peer's segment; checked below).
   const int64_t asked = round_up(own_bytes, kSlotAlign) + kSlotAlign;
-  const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(asked), 1, info, node_, &mine,
-                                         &w->win);
+  const int rc =
+      MPI_Win_allocate_shared(static_cast<MPI_Aint>(asked), 1, info, node_, &mine, &w->win);
   MPI_Info_free(&info);
   if (rc != MPI_SUCCESS) {
     // The size and where it came from: a size this machine cannot give (CommOptions bounds it
     // only by the physical memory) shows as an MPI error code alone otherwise.
-    const std::string what = cat(
-        "MPI_Win_allocate_shared of ", asked, " bytes (this rank's segment of the shm transport's ",
-        "window: ", own_bytes, " bytes, the largest of CommOptions::shm_window_bytes = ",
-        shm_window_bytes, ", twice this op's need, 1 MiB and the current segment, plus one page; ",
-        "a smaller shm_window_bytes, or EpConfig::transport = \"mpi\", avoids the window)");
+    const std::string what =
+        cat("MPI_Win_allocate_shared of ", asked,
+            " bytes (this rank's segment of the shm transport's ", "window: ", own_bytes,
+            " bytes, the largest of CommOptions::shm_window_bytes = ", shm_window_bytes,
+            ", twice this op's need, 1 MiB and the current segment, plus one page; ",
+            "a smaller shm_window_bytes, or EpConfig::transport = \"mpi\", avoids the window)");
     check_mpi(rc, op, what.c_str());
   }
   MPI_Win_set_errhandler(w->win, MPI_ERRORS_RETURN);
