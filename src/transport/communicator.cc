@@ -68,15 +68,22 @@ void note_this_machine(MPI_Comm comm) {
       MPI_Allreduce(&mine, &all, static_cast<int>(sizeof(cpu_set_t)), MPI_BYTE, MPI_BOR, node);
   MPI_Comm_free(&node);
   detail::check_mpi(rc, "Communicator", "MPI_Allreduce");
+  int cpus = CPU_COUNT(&all);
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
     const char* v = std::getenv(name);
     if (v == nullptr || *v == '\0') continue;
     char* end = nullptr;
     errno = 0;
     const long n = std::strtol(v, &end, 10);
-    if (errno == 0 && *end == '\0' && n > ranks && n < (1L << 20)) ranks = static_cast<int>(n);
+    if (errno == 0 && *end == '\0' && n > ranks && n < (1L << 20)) {
+      ranks = static_cast<int>(n);
+      // The ranks outside `comm` were not asked for their masks: bound to other cores (mpirun's
+      // default), they have CPUs of their own, so count the machine's, not only comm's.
+      cpus = std::max<int>(cpus,
+                           static_cast<int>(std::min<long>(sysconf(_SC_NPROCESSORS_ONLN), ranks)));
+    }
   }
-  detail::note_node(ranks, CPU_COUNT(&all));
+  detail::note_node(ranks, cpus);
 }
 
 // The MPI communicators whose duplication timed out: their MPI_Comm_idup is still pending, so a
