@@ -28,17 +28,33 @@ moe_ep_mpi_env() {
   fi
 }
 
-# The Python front: a venv ($MOE_EP_VENV, default .venv) with PyTorch 2.13.0 (the CPU build; never
+# The Python front: a venv ($MOE_EP_VENV, default .venv; see above) with PyTorch 2.13.0 (the CPU build; never
 # a plain `pip install torch`, which would fetch a CUDA build), mpi4py built against the system
 # OpenMPI, pytest, and moe_ep itself (`pip install .`: scikit-build-core builds the extension
 # into build-python/, reused across runs). Sets MOE_EP_PYTHON to the venv's interpreter.
-MOE_EP_VENV=${MOE_EP_VENV:-$MOE_EP_ROOT/.venv}
+# torch's inductor puts the venv's paths unquoted into its g++ command line, so a checkout whose
+# path holds whitespace gets its venv outside the tree, at a path named after the checkout's.
+if [ -z "${MOE_EP_VENV:-}" ]; then
+  case "$MOE_EP_ROOT" in
+    *[[:space:]]*)
+      MOE_EP_VENV="${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/moe-ep/venv-$(printf '%s' "$MOE_EP_ROOT" |
+        sha256sum | cut -c1-16)"
+      ;;
+    *) MOE_EP_VENV=$MOE_EP_ROOT/.venv ;;
+  esac
+fi
 moe_ep_python_env() {
   if ! python3 -c "import venv, ensurepip" 2>/dev/null; then
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo=sudo
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-dev
   fi
+  case "$MOE_EP_VENV" in
+    *[[:space:]]*) echo "moe-ep: warning: the venv's path '$MOE_EP_VENV' holds whitespace;" \
+      "torch.compile's inductor backend cannot build there (set MOE_EP_VENV)" >&2 ;;
+    "$MOE_EP_ROOT/.venv") ;;
+    *) echo "moe-ep: the Python venv is $MOE_EP_VENV (the checkout's path holds whitespace)" ;;
+  esac
   [ -x "$MOE_EP_VENV/bin/python" ] || python3 -m venv "$MOE_EP_VENV"
   MOE_EP_PYTHON="$MOE_EP_VENV/bin/python"
   local pip=("$MOE_EP_PYTHON" -m pip install -q --disable-pip-version-check)
