@@ -92,7 +92,8 @@ set_tests_properties(cli.bad_ids.setup PROPERTIES ENVIRONMENT "${MOE_EP_TEST_ENV
 # is split there as a shell would split it (separate_arguments(UNIX_COMMAND)), so cli_command
 # double-quotes every path in it of the tool, mpiexec, the build tree and the checkout: a checkout
 # path with spaces stays one argument (.ci/run runs the tests from such a path). Each path is
-# quoted once, the longest first, through a placeholder (the build tree may lie in the checkout).
+# quoted once, the longest first, through a temporary token that no path holds (the build tree
+# may lie in the checkout).
 function(cli_command out cmd)
   set(paths "${_exe}" "${_mpi}" "${PROJECT_BINARY_DIR}" "${PROJECT_SOURCE_DIR}")
   string(LENGTH "${PROJECT_BINARY_DIR}" b)
