@@ -1,0 +1,226 @@
+"""Expert parallelism as a torch.nn module: a MoE layer's experts spread over the ranks of an MPI
+communicator, each rank holding only its own.
+
+ExpertParallel takes what a router gives (hidden states, top-k expert ids and weights) and runs
+dispatch_v2 (SPEC §1) -> this rank's experts -> combine_v2 (SPEC §2), differentiable in the hidden
+states, the weights and the experts' parameters (SPEC §6). Ranks may hold different token counts,
+0 included; the global batch bound (global_bs) is agreed among the ranks unless a Lockstep
+(below) or the caller gives it.
+
+Lockstep keeps ranks that run their own sequences through the rest of the model (data-parallel
+attention) in step for the MoE layers: every model step is one round in which the ranks agree on
+whether anyone still has work and on the largest token count; a rank with no work left runs the
+MoE layers with 0 tokens until every rank is done. docs/design.md ("Real models") has the
+picture.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from moe_ep import InvalidArgumentError, TimeoutError
+from moe_ep.torch.distributed import combine_v2, dispatch_v2
+
+# experts(x, counts) -> y: x (sum(counts), H) holds this rank's received rows grouped by local
+# expert (counts[l] rows for local expert l, in order); y has x's shape.
+LocalExperts = Callable[[Tensor, List[int]], Tensor]
+
+
+def _comm_or_world(comm):
+    if comm is None:
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD
+    return comm
+
+
+def local_expert_range(num_experts: int, comm=None, op: str = "ExpertParallel") -> Tuple[int, int]:
+    """The experts [start, stop) that this rank of comm hosts: rank r holds experts
+    [r * L, (r + 1) * L) with L = num_experts / world size (SPEC §1.1's placement without shared
+    or redundant slots). InvalidArgumentError when the world size does not divide num_experts."""
+    comm = _comm_or_world(comm)
+    world, rank = comm.Get_size(), comm.Get_rank()
+    if num_experts <= 0 or num_experts % world:
+        raise InvalidArgumentError(
+            f"{op}: num_experts = {num_experts} is not a positive multiple of the {world} ranks "
+            f"(ep_world_size): each rank must host the same number of experts. Run on a world "
+            f"size that divides {num_experts}, or pad the experts to a multiple of {world} "
+            f"(e.g. {-(-num_experts // world) * world}) with redundant copies of the busiest ones "
+            f"and map their ids in the router.")
+    local = num_experts // world
+    return rank * local, (rank + 1) * local
+
+
+def _deadline_s() -> float:
+    import os
+
+    try:
+        return float(os.environ.get("MOE_EP_TIMEOUT_S", "300"))
+    except ValueError:
+        return 300.0
+
+
+def allreduce_max(comm, values: np.ndarray, what: str) -> np.ndarray:
+    """The elementwise MAX of values (int64) over comm, within $MOE_EP_TIMEOUT_S (default 300 s):
+    a nonblocking allreduce polled against the deadline, so that a rank that stopped taking part
+    (died, or left the model loop early) turns into moe_ep.TimeoutError naming the round, not a
+    hang."""
+    import time
+
+    from mpi4py import MPI
+
+    got = np.empty_like(values)
+    req = comm.Iallreduce(values, got, op=MPI.MAX)
+    limit = _deadline_s()
+    start = time.monotonic()
+    spins = 0
+    while not req.Test():
+        spins += 1
+        if spins > 1000:
+            time.sleep(0.0002)
+        if time.monotonic() - start > limit:
+            raise TimeoutError(
+                f"{what}: not every one of the {comm.Get_size()} ranks joined the round within "
+                f"{limit:g} s ($MOE_EP_TIMEOUT_S): a rank died or stopped calling the MoE layers "
+                f"(every rank must run the same MoE layers in the same order; see "
+                f"moe_ep.transformers.lockstep)")
+    return got
+
+
+class Lockstep:
+    """The model-step rounds of data-parallel attention with expert-parallel MoE.
+
+    Every rank calls step(tokens) once per model step it runs (tokens: this rank's token count in
+    that step, 0 allowed); step returns whether any rank still has work, and sets global_bs for
+    the step's MoE layers (ep_world_size * the largest count). A rank whose work is done calls
+    finish(idle), which keeps taking part (idle() runs every MoE layer once with 0 tokens) until
+    every rank is done. The rounds are one MPI allreduce each, on comm."""
+
+    def __init__(self, comm=None):
+        self.comm = _comm_or_world(comm)
+        self.world = self.comm.Get_size()
+        self.global_bs: Optional[int] = None
+        self._buf = np.zeros(2, dtype=np.int64)
+
+    def step(self, tokens: int, active: bool = True) -> bool:
+        self._buf[0], self._buf[1] = int(active), int(tokens)
+        got = allreduce_max(self.comm, self._buf, "Lockstep.step")
+        self.global_bs = self.world * max(1, int(got[1]))
+        return bool(got[0])
+
+    def finish(self, idle: Callable[[], None]) -> int:
+        """Runs idle() once per step the other ranks still take; returns how many."""
+        rounds = 0
+        while self.step(0, active=False):
+            idle()
+            rounds += 1
+        self.global_bs = None
+        return rounds
+
+
+class ExpertParallel(torch.nn.Module):
+    """One MoE layer's experts, expert-parallel over comm (SPEC §1-2, §6).
+
+    num_experts: E, the routed experts of the layer (top-k ids index them); comm: an mpi4py
+    communicator (None: MPI.COMM_WORLD) whose size W divides E; this rank hosts experts
+    local_expert_range(E, comm). experts: LocalExperts, this rank's expert computation (the
+    module's own math); a torch.nn.Module passed here is registered as a submodule, so its
+    parameters (this rank's slices only) are this module's. transport: "shm", "mpi" or ""
+    (dispatch_v2's). lockstep: a Lockstep whose global_bs this layer uses while it is set (no
+    round of its own).
+
+    forward(hidden_states (T, H) bf16/fp16/fp32, top_k_ids (T, K) integer in [0, E),
+    top_k_weights (T, K) float) -> (T, H) in hidden_states' dtype: the weighted sum of each token's
+    experts' outputs, sum_k w[t, k] * expert_{ids[t, k]}(x[t]). T may differ across ranks and be 0.
+    Errors: InvalidArgumentError (shapes, ids out of range, the world size), raised by the
+    collective on every rank when one rank's arguments are bad (RemoteError elsewhere)."""
+
+    def __init__(self, num_experts: int, experts: LocalExperts, comm=None, *,
+                 transport: str = "", lockstep: Optional[Lockstep] = None):
+        super().__init__()
+        self.comm = _comm_or_world(comm)
+        self.num_experts = int(num_experts)
+        self.start, self.stop = local_expert_range(self.num_experts, self.comm)
+        self.ep_world_size = self.comm.Get_size()
+        self.ep_rank_id = self.comm.Get_rank()
+        self.experts = experts
+        self.transport = transport
+        self.lockstep = lockstep
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.stop - self.start
+
+    def _global_bs(self, tokens: int) -> int:
+        if self.lockstep is not None and self.lockstep.global_bs is not None:
+            return self.lockstep.global_bs
+        got = allreduce_max(self.comm, np.array([tokens], dtype=np.int64),
+                            "ExpertParallel (agreeing on global_bs)")
+        return self.ep_world_size * max(1, int(got[0]))
+
+    def forward(self, hidden_states: Tensor, top_k_ids: Tensor, top_k_weights: Tensor) -> Tensor:
+        if hidden_states.dim() != 2 or top_k_ids.dim() != 2 or top_k_ids.shape != top_k_weights.shape \
+                or top_k_ids.shape[0] != hidden_states.shape[0]:
+            raise InvalidArgumentError(
+                f"ExpertParallel: hidden_states {tuple(hidden_states.shape)}, top_k_ids "
+                f"{tuple(top_k_ids.shape)} and top_k_weights {tuple(top_k_weights.shape)} must be "
+                f"(T, H), (T, K), (T, K)")
+        tokens = hidden_states.shape[0]
+        args = dict(group_ep=self.comm, ep_world_size=self.ep_world_size,
+                    ep_rank_id=self.ep_rank_id, moe_expert_num=self.num_experts,
+                    global_bs=self._global_bs(tokens), exact_size=True, transport=self.transport)
+        ids = top_k_ids.to(torch.int32)
+        scales = top_k_weights.to(torch.float32)
+        d = dispatch_v2(hidden_states, ids, **args)
+        valid = d.expand_x[: int(d.ep_recv_counts[-1]) if d.ep_recv_counts.numel() else 0]
+        counts = d.expert_token_nums.tolist()
+        y = self.experts(valid[: sum(counts)], counts) if valid.shape[0] else valid
+        return combine_v2(y, ids, d.assist_info_for_combine, d.ep_recv_counts, scales,
+                          handle=d.handle, **args)
+
+
+def _flat(params) -> List[torch.nn.Parameter]:
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    return [p for p in params if p.requires_grad]
+
+
+def average_gradients(module_or_params, comm=None, *,
+                      expert_params: Iterable[Tensor] = ()) -> None:
+    """Data-parallel gradient averaging for expert-parallel training, after backward.
+
+    Every parameter with a gradient that is not in expert_params is replicated on every rank and
+    its gradient is averaged over comm (one MPI allreduce per dtype, flattened). An expert
+    parameter lives on one rank only and its gradient already holds every rank's tokens' share
+    (combine_v2's backward brings them home), so it is divided by the world size: with each rank's
+    loss the mean over its own batch, the result is the gradient of the mean of the ranks' losses,
+    what one process training on the concatenated batch computes."""
+    from mpi4py import MPI
+
+    comm = _comm_or_world(comm)
+    world = comm.Get_size()
+    experts = {id(p) for p in expert_params}
+    replicated: dict = {}
+    for p in _flat(module_or_params):
+        if p.grad is None:
+            continue
+        if id(p) in experts:
+            p.grad.div_(world)
+        else:
+            replicated.setdefault(p.grad.dtype, []).append(p)
+    for dtype, ps in replicated.items():
+        flat = torch.cat([p.grad.reshape(-1) for p in ps]).to(torch.float64)
+        comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
+        flat.div_(world)
+        offset = 0
+        for p in ps:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
+            offset += n
+
+
+__all__: Sequence[str] = ["ExpertParallel", "Lockstep", "average_gradients", "local_expert_range"]

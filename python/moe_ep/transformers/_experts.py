@@ -1,0 +1,174 @@
+"""The "moe_ep" experts implementation for Hugging Face transformers (5.x).
+
+transformers decorates each MoE family's experts class with @use_experts_implementation; its
+forward looks up config._experts_implementation in ALL_EXPERTS_FUNCTIONS and calls
+fn(self, hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K)) -> (T, H). Ours runs
+moe_ep.torch.nn.ExpertParallel: dispatch_v2 -> this rank's experts with the module's own math
+(gate_up or up projection, _apply_gate or act_fn, biases, transposed weights, post-expert norm)
+-> combine_v2. The module's expert parameters are cut to this rank's experts (shard_experts).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_ep import InvalidArgumentError, UnsupportedError
+from moe_ep.torch.nn import ExpertParallel, Lockstep, local_expert_range
+
+IMPLEMENTATION = "moe_ep"
+
+# The decorator's flags: their presence is how an experts module is recognised.
+_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "_is_expert_parallel")
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """True for an instance of a class decorated with transformers' @use_experts_implementation."""
+    return all(hasattr(module, f) for f in _FLAGS)
+
+
+def experts_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of every experts module of model, in forward order."""
+    for name, module in model.named_modules():
+        if is_experts_module(module):
+            yield name, module
+
+
+def expert_param_names(module: torch.nn.Module) -> List[str]:
+    """The module's per-expert parameters (leading dim num_experts), the ones each rank cuts to
+    its own experts: gate_up_proj or up_proj, down_proj and their biases."""
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    names = [first, "down_proj"]
+    if module.has_bias:
+        names += [first + "_bias", "down_proj_bias"]
+    return names
+
+
+def check_recognised(name: str, module: torch.nn.Module) -> None:
+    """InvalidArgumentError/UnsupportedError naming what moe_ep cannot run in an experts module."""
+    cls = type(module).__name__
+    n = getattr(module, "num_experts", None)
+    if not isinstance(n, int) or n <= 0:
+        raise UnsupportedError(
+            f"moe_ep experts implementation: {name} ({cls}) has no integer num_experts "
+            f"(got {n!r}); moe_ep runs experts modules that carry num_experts and fused "
+            f"gate_up_proj/up_proj and down_proj parameters")
+    for p in expert_param_names(module):
+        t = getattr(module, p, None)
+        if not isinstance(t, Tensor) or t.dim() < 2:
+            raise UnsupportedError(
+                f"moe_ep experts implementation: {name} ({cls}) has no per-expert parameter "
+                f"{p!r} (got {type(t).__name__}); the flags say has_gate={module.has_gate}, "
+                f"has_bias={module.has_bias}")
+    if not module.has_gate and not hasattr(module, "act_fn"):
+        raise UnsupportedError(
+            f"moe_ep experts implementation: {name} ({cls}) has has_gate=False and no act_fn")
+    if module.has_post_expert_norm if hasattr(module, "has_post_expert_norm") else False:
+        if not hasattr(module, "post_expert_norm"):
+            raise UnsupportedError(
+                f"moe_ep experts implementation: {name} ({cls}) has has_post_expert_norm=True and "
+                f"no post_expert_norm")
+
+
+def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool) -> Tensor:
+    y = x @ weight if transposed else F.linear(x, weight)
+    return y if bias is None else y + bias
+
+
+def local_experts(module: torch.nn.Module):
+    """The LocalExperts function of an experts module whose parameters hold this rank's experts:
+    the module's own math, expert by expert, on the rows dispatch_v2 grouped by local expert."""
+
+    def run(x: Tensor, counts: List[int]) -> Tensor:
+        first = "gate_up_proj" if module.has_gate else "up_proj"
+        w_up, w_down = getattr(module, first), module.down_proj
+        b_up = getattr(module, first + "_bias") if module.has_bias else None
+        b_down = module.down_proj_bias if module.has_bias else None
+        x = x.to(w_up.dtype)
+        outs, start = [], 0
+        for l, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = x[start:start + n]
+            start += n
+            h = _linear(rows, w_up[l], None if b_up is None else b_up[l], module.is_transposed)
+            h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+            h = _linear(h, w_down[l], None if b_down is None else b_down[l], module.is_transposed)
+            if getattr(module, "has_post_expert_norm", False):
+                h = module.post_expert_norm(h)
+            outs.append(h)
+        return torch.cat(outs) if outs else x.new_zeros((0, w_down.shape[-1 if module.is_transposed else -2]))
+
+    return run
+
+
+def _cut(module: torch.nn.Module, start: int, stop: int) -> None:
+    for p in expert_param_names(module):
+        t = getattr(module, p)
+        if t.shape[0] == stop - start and getattr(module, "_moe_ep", None) is not None:
+            continue  # already cut
+        if t.shape[0] != module.num_experts:
+            raise InvalidArgumentError(
+                f"moe_ep.transformers.shard_experts: {type(module).__name__}.{p} has "
+                f"{t.shape[0]} experts in dim 0, num_experts is {module.num_experts}")
+        part = torch.empty(t[start:stop].shape, dtype=t.dtype, device="meta") if t.is_meta \
+            else t.detach()[start:stop].clone()
+        setattr(module, p, torch.nn.Parameter(part, requires_grad=t.requires_grad))
+
+
+def shard_experts(model: torch.nn.Module, comm=None, *, transport: str = "",
+                  lockstep: Optional[Lockstep] = None) -> int:
+    """Cuts every experts module of model to this rank's experts and attaches its
+    ExpertParallel (module._moe_ep). Rank r of comm (default MPI.COMM_WORLD, world size W) keeps
+    experts [r * E / W, (r + 1) * E / W) of each per-expert parameter (E = module.num_experts);
+    meta parameters stay meta (a loader fills them). Idempotent. Returns the number of experts
+    modules. Errors: UnsupportedError for an experts module moe_ep does not recognise,
+    InvalidArgumentError when W does not divide E (with the numbers)."""
+    count = 0
+    for name, module in experts_modules(model):
+        check_recognised(name, module)
+        if getattr(module, "_moe_ep", None) is None:
+            start, stop = local_expert_range(module.num_experts, comm,
+                                             f"moe_ep.transformers.shard_experts ({name})")
+            _cut(module, start, stop)
+            ep = ExpertParallel(module.num_experts, local_experts(module), comm,
+                                transport=transport, lockstep=lockstep)
+            object.__setattr__(module, "_moe_ep", ep)  # not a submodule: no state_dict keys
+            module._moe_ep_name = name
+        elif lockstep is not None:
+            module._moe_ep.lockstep = lockstep
+        count += 1
+    return count
+
+
+def moe_ep_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor,
+                           top_k_weights: Tensor) -> Tensor:
+    """The function registered as experts implementation "moe_ep". A module not yet sharded (a
+    model loaded whole by transformers' from_pretrained) is cut to this rank's experts of
+    MPI.COMM_WORLD at its first call; every rank runs the same layers in the same order, so the
+    cut is the same everywhere."""
+    ep = getattr(self, "_moe_ep", None)
+    if ep is None:
+        name = type(self).__name__
+        check_recognised(name, self)
+        start, stop = local_expert_range(self.num_experts, None,
+                                         f"moe_ep experts implementation ({name})")
+        _cut(self, start, stop)
+        ep = ExpertParallel(self.num_experts, local_experts(self))
+        object.__setattr__(self, "_moe_ep", ep)
+    if top_k_index.numel() and int(top_k_index.max()) >= self.num_experts:
+        raise InvalidArgumentError(
+            f"moe_ep experts implementation: top_k_index holds expert {int(top_k_index.max())}, "
+            f"the bound is num_experts = {self.num_experts}")
+    out = ep(hidden_states, top_k_index, top_k_weights)
+    return out.to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Registers "moe_ep" in transformers' ALL_EXPERTS_FUNCTIONS (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, moe_ep_experts_forward)
