@@ -16,7 +16,9 @@ attention) with different lengths and token counts, 0 included. docs/design.md (
 
 from moe_ep.transformers._experts import (
     IMPLEMENTATION,
+    average_gradients,
     expert_param_names,
+    expert_parameters,
     experts_modules,
     is_experts_module,
     moe_ep_experts_forward,
@@ -29,7 +31,9 @@ register()
 
 __all__ = [
     "IMPLEMENTATION",
+    "average_gradients",
     "expert_param_names",
+    "expert_parameters",
     "experts_modules",
     "is_experts_module",
     "lockstep",

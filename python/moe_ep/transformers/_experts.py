@@ -47,6 +47,20 @@ def expert_param_names(module: torch.nn.Module) -> List[str]:
     return names
 
 
+def expert_parameters(model: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """This rank's expert parameters of every experts module (after shard_experts: its slices)."""
+    return [getattr(m, p) for _, m in experts_modules(model) for p in expert_param_names(m)]
+
+
+def average_gradients(model: torch.nn.Module, comm=None) -> None:
+    """moe_ep.torch.nn.average_gradients with model's expert parameters as the rank-local ones:
+    after backward of each rank's mean loss on its own batch, every gradient is that of the mean
+    over the ranks' batches (replicated ones averaged over comm, expert ones divided by W)."""
+    from moe_ep.torch.nn import average_gradients as _average
+
+    _average(model, comm, expert_params=expert_parameters(model))
+
+
 def check_recognised(name: str, module: torch.nn.Module) -> None:
     """InvalidArgumentError/UnsupportedError naming what moe_ep cannot run in an experts module."""
     cls = type(module).__name__
