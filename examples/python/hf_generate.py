@@ -1,0 +1,175 @@
+"""Greedy generation with a Hugging Face transformers MoE model, expert-parallel through moe-ep:
+each rank holds only its experts (moe_ep.transformers.from_pretrained reads only those from the
+checkpoint) and runs its own prompts through attention (data-parallel attention); the MoE layers
+exchange tokens with dispatch_v2 / combine_v2.
+
+Run (any world size W that divides the model's experts):
+
+    mpirun -n 4 --oversubscribe python examples/python/hf_generate.py
+    mpirun -n 4 --oversubscribe python examples/python/hf_generate.py --model gpt-oss
+    mpirun -n 2 python examples/python/hf_generate.py --checkpoint DIR --dtype bf16
+
+Without --checkpoint, rank 0 writes a small seeded random one (python -m
+moe_ep.transformers.make_checkpoint --small) into a temporary directory. Rank r gets
+--prompts prompts whose lengths differ from rank to rank (and within the rank: left-padded),
+--idle-rank gives one rank none, --new-tokens-step makes rank r generate fewer tokens than rank 0.
+
+The check, on every rank: in fp32, the generated tokens equal those of single-process
+transformers with the stock experts implementation (grouped_mm) on the same prompts, token for
+token; in bf16, the first step's logits differ from fp32's by no more than stock bf16's do
+(twice that, plus 1e-3 of their scale: the two sum in different orders). The last line is
+PASS/FAIL with tokens/s and the peak RSS of each rank (measured before the reference model is
+loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from mpi4py import MPI
+
+import moe_ep.transformers as mt
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def make_checkpoint(comm, model: str, directory: str) -> str:
+    path = None
+    if comm.Get_rank() == 0:
+        path = f"{directory}/{model}"
+        subprocess.run([sys.executable, "-m", "moe_ep.transformers.make_checkpoint", "--model",
+                        model, "--small", "--out", path], check=True, stdout=subprocess.DEVNULL)
+    return comm.bcast(path, root=0)
+
+
+def prompts(rank: int, count: int, vocab: int, seed: int):
+    """count prompts for this rank, lengths 4 + 3 * rank + 2 * i, left-padded with an attention
+    mask (pad id 0, never generated unmasked)."""
+    g = torch.Generator().manual_seed(seed + rank)
+    lengths = [4 + 3 * rank + 2 * i for i in range(count)]
+    width = max(lengths, default=0)
+    ids = torch.zeros(count, width, dtype=torch.long)
+    mask = torch.zeros(count, width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(1, vocab, (n,), generator=g)
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+def generate(model, ids, mask, new_tokens: int):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+
+def first_logits(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).logits[:, -1].float()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-moe",
+                    help="family for the generated checkpoint (make_checkpoint --model)")
+    ap.add_argument("--checkpoint", help="a local checkpoint directory (default: a small one)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--new-tokens-step", type=int, default=0,
+                    help="rank r generates new_tokens - r * this many")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per rank")
+    ap.add_argument("--idle-rank", type=int, default=-1, help="this rank gets no prompts")
+    ap.add_argument("--transport", choices=("", "shm", "mpi"), default="")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip the single-process check (large checkpoints)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    dtype = DTYPES[a.dtype]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.checkpoint or make_checkpoint(comm, a.model, tmp)
+        rss_before = peak_rss_mib()
+        model = mt.from_pretrained(path, comm, dtype=dtype, transport=a.transport)
+        rss_loaded = peak_rss_mib()
+        vocab = model.config.get_text_config().vocab_size
+        count = 0 if rank == a.idle_rank else a.prompts
+        ids, mask = prompts(rank, count, vocab, a.seed)
+        new_tokens = max(1, a.new_tokens - rank * a.new_tokens_step)
+
+        out, logits = None, None
+        comm.Barrier()
+        start = time.perf_counter()
+        with torch.no_grad(), mt.lockstep(model, comm):
+            if count:
+                out = generate(model, ids, mask, new_tokens)
+        seconds = time.perf_counter() - start
+        with torch.no_grad(), mt.lockstep(model, comm):  # every rank enters; idle ones wait
+            if count and a.dtype == "bf16":
+                logits = first_logits(model, ids, mask)
+        generated = count * new_tokens
+        rss_peak = peak_rss_mib()
+        sizes = getattr(model, "moe_ep_bytes", {})
+        del model
+
+        verdict, detail = True, "no reference (--no-reference)" if count else "no prompts"
+        if count and not a.no_reference:
+            verdict, detail = check(path, a.dtype, ids, mask, out, logits, new_tokens)
+    total_tokens = comm.allreduce(generated)
+    slowest = comm.allreduce(seconds, op=MPI.MAX)
+    rows = comm.gather((rank, count, new_tokens, generated / seconds if seconds else 0.0,
+                        rss_before, rss_loaded, rss_peak, sizes, verdict, detail), root=0)
+    ok = comm.allreduce(int(verdict), op=MPI.MIN) == 1
+    if rank == 0:
+        report(a, world, path, rows, total_tokens / slowest, ok)
+    return 0 if ok else 1
+
+
+def check(path, dtype_name, ids, mask, out, logits, new_tokens):
+    """This rank's prompts through single-process transformers, stock experts."""
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 experts_implementation="grouped_mm").eval()
+    with torch.no_grad():
+        if dtype_name == "fp32":
+            expected = generate(stock, ids, mask, new_tokens)
+            same = torch.equal(out, expected)
+            diverge = (out != expected).nonzero()
+            return same, ("tokens equal" if same else
+                          f"tokens differ first at (prompt, position) {diverge[0].tolist()}")
+        exact = first_logits(stock, ids, mask)
+        stock16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                       experts_implementation="grouped_mm").eval()
+        stock_err = (first_logits(stock16, ids, mask) - exact).abs().max().item()
+    ours_err = (logits - exact).abs().max().item()
+    bound = 2 * stock_err + 1e-3 * exact.abs().max().item()
+    return ours_err <= bound, (f"first-step logits vs fp32: moe-ep bf16 {ours_err:.3g}, stock "
+                               f"bf16 {stock_err:.3g}, bound {bound:.3g}")
+
+
+def report(a, world, path, rows, tokens_per_s, ok):
+    print(f"hf_generate.py: W = {world}, {path}, {a.dtype}, greedy, --new-tokens {a.new_tokens}")
+    print(" rank  prompts  new  tokens/s  RSS before load  after load  peak (MiB)  "
+          "non-expert + local expert (MiB)  check")
+    for r, n, new, tps, before, loaded, peak, sizes, verdict, detail in rows:
+        weights = "?"
+        if sizes:
+            weights = f"{(sizes['non_expert'] + sizes['local_expert']) / 2**20:.1f}"
+        print(f"{r:5d}  {n:7d}  {new:3d}  {tps:8.1f}  {before:15.1f}  {loaded:10.1f}  "
+              f"{peak:10.1f}  {weights:>31}  {detail}")
+    peaks = " ".join(f"{row[6]:.0f}" for row in rows)
+    print(f"{'PASS' if ok else 'FAIL'} {tokens_per_s:.1f} tokens/s (all ranks), peak RSS per rank "
+          f"{peaks} MiB")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

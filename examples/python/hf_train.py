@@ -1,0 +1,144 @@
+"""Training a Hugging Face transformers MoE model expert-parallel through moe-ep, checked against
+single-process training on the concatenated batch.
+
+Run (any world size W that divides the model's experts):
+
+    mpirun -n 4 --oversubscribe python examples/python/hf_train.py
+    mpirun -n 2 python examples/python/hf_train.py --model mixtral --steps 10
+
+Without --checkpoint, rank 0 writes a small seeded random checkpoint (python -m
+moe_ep.transformers.make_checkpoint --small). Each rank loads only its experts
+(moe_ep.transformers.from_pretrained) and trains on its own batch (--batch sequences of --seq
+tokens, next-token loss). After backward, moe_ep.transformers.average_gradients averages the
+replicated (non-expert) gradients over the ranks with an MPI allreduce and divides the expert
+gradients, which live on their rank only and already hold every rank's tokens' share, by W; then
+AdamW (or --optimizer sgd) steps. Every rank also trains the whole model in one process, with transformers' stock
+experts, on the concatenated batch of all ranks, and checks that the losses and its final
+parameters (its expert slices and every non-expert tensor) match within --tol. Last line
+PASS/FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+
+import torch
+from mpi4py import MPI
+
+import moe_ep.transformers as mt
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+
+def make_checkpoint(comm, model: str, directory: str) -> str:
+    path = None
+    if comm.Get_rank() == 0:
+        path = f"{directory}/{model}"
+        subprocess.run([sys.executable, "-m", "moe_ep.transformers.make_checkpoint", "--model",
+                        model, "--small", "--out", path], check=True, stdout=subprocess.DEVNULL)
+    return comm.bcast(path, root=0)
+
+
+def batch(step: int, rank: int, size: int, seq: int, vocab: int):
+    """size sequences of seq tokens: a random first token, then t -> (5 t + 1) mod vocab, a rule
+    the model can learn (so the loss falls)."""
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    ids = torch.empty(size, seq, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, vocab, (size,), generator=g)
+    for t in range(1, seq):
+        ids[:, t] = (5 * ids[:, t - 1] + 1) % vocab
+    return ids
+
+
+def train(model, batches, optimizer: str, lr: float, after_backward=None):
+    """Optimizer steps on the given batches; returns the losses. (AdamW is nearly blind to a
+    gradient's scale; SGD is not, so it also checks that the expert gradients are scaled right.)"""
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    losses = []
+    for ids in batches:
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def local_reference(model, stock) -> dict:
+    """The stock model's tensors as this rank holds them: its experts' slices of the per-expert
+    parameters, the rest whole."""
+    experts = {name: m for name, m in mt.experts_modules(model)}
+    out = {}
+    stock_params = dict(stock.named_parameters())
+    for name, p in model.named_parameters():
+        ref = stock_params[name]
+        owner = name.rsplit(".", 1)[0]
+        if owner in experts:
+            ep = experts[owner]._moe_ep
+            ref = ref[ep.start:ep.stop]
+        out[name] = ref
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3-moe")
+    ap.add_argument("--checkpoint")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    ap.add_argument("--seq", type=int, default=16, help="tokens per sequence")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--tol", type=float, default=1e-4)
+    a = ap.parse_args(argv)
+    hf_logging.disable_progress_bar()
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = a.checkpoint or make_checkpoint(comm, a.model, tmp)
+        model = mt.from_pretrained(path, comm, dtype=torch.float32).train()
+        stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     experts_implementation="grouped_mm").train()
+    vocab = model.config.get_text_config().vocab_size
+
+    mine = [batch(s, rank, a.batch, a.seq, vocab) for s in range(a.steps)]
+    ours = train(model, mine, a.optimizer, a.lr, lambda: mt.average_gradients(model, comm))
+    ours = [comm.allreduce(float(l), op=MPI.SUM) / world for l in ours]
+
+    whole = [torch.cat([batch(s, r, a.batch, a.seq, vocab) for r in range(world)])
+             for s in range(a.steps)]
+    expected = [float(l) for l in train(stock, whole, a.optimizer, a.lr)]
+
+    loss_err = max(abs(o - e) / max(1.0, abs(e)) for o, e in zip(ours, expected))
+    reference = local_reference(model, stock)
+    param_err, worst = 0.0, ""
+    for name, p in model.named_parameters():
+        err = (p.detach() - reference[name].detach()).abs().max().item()
+        if err > param_err:
+            param_err, worst = err, name
+    ok = loss_err <= a.tol and param_err <= a.tol and ours[-1] < ours[0]
+    errs = comm.gather((loss_err, param_err, worst), root=0)
+    ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
+    if rank == 0:
+        print(f"hf_train.py: W = {world}, {path}, fp32, {a.optimizer} lr {a.lr}, {a.steps} steps, "
+              f"{a.batch} x {a.seq} tokens per rank per step")
+        print(" step   loss (moe-ep, W ranks)   loss (stock, 1 process)   diff")
+        for s, (o, e) in enumerate(zip(ours, expected)):
+            print(f"{s:5d}   {o:22.9g}   {e:23.9g}   {abs(o - e):9.2e}")
+        for r, (le, pe, name) in enumerate(errs):
+            print(f"rank {r}: worst loss difference {le:.2e}, worst parameter difference {pe:.2e}"
+                  f" ({name or '-'}), bound {a.tol:g}")
+        print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
