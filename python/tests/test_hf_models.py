@@ -1,0 +1,134 @@
+"""Hugging Face transformers MoE models expert-parallel through moe-ep (issue 31): the two examples
+that check themselves (examples/python/hf_generate.py, hf_train.py) under mpirun at several world
+sizes and for every family make_checkpoint writes, moe_ep.torch.nn's cases (mpi_nn_cases.py), and
+the experts implementation's errors in one process.
+
+The examples' oracle is single-process transformers with its stock experts implementation on the
+same prompts (generate) or the concatenated batch (train). Needs mpirun, mpi4py and transformers
+(pip install .[transformers]); skipped without them, failed under CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+
+import pytest
+
+from needs import missing
+from test_dispatch_mpi import HERE, ROOT, _mpirun, _tail
+
+if importlib.util.find_spec("transformers") is None:
+    missing("transformers is not installed (pip install .[transformers])")
+
+EXAMPLES = ROOT / "examples" / "python"
+
+
+def _example(world: int, script: str, *args: str):
+    proc = _mpirun(world, str(EXAMPLES / script), *args)
+    out = proc.stdout + proc.stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(("PASS", "FAIL"))]
+    assert lines and lines[-1].startswith("PASS") and proc.returncode == 0, _tail(out)
+    return proc.stdout
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_generate_qwen3_moe(world):
+    """Greedy generation, fp32: each rank's tokens equal single-process transformers'."""
+    out = _example(world, "hf_generate.py", "--model", "qwen3-moe")
+    assert out.count("tokens equal") == world, _tail(out)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "deepseek-v3", "gpt-oss"])
+def test_generate_family(family):
+    out = _example(4, "hf_generate.py", "--model", family)
+    assert out.count("tokens equal") == 4, _tail(out)
+
+
+def test_generate_idle_rank_and_uneven_lengths():
+    """Rank 2 has no prompts and the others generate 32, 29 and 23 tokens: no hang, and the
+    tokens still equal the stock model's."""
+    out = _example(4, "hf_generate.py", "--idle-rank", "2", "--new-tokens-step", "3")
+    assert out.count("tokens equal") == 3 and "no prompts" in out, _tail(out)
+
+
+def test_generate_bf16():
+    """bf16: the first step's logits are as close to fp32's as stock bf16's are."""
+    out = _example(2, "hf_generate.py", "--dtype", "bf16")
+    assert "first-step logits" in out, _tail(out)
+
+
+def test_train_adamw_w4():
+    _example(4, "hf_train.py")
+
+
+def test_train_sgd_checks_gradient_scale():
+    """SGD (unlike AdamW) moves by the gradient's size: wrong expert gradient scaling fails."""
+    _example(2, "hf_train.py", "--optimizer", "sgd", "--lr", "0.1")
+
+
+@functools.lru_cache(maxsize=None)
+def _nn_launch(world: int):
+    proc = _mpirun(world, str(HERE / "mpi_nn_cases.py"))
+    results: dict = {}
+    for m in re.finditer(r"^CASE (\S+) rank=(\d+) (OK|FAIL: .*)$", proc.report, re.M):
+        results.setdefault(m.group(1), {})[int(m.group(2))] = m.group(3)
+    return proc, results
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("case", ["uneven_against_dense", "world_does_not_divide",
+                                  "lockstep_rounds"])
+def test_nn_case(world, case):
+    proc, results = _nn_launch(world)
+    got = results.get(case, {})
+    assert sorted(got) == list(range(world)), _tail(proc.stdout + proc.stderr)
+    failed = {r: v for r, v in got.items() if v != "OK"}
+    assert not failed, failed
+
+
+def test_unrecognised_experts_module():
+    """An experts module without the parameters its flags promise is refused, naming them."""
+    import torch
+    from transformers.integrations.moe import use_experts_implementation
+
+    import moe_ep
+    import moe_ep.transformers as mt
+
+    @use_experts_implementation
+    class Odd(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts = 4
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(4, 8, 4))
+            self.w2 = torch.nn.Parameter(torch.zeros(4, 4, 4))  # not down_proj
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return hidden_states
+
+    class Config:
+        _experts_implementation = "moe_ep"
+
+    odd = Odd(Config())
+    with pytest.raises(moe_ep.UnsupportedError, match="down_proj"):
+        mt.shard_experts(torch.nn.ModuleList([odd]))
+    with pytest.raises(moe_ep.UnsupportedError, match="down_proj"):
+        odd(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
+
+
+def test_expert_id_out_of_range():
+    import torch
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    import moe_ep
+    import moe_ep.transformers as mt
+
+    config = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=4,
+                            num_experts_per_tok=2)
+    config._experts_implementation = "moe_ep"
+    experts = Qwen3MoeExperts(config)
+    mt.shard_experts(torch.nn.ModuleList([experts]))
+    with pytest.raises(moe_ep.InvalidArgumentError, match="expert 4"):
+        experts(torch.zeros(1, 8), torch.tensor([[0, 4]]), torch.ones(1, 2))
