@@ -132,3 +132,13 @@ def test_expert_id_out_of_range():
     mt.shard_experts(torch.nn.ModuleList([experts]))
     with pytest.raises(moe_ep.InvalidArgumentError, match="expert 4"):
         experts(torch.zeros(1, 8), torch.tensor([[0, 4]]), torch.ones(1, 2))
+
+
+def test_setup_installs_the_pinned_transformers():
+    """scripts/setup.sh installs the transformers version pyproject.toml's extra pins."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["transformers"]
+    pin = next(d for d in extra if d.startswith("transformers=="))
+    assert pin in (ROOT / "scripts" / "setup.sh").read_text(), pin
