@@ -25,6 +25,7 @@ from moe_ep.transformers._experts import (
     register,
     shard_experts,
 )
+from moe_ep.transformers._loader import from_pretrained
 from moe_ep.transformers._lockstep import lockstep
 
 register()
@@ -35,6 +36,7 @@ __all__ = [
     "expert_param_names",
     "expert_parameters",
     "experts_modules",
+    "from_pretrained",
     "is_experts_module",
     "lockstep",
     "moe_ep_experts_forward",
