@@ -25,8 +25,9 @@ loaded).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,10 +36,11 @@ import torch
 from mpi4py import MPI
 
 import moe_ep.transformers as mt
+from moe_ep.transformers.make_checkpoint import main as write_checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --dtype's names
 
 
 def peak_rss_mib() -> float:
@@ -46,11 +48,11 @@ def peak_rss_mib() -> float:
 
 
 def make_checkpoint(comm, model: str, directory: str) -> str:
-    path = None
+    """Rank 0 writes a small fp32 checkpoint of the family (make_checkpoint --small)."""
+    path = f"{directory}/{model}"
     if comm.Get_rank() == 0:
-        path = f"{directory}/{model}"
-        subprocess.run([sys.executable, "-m", "moe_ep.transformers.make_checkpoint", "--model",
-                        model, "--small", "--out", path], check=True, stdout=subprocess.DEVNULL)
+        with contextlib.redirect_stdout(io.StringIO()):
+            write_checkpoint(["--model", model, "--small", "--dtype", "fp32", "--out", path])
     return comm.bcast(path, root=0)
 
 
@@ -80,9 +82,10 @@ def first_logits(model, ids, mask):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-moe",
-                    help="family for the generated checkpoint (make_checkpoint --model)")
+                    help="family of the generated checkpoint (make_checkpoint --model); a comma "
+                         "list runs each in turn")
     ap.add_argument("--checkpoint", help="a local checkpoint directory (default: a small one)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--dtype", default="fp32", help="fp32 or bf16; a comma list runs each")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--new-tokens-step", type=int, default=0,
                     help="rank r generates new_tokens - r * this many")
@@ -95,44 +98,56 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
     comm = MPI.COMM_WORLD
+    ok = True
+    for dtype_name in a.dtype.split(","):
+        if dtype_name not in DTYPES:
+            ap.error(f"--dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
+        for family in [None] if a.checkpoint else a.model.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                path = a.checkpoint or make_checkpoint(comm, family, tmp)
+                ok = run(comm, a, path, dtype_name) and ok
+    if comm.Get_rank() == 0 and len(a.dtype.split(",")) * len(a.model.split(",")) > 1:
+        print(f"{'PASS' if ok else 'FAIL'}: all runs")
+    return 0 if ok else 1
+
+
+def run(comm, a, path: str, dtype_name: str) -> bool:
+    """One checkpoint in one dtype: load, generate on every rank, check; rank 0 reports."""
     rank, world = comm.Get_rank(), comm.Get_size()
-    dtype = DTYPES[a.dtype]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = a.checkpoint or make_checkpoint(comm, a.model, tmp)
-        rss_before = peak_rss_mib()
-        model = mt.from_pretrained(path, comm, dtype=dtype, transport=a.transport)
-        rss_loaded = peak_rss_mib()
-        vocab = model.config.get_text_config().vocab_size
-        count = 0 if rank == a.idle_rank else a.prompts
-        ids, mask = prompts(rank, count, vocab, a.seed)
-        new_tokens = max(1, a.new_tokens - rank * a.new_tokens_step)
+    rss_before = peak_rss_mib()
+    model = mt.from_pretrained(path, comm, dtype=DTYPES[dtype_name], transport=a.transport)
+    rss_loaded = peak_rss_mib()
+    vocab = model.config.get_text_config().vocab_size
+    count = 0 if rank == a.idle_rank else a.prompts
+    ids, mask = prompts(rank, count, vocab, a.seed)
+    new_tokens = max(1, a.new_tokens - rank * a.new_tokens_step)
 
-        out, logits = None, None
-        comm.Barrier()
-        start = time.perf_counter()
-        with torch.no_grad(), mt.lockstep(model, comm):
-            if count:
-                out = generate(model, ids, mask, new_tokens)
-        seconds = time.perf_counter() - start
-        with torch.no_grad(), mt.lockstep(model, comm):  # every rank enters; idle ones wait
-            if count and a.dtype == "bf16":
-                logits = first_logits(model, ids, mask)
-        generated = count * new_tokens
-        rss_peak = peak_rss_mib()
-        sizes = getattr(model, "moe_ep_bytes", {})
-        del model
+    out, logits = None, None
+    comm.Barrier()
+    start = time.perf_counter()
+    with torch.no_grad(), mt.lockstep(model, comm):
+        if count:
+            out = generate(model, ids, mask, new_tokens)
+    seconds = time.perf_counter() - start
+    with torch.no_grad(), mt.lockstep(model, comm):  # every rank enters; idle ones wait
+        if count and dtype_name == "bf16":
+            logits = first_logits(model, ids, mask)
+    generated = count * new_tokens
+    rss_peak = peak_rss_mib()
+    sizes = getattr(model, "moe_ep_bytes", {})
+    del model
 
-        verdict, detail = True, "no reference (--no-reference)" if count else "no prompts"
-        if count and not a.no_reference:
-            verdict, detail = check(path, a.dtype, ids, mask, out, logits, new_tokens)
+    verdict, detail = True, "no reference (--no-reference)" if count else "no prompts"
+    if count and not a.no_reference:
+        verdict, detail = check(path, dtype_name, ids, mask, out, logits, new_tokens)
     total_tokens = comm.allreduce(generated)
     slowest = comm.allreduce(seconds, op=MPI.MAX)
     rows = comm.gather((rank, count, new_tokens, generated / seconds if seconds else 0.0,
                         rss_before, rss_loaded, rss_peak, sizes, verdict, detail), root=0)
     ok = comm.allreduce(int(verdict), op=MPI.MIN) == 1
     if rank == 0:
-        report(a, world, path, rows, total_tokens / slowest, ok)
-    return 0 if ok else 1
+        report(a, world, path, dtype_name, rows, total_tokens / slowest, ok)
+    return ok
 
 
 def check(path, dtype_name, ids, mask, out, logits, new_tokens):
@@ -156,8 +171,9 @@ def check(path, dtype_name, ids, mask, out, logits, new_tokens):
                                f"bf16 {stock_err:.3g}, bound {bound:.3g}")
 
 
-def report(a, world, path, rows, tokens_per_s, ok):
-    print(f"hf_generate.py: W = {world}, {path}, {a.dtype}, greedy, --new-tokens {a.new_tokens}")
+def report(a, world, path, dtype_name, rows, tokens_per_s, ok):
+    print(f"hf_generate.py: W = {world}, {path}, {dtype_name}, greedy, "
+          f"--new-tokens {a.new_tokens}")
     print(" rank  prompts  new  tokens/s  RSS before load  after load  peak (MiB)  "
           "non-expert + local expert (MiB)  check")
     for r, n, new, tps, before, loaded, peak, sizes, verdict, detail in rows:

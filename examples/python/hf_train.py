@@ -21,7 +21,8 @@ PASS/FAIL.
 from __future__ import annotations
 
 import argparse
-import subprocess
+import contextlib
+import io
 import sys
 import tempfile
 
@@ -29,16 +30,17 @@ import torch
 from mpi4py import MPI
 
 import moe_ep.transformers as mt
+from moe_ep.transformers.make_checkpoint import main as write_checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 
 def make_checkpoint(comm, model: str, directory: str) -> str:
-    path = None
+    """Rank 0 writes a small fp32 checkpoint of the family (make_checkpoint --small)."""
+    path = f"{directory}/{model}"
     if comm.Get_rank() == 0:
-        path = f"{directory}/{model}"
-        subprocess.run([sys.executable, "-m", "moe_ep.transformers.make_checkpoint", "--model",
-                        model, "--small", "--out", path], check=True, stdout=subprocess.DEVNULL)
+        with contextlib.redirect_stdout(io.StringIO()):
+            write_checkpoint(["--model", model, "--small", "--dtype", "fp32", "--out", path])
     return comm.bcast(path, root=0)
 
 
@@ -95,27 +97,43 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
     ap.add_argument("--seq", type=int, default=16, help="tokens per sequence")
-    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--optimizer", default="adamw",
+                    help="adamw or sgd (momentum 0.9); a comma list runs each in turn")
+    ap.add_argument("--lr", default="1e-3", help="learning rate; a comma list: one per optimizer")
     ap.add_argument("--tol", type=float, default=1e-4)
     a = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
+    optimizers, rates = a.optimizer.split(","), [float(x) for x in a.lr.split(",")]
+    if len(rates) == 1:
+        rates *= len(optimizers)
+    if len(rates) != len(optimizers) or not set(optimizers) <= {"adamw", "sgd"}:
+        ap.error(f"--optimizer {a.optimizer!r} (adamw, sgd) and --lr {a.lr!r} do not pair up")
     comm = MPI.COMM_WORLD
-    rank, world = comm.Get_rank(), comm.Get_size()
+    ok = True
     with tempfile.TemporaryDirectory() as tmp:
         path = a.checkpoint or make_checkpoint(comm, a.model, tmp)
-        model = mt.from_pretrained(path, comm, dtype=torch.float32).train()
-        stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     experts_implementation="grouped_mm").train()
+        for optimizer, lr in zip(optimizers, rates):
+            ok = run(comm, a, path, optimizer, lr) and ok
+    if comm.Get_rank() == 0 and len(optimizers) > 1:
+        print(f"{'PASS' if ok else 'FAIL'}: all runs")
+    return 0 if ok else 1
+
+
+def run(comm, a, path: str, optimizer: str, lr: float) -> bool:
+    """Trains with moe-ep on W ranks and in one process; rank 0 reports. True when they match."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    model = mt.from_pretrained(path, comm, dtype=torch.float32).train()
+    stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 experts_implementation="grouped_mm").train()
     vocab = model.config.get_text_config().vocab_size
 
     mine = [batch(s, rank, a.batch, a.seq, vocab) for s in range(a.steps)]
-    ours = train(model, mine, a.optimizer, a.lr, lambda: mt.average_gradients(model, comm))
+    ours = train(model, mine, optimizer, lr, lambda: mt.average_gradients(model, comm))
     ours = [comm.allreduce(float(l), op=MPI.SUM) / world for l in ours]
 
     whole = [torch.cat([batch(s, r, a.batch, a.seq, vocab) for r in range(world)])
              for s in range(a.steps)]
-    expected = [float(l) for l in train(stock, whole, a.optimizer, a.lr)]
+    expected = [float(l) for l in train(stock, whole, optimizer, lr)]
 
     loss_err = max(abs(o - e) / max(1.0, abs(e)) for o, e in zip(ours, expected))
     reference = local_reference(model, stock)
@@ -128,7 +146,7 @@ def main(argv=None) -> int:
     errs = comm.gather((loss_err, param_err, worst), root=0)
     ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
     if rank == 0:
-        print(f"hf_train.py: W = {world}, {path}, fp32, {a.optimizer} lr {a.lr}, {a.steps} steps, "
+        print(f"hf_train.py: W = {world}, {path}, fp32, {optimizer} lr {lr}, {a.steps} steps, "
               f"{a.batch} x {a.seq} tokens per rank per step")
         print(" step   loss (moe-ep, W ranks)   loss (stock, 1 process)   diff")
         for s, (o, e) in enumerate(zip(ours, expected)):
@@ -137,7 +155,7 @@ def main(argv=None) -> int:
             print(f"rank {r}: worst loss difference {le:.2e}, worst parameter difference {pe:.2e}"
                   f" ({name or '-'}), bound {a.tol:g}")
         print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":
