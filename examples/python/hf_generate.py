@@ -172,16 +172,16 @@ def check(path, dtype_name, ids, mask, out, logits, new_tokens):
 
 
 def report(a, world, path, dtype_name, rows, tokens_per_s, ok):
+    """The table: per rank, RSS before and after loading and at the end (MiB), the weights this
+    rank holds (non-expert + its experts) and after-load RSS over them (the issue's bound: 1.2)."""
     print(f"hf_generate.py: W = {world}, {path}, {dtype_name}, greedy, "
           f"--new-tokens {a.new_tokens}")
-    print(" rank  prompts  new  tokens/s  RSS before load  after load  peak (MiB)  "
-          "non-expert + local expert (MiB)  check")
+    print(" rank  prompts  new  tokens/s  RSS before load  after load   peak  weights  "
+          "after/weights  check")
     for r, n, new, tps, before, loaded, peak, sizes, verdict, detail in rows:
-        weights = "?"
-        if sizes:
-            weights = f"{(sizes['non_expert'] + sizes['local_expert']) / 2**20:.1f}"
+        weights = (sizes["non_expert"] + sizes["local_expert"]) / 2**20 if sizes else float("nan")
         print(f"{r:5d}  {n:7d}  {new:3d}  {tps:8.1f}  {before:15.1f}  {loaded:10.1f}  "
-              f"{peak:10.1f}  {weights:>31}  {detail}")
+              f"{peak:5.0f}  {weights:7.1f}  {loaded / weights:13.3f}  {detail}")
     peaks = " ".join(f"{row[6]:.0f}" for row in rows)
     print(f"{'PASS' if ok else 'FAIL'} {tokens_per_s:.1f} tokens/s (all ranks), peak RSS per rank "
           f"{peaks} MiB")
