@@ -113,7 +113,44 @@ def case_lockstep_rounds(comm):
     assert seen == [world * world] * world, seen
 
 
-CASES = [case_uneven_against_dense, case_world_does_not_divide, case_lockstep_rounds]
+def case_round_deadline(comm):
+    """A rank that does not join a Lockstep round: the others raise moe_ep.TimeoutError at
+    $MOE_EP_TIMEOUT_S instead of waiting. Rank 0 waits; the last rank joins 2 s later (so the
+    round completes and the communicator stays usable)."""
+    import os
+    import time
+
+    rank, world = comm.Get_rank(), comm.Get_size()
+    if world == 1:
+        return
+    sub = comm.Dup()
+    step = Lockstep(sub)
+    before = os.environ.get("MOE_EP_TIMEOUT_S")
+    os.environ["MOE_EP_TIMEOUT_S"] = "0.5"
+    try:
+        if rank == world - 1:
+            time.sleep(2)
+            os.environ["MOE_EP_TIMEOUT_S"] = "30"
+            step.step(1)
+        elif rank == 0:
+            try:
+                step.step(1)
+            except moe_ep.TimeoutError as e:
+                assert "Lockstep.step" in str(e) and "0.5 s" in str(e), str(e)
+            else:
+                raise AssertionError("no TimeoutError")
+        else:
+            os.environ["MOE_EP_TIMEOUT_S"] = "30"
+            step.step(1)
+    finally:
+        if before is None:
+            os.environ.pop("MOE_EP_TIMEOUT_S", None)
+        else:
+            os.environ["MOE_EP_TIMEOUT_S"] = before
+
+
+CASES = [case_uneven_against_dense, case_world_does_not_divide, case_lockstep_rounds,
+         case_round_deadline]
 
 
 def main() -> int:

@@ -81,7 +81,7 @@ def _nn_launch(world: int):
 
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("case", ["uneven_against_dense", "world_does_not_divide",
-                                  "lockstep_rounds"])
+                                  "lockstep_rounds", "round_deadline"])
 def test_nn_case(world, case):
     proc, results = _nn_launch(world)
     got = results.get(case, {})
