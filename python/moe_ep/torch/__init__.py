@@ -9,7 +9,8 @@ rules of SPEC §5 (generated from the C++ strategy table). dispatch_workspace is
 query (local, a plain function).
 
 dispatch_v2 / combine_v2 take mpi4py communicators (default: MPI.COMM_WORLD); start the processes
-with mpirun.
+with mpirun. moe_ep.torch.nn has them as a module: ExpertParallel (a MoE layer's experts over the
+ranks, each holding its own), Lockstep and average_gradients.
 """
 
 from moe_ep.torch.distributed import (

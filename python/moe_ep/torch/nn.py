@@ -179,6 +179,7 @@ class ExpertParallel(torch.nn.Module):
         valid = d.expand_x[: int(d.ep_recv_counts[-1]) if d.ep_recv_counts.numel() else 0]
         counts = d.expert_token_nums.tolist()
         y = self.experts(valid[: sum(counts)], counts) if valid.shape[0] else valid
+        y = y.to(hidden_states.dtype)  # the rows go back in the dtype they came in
         return combine_v2(y, ids, d.assist_info_for_combine, d.ep_recv_counts, scales,
                           handle=d.handle, **args)
 
