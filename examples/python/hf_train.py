@@ -100,29 +100,40 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", default="adamw",
                     help="adamw or sgd (momentum 0.9); a comma list runs each in turn")
     ap.add_argument("--lr", default="1e-3", help="learning rate; a comma list: one per optimizer")
+    ap.add_argument("--loader", default="moe_ep",
+                    help="moe_ep: moe_ep.transformers.from_pretrained (this rank's experts only); "
+                         "stock: transformers' from_pretrained(..., experts_implementation="
+                         "'moe_ep'), cut at the first call; a comma list: one per optimizer")
     ap.add_argument("--tol", type=float, default=1e-4)
     a = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
     optimizers, rates = a.optimizer.split(","), [float(x) for x in a.lr.split(",")]
-    if len(rates) == 1:
-        rates *= len(optimizers)
-    if len(rates) != len(optimizers) or not set(optimizers) <= {"adamw", "sgd"}:
-        ap.error(f"--optimizer {a.optimizer!r} (adamw, sgd) and --lr {a.lr!r} do not pair up")
+    loaders = a.loader.split(",")
+    rates *= len(optimizers) if len(rates) == 1 else 1
+    loaders *= len(optimizers) if len(loaders) == 1 else 1
+    if len(rates) != len(optimizers) or len(loaders) != len(optimizers) or \
+            not set(optimizers) <= {"adamw", "sgd"} or not set(loaders) <= {"moe_ep", "stock"}:
+        ap.error(f"--optimizer {a.optimizer!r} (adamw, sgd), --lr {a.lr!r} and --loader "
+                 f"{a.loader!r} (moe_ep, stock) do not pair up")
     comm = MPI.COMM_WORLD
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         path = a.checkpoint or make_checkpoint(comm, a.model, tmp)
-        for optimizer, lr in zip(optimizers, rates):
-            ok = run(comm, a, path, optimizer, lr) and ok
+        for optimizer, lr, loader in zip(optimizers, rates, loaders):
+            ok = run(comm, a, path, optimizer, lr, loader) and ok
     if comm.Get_rank() == 0 and len(optimizers) > 1:
         print(f"{'PASS' if ok else 'FAIL'}: all runs")
     return 0 if ok else 1
 
 
-def run(comm, a, path: str, optimizer: str, lr: float) -> bool:
+def run(comm, a, path: str, optimizer: str, lr: float, loader: str) -> bool:
     """Trains with moe-ep on W ranks and in one process; rank 0 reports. True when they match."""
     rank, world = comm.Get_rank(), comm.Get_size()
-    model = mt.from_pretrained(path, comm, dtype=torch.float32).train()
+    if loader == "moe_ep":
+        model = mt.from_pretrained(path, comm, dtype=torch.float32).train()
+    else:  # every expert loaded, cut to this rank's at the first forward (after the optimizer)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     experts_implementation="moe_ep").train()
     stock = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  experts_implementation="grouped_mm").train()
     vocab = model.config.get_text_config().vocab_size
@@ -147,7 +158,7 @@ def run(comm, a, path: str, optimizer: str, lr: float) -> bool:
     ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
     if rank == 0:
         print(f"hf_train.py: W = {world}, {path}, fp32, {optimizer} lr {lr}, {a.steps} steps, "
-              f"{a.batch} x {a.seq} tokens per rank per step")
+              f"{a.batch} x {a.seq} tokens per rank per step, loader {loader}")
         print(" step   loss (moe-ep, W ranks)   loss (stock, 1 process)   diff")
         for s, (o, e) in enumerate(zip(ours, expected)):
             print(f"{s:5d}   {o:22.9g}   {e:23.9g}   {abs(o - e):9.2e}")

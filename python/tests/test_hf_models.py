@@ -65,8 +65,11 @@ def test_generate_idle_rank_and_uneven_lengths():
 
 def test_train_w4_adamw_and_sgd():
     """20 AdamW steps = one process on the concatenated batch; then SGD, which (unlike AdamW)
-    moves by the gradient's size, so wrongly scaled expert gradients fail it."""
-    out = _example(4, "hf_train.py", "--optimizer", "adamw,sgd", "--lr", "1e-3,0.1")
+    moves by the gradient's size, so wrongly scaled expert gradients fail it, on a model that
+    transformers' own from_pretrained loaded whole with experts_implementation="moe_ep" (cut to
+    this rank's experts at the first forward, after the optimizer took its parameters)."""
+    out = _example(4, "hf_train.py", "--optimizer", "adamw,sgd", "--lr", "1e-3,0.1",
+                   "--loader", "moe_ep,stock")
     assert out.count("\nPASS\n") == 2 and "adamw lr" in out and "sgd lr" in out, _tail(out)
 
 

@@ -128,9 +128,12 @@ def _cut(module: torch.nn.Module, start: int, stop: int) -> None:
             raise InvalidArgumentError(
                 f"moe_ep.transformers.shard_experts: {type(module).__name__}.{p} has "
                 f"{t.shape[0]} experts in dim 0, num_experts is {module.num_experts}")
-        part = torch.empty(t[start:stop].shape, dtype=t.dtype, device="meta") if t.is_meta \
-            else t.detach()[start:stop].clone()
-        setattr(module, p, torch.nn.Parameter(part, requires_grad=t.requires_grad))
+        if t.is_meta:  # a loader fills it
+            part = torch.empty(t[start:stop].shape, dtype=t.dtype, device="meta")
+            setattr(module, p, torch.nn.Parameter(part, requires_grad=t.requires_grad))
+        else:  # in place: an optimizer made before the cut keeps the same Parameter
+            with torch.no_grad():
+                t.data = t.data[start:stop].clone()
 
 
 def shard_experts(model: torch.nn.Module, comm=None, *, transport: str = "",
