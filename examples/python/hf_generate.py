@@ -19,7 +19,10 @@ transformers with the stock experts implementation (grouped_mm) on the same prom
 token; in bf16, the first step's logits differ from fp32's by no more than stock bf16's do
 (twice that, plus 1e-3 of their scale: the two sum in different orders). The last line is
 PASS/FAIL with tokens/s and the peak RSS of each rank (measured before the reference model is
-loaded).
+loaded). The table gives each rank's RSS before loading, its peak up to the end of loading, and
+that peak over the weights the rank holds (non-expert + its experts); --rss-bound 1.2 makes that
+ratio part of the check (for real-width checkpoints, e.g. make_checkpoint --model qwen3-moe
+--layers 2 --out DIR, then --checkpoint DIR --dtype bf16 --no-reference --rss-bound 1.2).
 """
 
 from __future__ import annotations
@@ -43,8 +46,27 @@ from transformers.utils import logging as hf_logging
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --dtype's names
 
 
-def peak_rss_mib() -> float:
+def memory_mib(field: str) -> float:
+    """/proc/self/status's VmRSS (resident now) or VmHWM (its peak since the last reset), MiB;
+    ru_maxrss where /proc has neither."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def reset_peak() -> None:
+    """Starts VmHWM again from the current RSS (Linux: clear_refs 5), so that each run of one
+    launch reports its own peak, not an earlier run's reference models."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def make_checkpoint(comm, model: str, directory: str) -> str:
@@ -94,6 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--transport", choices=("", "shm", "mpi"), default="")
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the single-process check (large checkpoints)")
+    ap.add_argument("--rss-bound", type=float, default=0.0,
+                    help="also fail when a rank's peak RSS up to the end of loading exceeds this "
+                         "many times its weights (non-expert + its experts); 0: not checked")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
@@ -114,9 +139,10 @@ def main(argv=None) -> int:
 def run(comm, a, path: str, dtype_name: str) -> bool:
     """One checkpoint in one dtype: load, generate on every rank, check; rank 0 reports."""
     rank, world = comm.Get_rank(), comm.Get_size()
-    rss_before = peak_rss_mib()
+    reset_peak()
+    rss_before = memory_mib("VmRSS")
     model = mt.from_pretrained(path, comm, dtype=DTYPES[dtype_name], transport=a.transport)
-    rss_loaded = peak_rss_mib()
+    rss_loaded = memory_mib("VmHWM")
     vocab = model.config.get_text_config().vocab_size
     count = 0 if rank == a.idle_rank else a.prompts
     ids, mask = prompts(rank, count, vocab, a.seed)
@@ -133,13 +159,17 @@ def run(comm, a, path: str, dtype_name: str) -> bool:
         if count and dtype_name == "bf16":
             logits = first_logits(model, ids, mask)
     generated = count * new_tokens
-    rss_peak = peak_rss_mib()
+    rss_peak = memory_mib("VmHWM")
     sizes = getattr(model, "moe_ep_bytes", {})
     del model
 
     verdict, detail = True, "no reference (--no-reference)" if count else "no prompts"
     if count and not a.no_reference:
         verdict, detail = check(path, dtype_name, ids, mask, out, logits, new_tokens)
+    if a.rss_bound:
+        ratio = rss_loaded / ((sizes["non_expert"] + sizes["local_expert"]) / 2**20)
+        verdict = verdict and ratio <= a.rss_bound
+        detail += f"; RSS after loading / weights {ratio:.3f} (bound {a.rss_bound:g})"
     total_tokens = comm.allreduce(generated)
     slowest = comm.allreduce(seconds, op=MPI.MAX)
     rows = comm.gather((rank, count, new_tokens, generated / seconds if seconds else 0.0,

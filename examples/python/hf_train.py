@@ -9,7 +9,8 @@ Run (any world size W that divides the model's experts):
 Without --checkpoint, rank 0 writes a small seeded random checkpoint (python -m
 moe_ep.transformers.make_checkpoint --small). Each rank loads only its experts
 (moe_ep.transformers.from_pretrained) and trains on its own batch (--batch sequences of --seq
-tokens, next-token loss). After backward, moe_ep.transformers.average_gradients averages the
+tokens, next-token loss; with --uneven, odd ranks one sequence more, the loss weighted by
+moe_ep.torch.nn.token_weight). After backward, moe_ep.transformers.average_gradients averages the
 replicated (non-expert) gradients over the ranks with an MPI allreduce and divides the expert
 gradients, which live on their rank only and already hold every rank's tokens' share, by W; then
 AdamW (or --optimizer sgd) steps. Every rank also trains the whole model in one process, with transformers' stock
@@ -30,6 +31,7 @@ import torch
 from mpi4py import MPI
 
 import moe_ep.transformers as mt
+from moe_ep.torch.nn import token_weight
 from moe_ep.transformers.make_checkpoint import main as write_checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
@@ -55,7 +57,7 @@ def batch(step: int, rank: int, size: int, seq: int, vocab: int):
     return ids
 
 
-def train(model, batches, optimizer: str, lr: float, after_backward=None):
+def train(model, batches, optimizer: str, lr: float, after_backward=None, weight=1.0):
     """Optimizer steps on the given batches; returns the losses. (AdamW is nearly blind to a
     gradient's scale; SGD is not, so it also checks that the expert gradients are scaled right.)"""
     if optimizer == "adamw":
@@ -66,11 +68,11 @@ def train(model, batches, optimizer: str, lr: float, after_backward=None):
     for ids in batches:
         opt.zero_grad()
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        (loss * weight).backward()
         if after_backward is not None:
             after_backward()
         opt.step()
-        losses.append(loss.detach())
+        losses.append(loss.detach() * weight)
     return losses
 
 
@@ -104,6 +106,8 @@ def main(argv=None) -> int:
                     help="moe_ep: moe_ep.transformers.from_pretrained (this rank's experts only); "
                          "stock: transformers' from_pretrained(..., experts_implementation="
                          "'moe_ep'), cut at the first call; a comma list: one per optimizer")
+    ap.add_argument("--uneven", action="store_true",
+                    help="odd ranks get one sequence more per step (token_weight evens it out)")
     ap.add_argument("--tol", type=float, default=1e-4)
     a = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
@@ -138,11 +142,15 @@ def run(comm, a, path: str, optimizer: str, lr: float, loader: str) -> bool:
                                                  experts_implementation="grouped_mm").train()
     vocab = model.config.get_text_config().vocab_size
 
-    mine = [batch(s, rank, a.batch, a.seq, vocab) for s in range(a.steps)]
-    ours = train(model, mine, optimizer, lr, lambda: mt.average_gradients(model, comm))
+    sizes = [a.batch + (r % 2 if a.uneven else 0) for r in range(world)]
+    mine = [batch(s, rank, sizes[rank], a.seq, vocab) for s in range(a.steps)]
+    # Each rank's loss is the mean over its own label tokens; weighted by W * n_r / N it makes the
+    # averaged gradients those of the mean over all ranks' tokens (1.0 when the counts are equal).
+    weight = token_weight(sizes[rank] * (a.seq - 1), comm)
+    ours = train(model, mine, optimizer, lr, lambda: mt.average_gradients(model, comm), weight)
     ours = [comm.allreduce(float(l), op=MPI.SUM) / world for l in ours]
 
-    whole = [torch.cat([batch(s, r, a.batch, a.seq, vocab) for r in range(world)])
+    whole = [torch.cat([batch(s, r, sizes[r], a.seq, vocab) for r in range(world)])
              for s in range(a.steps)]
     expected = [float(l) for l in train(stock, whole, optimizer, lr)]
 
@@ -158,7 +166,7 @@ def run(comm, a, path: str, optimizer: str, lr: float, loader: str) -> bool:
     ok = comm.allreduce(int(ok), op=MPI.MIN) == 1
     if rank == 0:
         print(f"hf_train.py: W = {world}, {path}, fp32, {optimizer} lr {lr}, {a.steps} steps, "
-              f"{a.batch} x {a.seq} tokens per rank per step, loader {loader}")
+              f"{sizes} x {a.seq} tokens per rank per step, loader {loader}")
         print(" step   loss (moe-ep, W ranks)   loss (stock, 1 process)   diff")
         for s, (o, e) in enumerate(zip(ours, expected)):
             print(f"{s:5d}   {o:22.9g}   {e:23.9g}   {abs(o - e):9.2e}")

@@ -19,6 +19,8 @@ import pytest
 from needs import missing
 from test_dispatch_mpi import HERE, ROOT, _mpirun, _tail
 
+import mpi_nn_cases  # noqa: E402  (its case names)
+
 if importlib.util.find_spec("transformers") is None:
     missing("transformers is not installed (pip install .[transformers])")
 
@@ -67,9 +69,10 @@ def test_train_w4_adamw_and_sgd():
     """20 AdamW steps = one process on the concatenated batch; then SGD, which (unlike AdamW)
     moves by the gradient's size, so wrongly scaled expert gradients fail it, on a model that
     transformers' own from_pretrained loaded whole with experts_implementation="moe_ep" (cut to
-    this rank's experts at the first forward, after the optimizer took its parameters)."""
+    this rank's experts at the first forward, after the optimizer took its parameters). Odd ranks
+    hold one sequence more (the losses weighted by token_weight)."""
     out = _example(4, "hf_train.py", "--optimizer", "adamw,sgd", "--lr", "1e-3,0.1",
-                   "--loader", "moe_ep,stock")
+                   "--loader", "moe_ep,stock", "--uneven")
     assert out.count("\nPASS\n") == 2 and "adamw lr" in out and "sgd lr" in out, _tail(out)
 
 
@@ -83,8 +86,15 @@ def _nn_launch(world: int):
 
 
 @pytest.mark.parametrize("world", [1, 3])
-@pytest.mark.parametrize("case", ["uneven_against_dense", "world_does_not_divide",
-                                  "lockstep_rounds", "round_deadline"])
+def test_nn_launch_completes(world):
+    proc, _ = _nn_launch(world)
+    done = re.findall(r"^DONE rank=(\d+) failed=\d+$", proc.report, re.M)
+    assert sorted(int(r) for r in done) == list(range(world)), _tail(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w in (1, 3)
+                                        for c in mpi_nn_cases.case_names(w)])
 def test_nn_case(world, case):
     proc, results = _nn_launch(world)
     got = results.get(case, {})
@@ -135,7 +145,10 @@ def test_expert_id_out_of_range():
     config._experts_implementation = "moe_ep"
     experts = Qwen3MoeExperts(config)
     mt.shard_experts(torch.nn.ModuleList([experts]))
-    with pytest.raises(moe_ep.InvalidArgumentError, match="expert 4"):
+    # dispatch_v2's check, made on every rank (one rank's bad ids: RemoteError on the others,
+    # python/tests/mpi_dispatch_cases.py bad_expert_id_on_one_rank)
+    with pytest.raises(moe_ep.InvalidArgumentError,
+                       match=r"dispatch_v2: expert_ids\[0,1\] = 4 is outside \[0, 4\)"):
         experts(torch.zeros(1, 8), torch.tensor([[0, 4]]), torch.ones(1, 2))
 
 
@@ -147,3 +160,15 @@ def test_setup_installs_the_pinned_transformers():
         "optional-dependencies"]["transformers"]
     pin = next(d for d in extra if d.startswith("transformers=="))
     assert pin in (ROOT / "scripts" / "setup.sh").read_text(), pin
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan"])
+def test_bad_timeout_is_refused(monkeypatch, value):
+    """The rounds' deadline comes from $MOE_EP_TIMEOUT_S; a value that is not a positive number
+    is an error naming it, not a deadline of 300 s or of 0."""
+    import moe_ep
+    from moe_ep.torch.nn import _deadline_s
+
+    monkeypatch.setenv("MOE_EP_TIMEOUT_S", value)
+    with pytest.raises(moe_ep.InvalidArgumentError, match=f"MOE_EP_TIMEOUT_S = '{value}' must be"):
+        _deadline_s()

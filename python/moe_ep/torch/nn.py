@@ -56,25 +56,33 @@ def local_expert_range(num_experts: int, comm=None, op: str = "ExpertParallel") 
 
 
 def _deadline_s() -> float:
+    """$MOE_EP_TIMEOUT_S (default 300), as the C++ side reads it: a positive number of seconds."""
+    import math
     import os
 
+    text = os.environ.get("MOE_EP_TIMEOUT_S", "300")
     try:
-        return float(os.environ.get("MOE_EP_TIMEOUT_S", "300"))
+        value = float(text)
     except ValueError:
-        return 300.0
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(
+            f"MOE_EP_TIMEOUT_S = {text!r} must be a positive number of seconds (the deadline of "
+            f"every wait for the other ranks)")
+    return value
 
 
-def allreduce_max(comm, values: np.ndarray, what: str) -> np.ndarray:
-    """The elementwise MAX of values (int64) over comm, within $MOE_EP_TIMEOUT_S (default 300 s):
-    a nonblocking allreduce polled against the deadline, so that a rank that stopped taking part
-    (died, or left the model loop early) turns into moe_ep.TimeoutError naming the round, not a
-    hang."""
+# Requests abandoned at their deadline, with their buffers: MPI may still write into those when
+# the late rank joins, so they must outlive the call (the communicator is unusable after that).
+_abandoned: List[tuple] = []
+
+
+def wait(req, comm, what: str, buffers: tuple = ()) -> None:
+    """Waits for an MPI request within $MOE_EP_TIMEOUT_S, polling (yielding after the first
+    thousand polls): moe_ep.TimeoutError naming what and this rank when not every rank of comm
+    joined in time. buffers: the request's send/receive buffers, kept alive if it is abandoned."""
     import time
 
-    from mpi4py import MPI
-
-    got = np.empty_like(values)
-    req = comm.Iallreduce(values, got, op=MPI.MAX)
     limit = _deadline_s()
     start = time.monotonic()
     spins = 0
@@ -83,11 +91,22 @@ def allreduce_max(comm, values: np.ndarray, what: str) -> np.ndarray:
         if spins > 1000:
             time.sleep(0.0002)
         if time.monotonic() - start > limit:
+            _abandoned.append((req, buffers))
             raise TimeoutError(
-                f"{what}: not every one of the {comm.Get_size()} ranks joined the round within "
-                f"{limit:g} s ($MOE_EP_TIMEOUT_S): a rank died or stopped calling the MoE layers "
-                f"(every rank must run the same MoE layers in the same order; see "
-                f"moe_ep.transformers.lockstep)")
+                f"{what}: rank {comm.Get_rank()} waited {limit:g} s ($MOE_EP_TIMEOUT_S) and not "
+                f"every one of the {comm.Get_size()} ranks joined: a rank died or stopped calling "
+                f"the MoE layers (every rank must run the same MoE layers in the same order; see "
+                f"moe_ep.transformers.lockstep). This communicator is unusable now.")
+
+
+def allreduce_max(comm, values: np.ndarray, what: str) -> np.ndarray:
+    """The elementwise MAX of values (int64) over comm, within $MOE_EP_TIMEOUT_S: a rank that
+    stopped taking part (died, or left the model loop early) is a moe_ep.TimeoutError naming the
+    round, not a hang."""
+    from mpi4py import MPI
+
+    got = np.empty_like(values)
+    wait(comm.Iallreduce(values, got, op=MPI.MAX), comm, what, (values, got))
     return got
 
 
@@ -104,10 +123,12 @@ class Lockstep:
         self.comm = _comm_or_world(comm)
         self.world = self.comm.Get_size()
         self.global_bs: Optional[int] = None
-        self._buf = np.zeros(2, dtype=np.int64)
 
     def step(self, tokens: int, active: bool = True) -> bool:
-        self._buf[0], self._buf[1] = int(active), int(tokens)
+        """One round: tokens, this rank's token count in this model step (rows of the MoE layers'
+        hidden states, >= 0); active False from a rank that is done. Returns whether any rank is
+        active. Blocks until every rank of comm joined (TimeoutError past $MOE_EP_TIMEOUT_S)."""
+        self._buf = np.array([int(active), int(tokens)], dtype=np.int64)
         got = allreduce_max(self.comm, self._buf, "Lockstep.step")
         self.global_bs = self.world * max(1, int(got[1]))
         return bool(got[0])
@@ -135,7 +156,8 @@ class ExpertParallel(torch.nn.Module):
 
     forward(hidden_states (T, H) bf16/fp16/fp32, top_k_ids (T, K) integer in [0, E),
     top_k_weights (T, K) float) -> (T, H) in hidden_states' dtype: the weighted sum of each token's
-    experts' outputs, sum_k w[t, k] * expert_{ids[t, k]}(x[t]). T may differ across ranks and be 0.
+    experts' outputs, sum_k w[t, k] * expert_{ids[t, k]}(x[t]) (an id of -1 is an inactive entry,
+    as in dispatch_v2). T may differ across ranks and be 0; H, K and the dtype may not.
     Errors: InvalidArgumentError (shapes, ids out of range, the world size), raised by the
     collective on every rank when one rank's arguments are bad (RemoteError elsewhere)."""
 
@@ -150,6 +172,7 @@ class ExpertParallel(torch.nn.Module):
         self.experts = experts
         self.transport = transport
         self.lockstep = lockstep
+        self.last_input: Optional[tuple] = None  # (H, dtype, K) of the last call: idle calls' shape
 
     @property
     def num_local_experts(self) -> int:
@@ -163,65 +186,85 @@ class ExpertParallel(torch.nn.Module):
         return self.ep_world_size * max(1, int(got[0]))
 
     def forward(self, hidden_states: Tensor, top_k_ids: Tensor, top_k_weights: Tensor) -> Tensor:
-        if hidden_states.dim() != 2 or top_k_ids.dim() != 2 or top_k_ids.shape != top_k_weights.shape \
-                or top_k_ids.shape[0] != hidden_states.shape[0]:
-            raise InvalidArgumentError(
-                f"ExpertParallel: hidden_states {tuple(hidden_states.shape)}, top_k_ids "
-                f"{tuple(top_k_ids.shape)} and top_k_weights {tuple(top_k_weights.shape)} must be "
-                f"(T, H), (T, K), (T, K)")
-        tokens = hidden_states.shape[0]
+        # No checks of our own before the collectives: dispatch_v2 checks the shapes and the ids
+        # on every rank and raises a rank's bad argument there (RemoteError on the others), where
+        # a check here would raise on one rank and leave the others waiting.
+        tokens = hidden_states.shape[0] if hidden_states.dim() else 0
+        self.last_input = (hidden_states.shape[-1], hidden_states.dtype, top_k_ids.shape[-1])
         args = dict(group_ep=self.comm, ep_world_size=self.ep_world_size,
                     ep_rank_id=self.ep_rank_id, moe_expert_num=self.num_experts,
                     global_bs=self._global_bs(tokens), exact_size=True, transport=self.transport)
         ids = top_k_ids.to(torch.int32)
         scales = top_k_weights.to(torch.float32)
         d = dispatch_v2(hidden_states, ids, **args)
-        valid = d.expand_x[: int(d.ep_recv_counts[-1]) if d.ep_recv_counts.numel() else 0]
-        counts = d.expert_token_nums.tolist()
-        y = self.experts(valid[: sum(counts)], counts) if valid.shape[0] else valid
+        x = d.expand_x  # exact_size: the rows received, grouped by local expert
+        y = self.experts(x, d.expert_token_nums.tolist()) if x.shape[0] else x
         y = y.to(hidden_states.dtype)  # the rows go back in the dtype they came in
         return combine_v2(y, ids, d.assist_info_for_combine, d.ep_recv_counts, scales,
                           handle=d.handle, **args)
 
 
-def _flat(params) -> List[torch.nn.Parameter]:
-    if isinstance(params, torch.nn.Module):
-        params = params.parameters()
-    return [p for p in params if p.requires_grad]
+def token_weight(tokens: int, comm=None) -> float:
+    """W * tokens / (the tokens of all ranks): multiply this rank's mean loss by it before
+    backward when the ranks' batches hold different token counts (loss terms), so that, after
+    average_gradients, every gradient is that of the mean over the concatenated batch (1.0 when
+    the counts are equal). Blocks for one allreduce (TimeoutError past $MOE_EP_TIMEOUT_S)."""
+    from mpi4py import MPI
+
+    comm = _comm_or_world(comm)
+    mine = np.array([int(tokens)], dtype=np.int64)
+    total = np.empty_like(mine)
+    wait(comm.Iallreduce(mine, total, op=MPI.SUM), comm, "token_weight", (mine, total))
+    if int(total[0]) <= 0:
+        raise InvalidArgumentError(f"token_weight: the ranks hold {int(total[0])} tokens in all; "
+                                   f"the mean loss needs at least 1")
+    return comm.Get_size() * int(tokens) / int(total[0])
 
 
 def average_gradients(module_or_params, comm=None, *,
                       expert_params: Iterable[Tensor] = ()) -> None:
     """Data-parallel gradient averaging for expert-parallel training, after backward.
 
-    Every parameter with a gradient that is not in expert_params is replicated on every rank and
-    its gradient is averaged over comm (one MPI allreduce per dtype, flattened). An expert
+    module_or_params: a module or parameters (those with requires_grad count; a gradient that
+    is None counts as zeros and is set so: an expert that got no rows, a branch not taken). Every
+    parameter not in expert_params is replicated on every rank and its gradient is averaged over
+    comm (one allreduce per dtype, summed in fp32 for bf16/fp16, fp64 for fp64). An expert
     parameter lives on one rank only and its gradient already holds every rank's tokens' share
-    (combine_v2's backward brings them home), so it is divided by the world size: with each rank's
-    loss the mean over its own batch, the result is the gradient of the mean of the ranks' losses,
-    what one process training on the concatenated batch computes."""
+    (combine_v2's backward brings them home), so it is divided by the world size W. With each
+    rank's loss the mean over its own batch (times token_weight when the ranks' token counts
+    differ), every gradient is then that of the mean over the concatenated batch, what one
+    process computes. Every rank must pass the same parameters in the same order (same shapes).
+    Blocks (TimeoutError past $MOE_EP_TIMEOUT_S)."""
     from mpi4py import MPI
 
     comm = _comm_or_world(comm)
     world = comm.Get_size()
     experts = {id(p) for p in expert_params}
+    params = module_or_params.parameters() if isinstance(module_or_params, torch.nn.Module) \
+        else module_or_params
     replicated: dict = {}
-    for p in _flat(module_or_params):
-        if p.grad is None:
+    for p in params:
+        if not p.requires_grad:
             continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
         if id(p) in experts:
             p.grad.div_(world)
         else:
             replicated.setdefault(p.grad.dtype, []).append(p)
     for dtype, ps in replicated.items():
-        flat = torch.cat([p.grad.reshape(-1) for p in ps]).to(torch.float64)
-        comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
-        flat.div_(world)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        flat = torch.cat([p.grad.reshape(-1).to(wide) for p in ps])
+        total = torch.empty_like(flat)
+        wait(comm.Iallreduce(flat.numpy(), total.numpy(), op=MPI.SUM), comm,
+             "average_gradients", (flat, total))
+        total.div_(world)
         offset = 0
         for p in ps:
             n = p.grad.numel()
-            p.grad.copy_(flat[offset: offset + n].view_as(p.grad))
+            p.grad.copy_(total[offset: offset + n].view_as(p.grad))
             offset += n
 
 
-__all__: Sequence[str] = ["ExpertParallel", "Lockstep", "average_gradients", "local_expert_range"]
+__all__: Sequence[str] = ["ExpertParallel", "Lockstep", "allreduce_max", "average_gradients",
+                          "local_expert_range", "token_weight", "wait"]

@@ -80,11 +80,10 @@ def check_recognised(name: str, module: torch.nn.Module) -> None:
     if not module.has_gate and not hasattr(module, "act_fn"):
         raise UnsupportedError(
             f"moe_ep experts implementation: {name} ({cls}) has has_gate=False and no act_fn")
-    if module.has_post_expert_norm if hasattr(module, "has_post_expert_norm") else False:
-        if not hasattr(module, "post_expert_norm"):
-            raise UnsupportedError(
-                f"moe_ep experts implementation: {name} ({cls}) has has_post_expert_norm=True and "
-                f"no post_expert_norm")
+    if getattr(module, "has_post_expert_norm", False) and not hasattr(module, "post_expert_norm"):
+        raise UnsupportedError(
+            f"moe_ep experts implementation: {name} ({cls}) has has_post_expert_norm=True and no "
+            f"post_expert_norm")
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool) -> Tensor:
@@ -94,13 +93,13 @@ def _linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool)
 
 def local_experts(module: torch.nn.Module):
     """The LocalExperts function of an experts module whose parameters hold this rank's experts:
-    the module's own math, expert by expert, on the rows dispatch_v2 grouped by local expert."""
+    the module's own math, expert by expert, on the rows dispatch_v2 grouped by local expert
+    (x (sum(counts), H), cast to the weights' dtype; counts[l] rows for local expert l)."""
 
     def run(x: Tensor, counts: List[int]) -> Tensor:
-        first = "gate_up_proj" if module.has_gate else "up_proj"
-        w_up, w_down = getattr(module, first), module.down_proj
-        b_up = getattr(module, first + "_bias") if module.has_bias else None
-        b_down = module.down_proj_bias if module.has_bias else None
+        names = expert_param_names(module)
+        w_up, w_down = getattr(module, names[0]), getattr(module, names[1])
+        b_up, b_down = (getattr(module, n) for n in names[2:]) if module.has_bias else (None, None)
         x = x.to(w_up.dtype)
         outs, start = [], 0
         for l, n in enumerate(counts):
@@ -114,20 +113,18 @@ def local_experts(module: torch.nn.Module):
             if getattr(module, "has_post_expert_norm", False):
                 h = module.post_expert_norm(h)
             outs.append(h)
-        return torch.cat(outs) if outs else x.new_zeros((0, w_down.shape[-1 if module.is_transposed else -2]))
+        return torch.cat(outs)  # ExpertParallel calls it with at least one row
 
     return run
 
 
-def _cut(module: torch.nn.Module, start: int, stop: int) -> None:
+def _cut(name: str, module: torch.nn.Module, start: int, stop: int) -> None:
     for p in expert_param_names(module):
         t = getattr(module, p)
-        if t.shape[0] == stop - start and getattr(module, "_moe_ep", None) is not None:
-            continue  # already cut
         if t.shape[0] != module.num_experts:
             raise InvalidArgumentError(
-                f"moe_ep.transformers.shard_experts: {type(module).__name__}.{p} has "
-                f"{t.shape[0]} experts in dim 0, num_experts is {module.num_experts}")
+                f"moe_ep.transformers.shard_experts: {name}.{p} has {t.shape[0]} experts in dim "
+                f"0, its module's num_experts is {module.num_experts}")
         if t.is_meta:  # a loader fills it
             part = torch.empty(t[start:stop].shape, dtype=t.dtype, device="meta")
             setattr(module, p, torch.nn.Parameter(part, requires_grad=t.requires_grad))
@@ -136,52 +133,52 @@ def _cut(module: torch.nn.Module, start: int, stop: int) -> None:
                 t.data = t.data[start:stop].clone()
 
 
+def _attach(name: str, module: torch.nn.Module, comm, transport: str,
+            lockstep: Optional[Lockstep]) -> ExpertParallel:
+    """Cuts module to this rank's experts and gives it its ExpertParallel (module._moe_ep)."""
+    check_recognised(name, module)
+    start, stop = local_expert_range(module.num_experts, comm,
+                                     f"moe_ep.transformers.shard_experts ({name})")
+    _cut(name, module, start, stop)
+    ep = ExpertParallel(module.num_experts, local_experts(module), comm, transport=transport,
+                        lockstep=lockstep)
+    object.__setattr__(module, "_moe_ep", ep)  # not a submodule: no state_dict keys
+    return ep
+
+
 def shard_experts(model: torch.nn.Module, comm=None, *, transport: str = "",
                   lockstep: Optional[Lockstep] = None) -> int:
     """Cuts every experts module of model to this rank's experts and attaches its
     ExpertParallel (module._moe_ep). Rank r of comm (default MPI.COMM_WORLD, world size W) keeps
-    experts [r * E / W, (r + 1) * E / W) of each per-expert parameter (E = module.num_experts);
-    meta parameters stay meta (a loader fills them). Idempotent. Returns the number of experts
-    modules. Errors: UnsupportedError for an experts module moe_ep does not recognise,
-    InvalidArgumentError when W does not divide E (with the numbers)."""
+    experts [r * E / W, (r + 1) * E / W) of each per-expert parameter (E = module.num_experts),
+    in place (a Parameter keeps its identity; meta parameters stay meta, at the local shape, for
+    a loader to fill). A module already cut keeps its communicator and transport (lockstep, when
+    given, is set). Returns the number of experts modules. Errors, raised alike on every rank:
+    UnsupportedError for an experts module moe_ep does not recognise, InvalidArgumentError when
+    W does not divide E (with the numbers)."""
     count = 0
     for name, module in experts_modules(model):
-        check_recognised(name, module)
-        if getattr(module, "_moe_ep", None) is None:
-            start, stop = local_expert_range(module.num_experts, comm,
-                                             f"moe_ep.transformers.shard_experts ({name})")
-            _cut(module, start, stop)
-            ep = ExpertParallel(module.num_experts, local_experts(module), comm,
-                                transport=transport, lockstep=lockstep)
-            object.__setattr__(module, "_moe_ep", ep)  # not a submodule: no state_dict keys
-            module._moe_ep_name = name
+        ep = getattr(module, "_moe_ep", None)
+        if ep is None:
+            _attach(name, module, comm, transport, lockstep)
         elif lockstep is not None:
-            module._moe_ep.lockstep = lockstep
+            ep.lockstep = lockstep
         count += 1
     return count
 
 
 def moe_ep_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor,
                            top_k_weights: Tensor) -> Tensor:
-    """The function registered as experts implementation "moe_ep". A module not yet sharded (a
-    model loaded whole by transformers' from_pretrained) is cut to this rank's experts of
-    MPI.COMM_WORLD at its first call; every rank runs the same layers in the same order, so the
-    cut is the same everywhere."""
+    """The function registered as experts implementation "moe_ep": hidden_states (T, H) in the
+    model's dtype, top_k_index (T, K) integer ids in [0, num_experts), top_k_weights (T, K) ->
+    (T, H) in hidden_states' dtype (ExpertParallel.forward). A module not yet cut (a model loaded
+    whole by transformers' own from_pretrained) is cut to this rank's experts of MPI.COMM_WORLD
+    at its first call; every rank runs the same layers in the same order, so the cut is the same
+    everywhere. Errors as ExpertParallel's and shard_experts'."""
     ep = getattr(self, "_moe_ep", None)
     if ep is None:
-        name = type(self).__name__
-        check_recognised(name, self)
-        start, stop = local_expert_range(self.num_experts, None,
-                                         f"moe_ep experts implementation ({name})")
-        _cut(self, start, stop)
-        ep = ExpertParallel(self.num_experts, local_experts(self))
-        object.__setattr__(self, "_moe_ep", ep)
-    if top_k_index.numel() and int(top_k_index.max()) >= self.num_experts:
-        raise InvalidArgumentError(
-            f"moe_ep experts implementation: top_k_index holds expert {int(top_k_index.max())}, "
-            f"the bound is num_experts = {self.num_experts}")
-    out = ep(hidden_states, top_k_index, top_k_weights)
-    return out.to(hidden_states.dtype)
+        ep = _attach(type(self).__name__, self, None, "", None)
+    return ep(hidden_states, top_k_index, top_k_weights)
 
 
 def register() -> None:

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import re
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -45,7 +44,7 @@ import torch
 
 import moe_ep
 from moe_ep import InternalError, InvalidArgumentError, SystemError, UnsupportedError
-from moe_ep.torch.nn import _comm_or_world, _deadline_s, allreduce_max, local_expert_range
+from moe_ep.torch.nn import _comm_or_world, allreduce_max, local_expert_range, wait
 from moe_ep.transformers._experts import (
     IMPLEMENTATION,
     check_recognised,
@@ -72,21 +71,6 @@ _SAMPLES, _SAMPLE_BYTES = 16, 4096  # data sampled per file into the fingerprint
 # Agreeing among the ranks
 
 
-def _wait(req, comm, what: str) -> None:
-    limit = _deadline_s()
-    start = time.monotonic()
-    spins = 0
-    while not req.Test():
-        spins += 1
-        if spins > 1000:
-            time.sleep(0.0002)
-        if time.monotonic() - start > limit:
-            raise moe_ep.TimeoutError(
-                f"{what}: not every one of the {comm.Get_size()} ranks joined within {limit:g} s "
-                f"($MOE_EP_TIMEOUT_S): a rank died or is not calling {OP} (every rank of comm "
-                f"must)")
-
-
 def _allgather_bytes(comm, data: bytes, what: str) -> List[bytes]:
     """Every rank's data, in rank order (a nonblocking allgather polled against the deadline)."""
     longest = int(allreduce_max(comm, np.array([len(data)], dtype=np.int64), what)[0])
@@ -95,7 +79,7 @@ def _allgather_bytes(comm, data: bytes, what: str) -> List[bytes]:
     send[:8] = np.frombuffer(len(data).to_bytes(8, "little"), dtype=np.uint8)
     send[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
     recv = np.empty(size * comm.Get_size(), dtype=np.uint8)
-    _wait(comm.Iallgather(send, recv), comm, what)
+    wait(comm.Iallgather(send, recv), comm, what, (send, recv))
     out = []
     for r in range(comm.Get_size()):
         row = recv[r * size:(r + 1) * size]
@@ -772,13 +756,15 @@ def from_pretrained(path, comm=None, *, dtype=None, transport: str = ""):
 
 
 def _as_moe_ep(e: Exception, what: str) -> Exception:
-    """moe_ep errors as they are; an OSError as SystemError naming the file; anything else
-    kept (its rank re-raises it; the others raise InternalError with its message)."""
+    """moe_ep errors as they are; an OSError as SystemError naming the file; anything else as
+    InternalError naming its type (on every rank alike), the original as its cause."""
     if isinstance(e, moe_ep.Error):
         return e
     if isinstance(e, OSError):
         return SystemError(f"{OP}: {what}: {e}")
-    return e
+    wrapped = InternalError(f"{OP}: {what}: {type(e).__name__}: {e}")
+    wrapped.__cause__ = e
+    return wrapped
 
 
 __all__ = ["from_pretrained", "open_checkpoint"]
