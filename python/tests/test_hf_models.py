@@ -172,3 +172,20 @@ def test_bad_timeout_is_refused(monkeypatch, value):
     monkeypatch.setenv("MOE_EP_TIMEOUT_S", value)
     with pytest.raises(moe_ep.InvalidArgumentError, match=f"MOE_EP_TIMEOUT_S = '{value}' must be"):
         _deadline_s()
+
+
+def test_rss_at_qwen3_30b_widths(tmp_path):
+    """Issue 31's memory bound: a Qwen3-30B-A3B-wide checkpoint (2 layers: H 2048, 128 experts,
+    top-8, expert FFN 768, vocab 151936; bf16, 3.6 GiB) loaded at W 4 by
+    moe_ep.transformers.from_pretrained: each rank's peak RSS up to the end of loading is within
+    1.2x of the weights it holds (non-expert + 1/4 of the experts), interpreter included."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "qwen3-30b-a3b-2l"
+    subprocess.run([sys.executable, "-m", "moe_ep.transformers.make_checkpoint", "--model",
+                    "qwen3-moe", "--layers", "2", "--dtype", "bf16", "--out", str(path)],
+                   check=True, capture_output=True)
+    out = _example(4, "hf_generate.py", "--checkpoint", str(path), "--dtype", "bf16",
+                   "--no-reference", "--rss-bound", "1.2", "--new-tokens", "4", "--prompts", "1")
+    assert out.count("(bound 1.2)") == 4, _tail(out)
