@@ -52,7 +52,6 @@ if [ -z "$py" ]; then
   py=$root/.venv/bin/python
   [ -x "$py" ] || py=$(command -v python3)
 fi
-export PYTHONPATH=$root/python${PYTHONPATH:+:$PYTHONPATH}
 cpus=$(getconf _NPROCESSORS_ONLN)  # (a)'s threads; nproc would say OMP_NUM_THREADS
 export OMP_NUM_THREADS=1 # the ranks' torch threads (each launcher's processes share the CPUs)
 if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi

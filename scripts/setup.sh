@@ -62,8 +62,9 @@ moe_ep_python_env() {
   # mpi4py from source, so it links the same libmpi as moe_ep (needs mpicc: libopenmpi-dev).
   "$MOE_EP_PYTHON" -c "import mpi4py" 2>/dev/null || "${pip[@]}" --no-binary mpi4py mpi4py
   "${pip[@]}" --no-build-isolation "$MOE_EP_ROOT"
-  # moe_ep.transformers (the extra "transformers" of pyproject.toml pins the same version).
-  "${pip[@]}" transformers==5.25.0 safetensors
+  # moe_ep.transformers (the extra "transformers" of pyproject.toml pins the same version);
+  # accelerate: transformers' own expert parallelism, row (b) of scripts/hf-side-by-side.sh.
+  "${pip[@]}" transformers==5.25.0 safetensors accelerate
 }
 
 # moe_ep_build BUILD_DIR [cmake args...]

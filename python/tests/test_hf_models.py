@@ -189,3 +189,20 @@ def test_rss_at_qwen3_30b_widths(tmp_path):
     out = _example(4, "hf_generate.py", "--checkpoint", str(path), "--dtype", "bf16",
                    "--no-reference", "--rss-bound", "1.2", "--new-tokens", "4", "--prompts", "1")
     assert out.count("(bound 1.2)") == 4, _tail(out)
+
+
+def test_side_by_side_smoke():
+    """scripts/hf-side-by-side.sh --smoke (docs/performance.md's side by side at tiny sizes, W 2):
+    every row group runs (transformers single-process and its own expert parallelism, the gloo
+    all-to-all dispatcher, moe-ep shm and mpi) and each row's greedy tokens equal single-process
+    transformers'; the script exits 1 otherwise."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([str(ROOT / "scripts" / "hf-side-by-side.sh"), "--smoke"], cwd=ROOT,
+                          env=dict(os.environ, PYTHON=sys.executable), capture_output=True,
+                          text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, _tail(out)
+    assert "moe-ep" in out and out.count(" | yes") >= 6 and " | no" not in out, _tail(out)
