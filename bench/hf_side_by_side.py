@@ -510,21 +510,13 @@ def cmd_hf_ep(args) -> None:
 # (c) the textbook all-to-all dispatcher on gloo.
 
 def _local_experts(module, x, counts):
-    """The module's own expert math on rows grouped by local expert (the same loop as
-    moe_ep.transformers' local experts, so that (c) and (d) differ only in the exchange)."""
-    import torch
-    import torch.nn.functional as F
+    """The module's own expert math on rows grouped by local expert: moe_ep.transformers' own
+    loop, so that (c) and (d) differ only in the exchange."""
+    from moe_ep.transformers._experts import local_experts
 
-    outs, start = [], 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = x[start:start + n]
-        start += n
-        h = F.linear(rows, module.gate_up_proj[e])
-        h = module._apply_gate(h)
-        outs.append(F.linear(h, module.down_proj[e]))
-    return torch.cat(outs) if outs else x.new_zeros((0, module.down_proj.shape[-2]))
+    if x.shape[0] == 0:
+        return x.new_zeros((0, module.down_proj.shape[-2]))
+    return local_experts(module)(x, counts).to(x.dtype)
 
 
 def a2a_gloo_experts_forward(self, hidden_states, top_k_index, top_k_weights):

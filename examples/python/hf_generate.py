@@ -28,8 +28,6 @@ ratio part of the check (for real-width checkpoints, e.g. make_checkpoint --mode
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import resource
 import sys
 import tempfile
@@ -39,7 +37,7 @@ import torch
 from mpi4py import MPI
 
 import moe_ep.transformers as mt
-from moe_ep.transformers.make_checkpoint import main as write_checkpoint
+from moe_ep.transformers.make_checkpoint import small_for_ranks
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
@@ -67,15 +65,6 @@ def reset_peak() -> None:
             f.write("5")
     except OSError:
         pass
-
-
-def make_checkpoint(comm, model: str, directory: str) -> str:
-    """Rank 0 writes a small fp32 checkpoint of the family (make_checkpoint --small)."""
-    path = f"{directory}/{model}"
-    if comm.Get_rank() == 0:
-        with contextlib.redirect_stdout(io.StringIO()):
-            write_checkpoint(["--model", model, "--small", "--dtype", "fp32", "--out", path])
-    return comm.bcast(path, root=0)
 
 
 def prompts(rank: int, count: int, vocab: int, seed: int):
@@ -129,7 +118,7 @@ def main(argv=None) -> int:
             ap.error(f"--dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
         for family in [None] if a.checkpoint else a.model.split(","):
             with tempfile.TemporaryDirectory() as tmp:
-                path = a.checkpoint or make_checkpoint(comm, family, tmp)
+                path = a.checkpoint or small_for_ranks(comm, family, tmp)
                 ok = run(comm, a, path, dtype_name) and ok
     if comm.Get_rank() == 0 and len(a.dtype.split(",")) * len(a.model.split(",")) > 1:
         print(f"{'PASS' if ok else 'FAIL'}: all runs")

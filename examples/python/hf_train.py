@@ -22,8 +22,6 @@ PASS/FAIL.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import sys
 import tempfile
 
@@ -32,18 +30,9 @@ from mpi4py import MPI
 
 import moe_ep.transformers as mt
 from moe_ep.torch.nn import token_weight
-from moe_ep.transformers.make_checkpoint import main as write_checkpoint
+from moe_ep.transformers.make_checkpoint import small_for_ranks
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
-
-
-def make_checkpoint(comm, model: str, directory: str) -> str:
-    """Rank 0 writes a small fp32 checkpoint of the family (make_checkpoint --small)."""
-    path = f"{directory}/{model}"
-    if comm.Get_rank() == 0:
-        with contextlib.redirect_stdout(io.StringIO()):
-            write_checkpoint(["--model", model, "--small", "--dtype", "fp32", "--out", path])
-    return comm.bcast(path, root=0)
 
 
 def batch(step: int, rank: int, size: int, seq: int, vocab: int):
@@ -122,7 +111,7 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        path = a.checkpoint or make_checkpoint(comm, a.model, tmp)
+        path = a.checkpoint or small_for_ranks(comm, a.model, tmp)
         for optimizer, lr, loader in zip(optimizers, rates, loaders):
             ok = run(comm, a, path, optimizer, lr, loader) and ok
     if comm.Get_rank() == 0 and len(optimizers) > 1:

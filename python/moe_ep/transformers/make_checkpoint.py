@@ -187,6 +187,16 @@ def make_checkpoint(model: str, layers: int, out: str, *, dtype: str = "bf16", s
     return info
 
 
+def small_for_ranks(comm, model: str, directory: str) -> str:
+    """A small fp32 checkpoint of the family (--small) that rank 0 of comm writes under
+    directory; returns its path on every rank (the examples' and tests' checkpoint)."""
+    path = os.path.join(directory, model)
+    if comm.Get_rank() == 0:
+        widths = dict(SMALL)
+        make_checkpoint(model, widths.pop("layers"), path, dtype="fp32", **widths)
+    return comm.bcast(path, root=0)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moe_ep.transformers.make_checkpoint",
                                  description=__doc__.split("\n\n")[0])
