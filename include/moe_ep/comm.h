@@ -27,6 +27,7 @@ namespace moe_ep {
 namespace detail {
 class ShmContext;
 class MessageLink;
+class SerialWorker;
 struct CommInternals;
 }  // namespace detail
 
@@ -58,9 +59,10 @@ struct Traffic {
 
 class MOE_EP_API Communicator {
  public:
-  // Collective over `comm` (MPI must be initialised; MPI_THREAD_SINGLE suffices: moe-ep calls
-  // MPI from the calling thread only). `comm` is duplicated, not owned: the caller may free it.
-  // Also counts the ranks of `comm` on this machine and the CPUs of their affinity masks
+  // Collective over `comm` (MPI must be initialised; MPI_THREAD_SINGLE suffices for the
+  // synchronous ops, which call MPI from the calling thread only; the asynchronous ones,
+  // moe_ep/async.h, need MPI_THREAD_MULTIPLE). `comm` is duplicated, not owned: the caller may free
+  // it. Also counts the ranks of `comm` on this machine and the CPUs of their affinity masks
   // (MPI_Comm_split_type, MPI_Allreduce) for the automatic thread count of moe-ep's parallel
   // loops (threads.h): process-wide, it only ever lowers that count, also after the
   // Communicator is gone.
@@ -73,7 +75,9 @@ class MOE_EP_API Communicator {
   // has no other rank to wait for.
   static std::shared_ptr<Communicator> from_mpi(MPI_Comm comm, const CommOptions& options = {});
 
-  // Frees the duplicate (if MPI is not finalised yet); local, never blocks, never throws. When
+  // First waits for the ops started on it (moe_ep/async.h) that are still running or queued:
+  // they end by their deadlines. Then frees the duplicate (if MPI is not finalised yet); local,
+  // never throws. When
   // the shared-memory transport was used (EpConfig::transport), its node communicator and windows
   // stay mapped until the process exits: freeing them is collective over the machine, and
   // destructors run at different moments on different ranks (docs/design.md, "Shared-memory
@@ -116,6 +120,8 @@ class MOE_EP_API Communicator {
   mutable int node_ranks_ = 0;
   mutable int node_ranks_env_ = -1;
   mutable Traffic traffic_;
+  // Runs the asynchronous ops (moe_ep/async.h) in the order they were started; made by the first.
+  mutable std::shared_ptr<detail::SerialWorker> worker_;
   // The first failure of an op's wait on this communicator (a timeout, an MPI error), or "":
   // afterwards messages of the failed op may still be in flight, so no later op may start on it.
   mutable std::string broken_;

@@ -17,6 +17,7 @@
 
 #include "base/check.h"
 #include "base/env.h"
+#include "base/serial_worker.h"
 #include "base/threads.h"
 #include "transport/exchange.h"
 #include "transport/mpi/link.h"
@@ -196,13 +197,33 @@ Communicator::Communicator(MPI_Comm dup, int rank, int size, double timeout_s,
   reset_traffic();
 }
 
+namespace detail {
+
+ThreadLevel mpi_thread_level() {
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  switch (level) {
+    case MPI_THREAD_MULTIPLE:
+      return {"MPI_THREAD_MULTIPLE", true};
+    case MPI_THREAD_SERIALIZED:
+      return {"MPI_THREAD_SERIALIZED", false};
+    case MPI_THREAD_FUNNELED:
+      return {"MPI_THREAD_FUNNELED", false};
+    default:
+      return {"MPI_THREAD_SINGLE", false};
+  }
+}
+
+}  // namespace detail
+
 void Communicator::reset_traffic() const {
   traffic_.message_bytes.assign(static_cast<std::size_t>(size_), 0);
   traffic_.window_bytes.assign(static_cast<std::size_t>(size_), 0);
 }
 
 Communicator::~Communicator() {
-  shm_.reset();  // before the communicator it was split from
+  worker_.reset();  // joins: the started ops use the communicator to their end
+  shm_.reset();     // before the communicator it was split from
   int finalized = 1;
   MPI_Finalized(&finalized);
   if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);

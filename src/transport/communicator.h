@@ -12,6 +12,7 @@ namespace moe_ep::detail {
 
 class ShmContext;
 class MessageLink;
+class SerialWorker;
 
 // The private members of Communicator that the transports keep there.
 struct CommInternals {
@@ -26,7 +27,18 @@ struct CommInternals {
   static int& node_ranks_env(const Communicator& comm) { return comm.node_ranks_env_; }
   static Traffic& traffic(const Communicator& comm) { return comm.traffic_; }
   static std::string& broken(const Communicator& comm) { return comm.broken_; }
+  // The worker of the asynchronous ops, or null before the first (no thread is started for a
+  // communicator that never runs one).
+  static std::shared_ptr<SerialWorker>& worker(const Communicator& comm) { return comm.worker_; }
 };
+
+// The level of thread support MPI was initialised with (MPI_Query_thread), by name, and whether
+// it lets a second thread call MPI while the caller's does (MPI_THREAD_MULTIPLE).
+struct ThreadLevel {
+  const char* name;
+  bool multiple;
+};
+ThreadLevel mpi_thread_level();
 
 // The deadline from_mpi uses: options.timeout_s (finite, > 0), else $MOE_EP_TIMEOUT_S, else
 // 300 s. Error(kInvalidArgument) "<op>: ..." for a bad value.

@@ -122,7 +122,12 @@ const MPI_Status& Exchange::recv_status(int i) const {
   fail(ErrorKind::kInternal, op_, ": no receive ", i, " in phase '", phase_, "'");
 }
 
-void Exchange::wait() {
+int Exchange::receives_from(int peer) const {
+  return static_cast<int>(std::count_if(posted_.begin(), posted_.end(),
+                                        [&](const Posted& p) { return p.recv && p.peer == peer; }));
+}
+
+void Exchange::wait(const std::function<void(int peer)>& on_received) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   // Capped at 10^9 s (~31 years): larger values mean "no deadline" to the caller, and would
@@ -138,6 +143,11 @@ void Exchange::wait() {
   int idle = 0;
   auto idle_since = start;
   const bool poll = cpus_for_every_rank();
+  // on_received: receives still pending per peer, and the peers whose last one just completed.
+  std::pmr::vector<int> pending_from(on_received ? comm_.size() : 0, 0, &pool_);
+  std::pmr::vector<int> received(&pool_);
+  for (const Posted& p : posted_)
+    if (on_received && p.recv) ++pending_from[static_cast<std::size_t>(p.peer)];
   for (;;) {
     int outcount = 0;
     const int rc = MPI_Testsome(n, reqs_.data(), &outcount, idx.data(), got.data());
@@ -158,7 +168,12 @@ void Exchange::wait() {
         mpi_failure = cat((done.recv ? "receive from rank " : "send to rank "), done.peer, ": ",
                           mpi_error_string(got[j].MPI_ERROR));
       }
+      if (on_received && done.recv && --pending_from[static_cast<std::size_t>(done.peer)] == 0)
+        received.push_back(done.peer);
     }
+    if (mpi_failure.empty())
+      for (int peer : received) on_received(peer);
+    received.clear();
     if (outcount > 0) {
       idle = 0;
       idle_since = Clock::now();

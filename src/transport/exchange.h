@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <memory_resource>
 #include <string>
@@ -67,7 +68,13 @@ class Exchange {
   // expiry, Error(kSystem) on an MPI error, Error(kInternal) when a receive got more data than
   // posted for: the ops size every receive from what its sender announced, so that is a bug (and
   // OpenMPI's single-copy path may already have written past the buffer).
-  void wait();
+  void wait() { wait(nullptr); }
+  // The same, calling on_received(peer) as soon as every receive from `peer` has completed
+  // (between polls, on this thread; once per peer with a receive in this phase): the caller can
+  // use one peer's data while others' is still in flight. An exception from it abandons the phase.
+  void wait(const std::function<void(int peer)>& on_received);
+  // The receives posted from `peer` (a communicator rank).
+  int receives_from(int peer) const;
 
   // Lets MPI move what is posted (this exchange's and any other's) while the caller computes
   // between posting and wait(): OpenMPI progresses its transports (TCP, rendezvous) only inside

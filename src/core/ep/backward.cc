@@ -13,6 +13,7 @@
 #include "base/numeric.h"
 #include "base/parallel.h"
 #include "base/threads.h"
+#include "core/ep/async_state.h"
 #include "core/ep/combine_call.h"
 #include "core/ep/config.h"
 #include "core/ep/dispatch_call.h"
@@ -297,7 +298,9 @@ void source_grads(const CombineBackward& b, CombineBackwardOutputs& o) {
 }  // namespace
 }  // namespace detail
 
-Tensor dispatch_v2_backward(const DispatchBackwardInputs& in, const EpConfig& cfg) {
+namespace {
+
+Tensor run_dispatch_backward(const DispatchBackwardInputs& in, const EpConfig& cfg) {
   using namespace detail;
   const char* op = kDispatchBackward;
   CombineInputs ci;
@@ -318,7 +321,7 @@ Tensor dispatch_v2_backward(const DispatchBackwardInputs& in, const EpConfig& cf
   return run_combine(ci, cfg, op, kOpDispatchBackward, true);
 }
 
-CombineBackwardOutputs combine_v2_backward(const CombineBackwardInputs& in, const EpConfig& cfg) {
+CombineBackwardOutputs run_combine_backward(const CombineBackwardInputs& in, const EpConfig& cfg) {
   using namespace detail;
   CombineBackward b{in, cfg};
   DispatchInputs di;
@@ -336,6 +339,20 @@ CombineBackwardOutputs combine_v2_backward(const CombineBackwardInputs& in, cons
   return_dots(b, *cfg.group_ep, dots, o.grad_expert_scales.ptr<float>());
   source_grads(b, o);
   return o;
+}
+
+}  // namespace
+
+Tensor dispatch_v2_backward(const DispatchBackwardInputs& in, const EpConfig& cfg) {
+  Tensor out;
+  detail::after_started_ops(cfg, [&] { out = run_dispatch_backward(in, cfg); });
+  return out;
+}
+
+CombineBackwardOutputs combine_v2_backward(const CombineBackwardInputs& in, const EpConfig& cfg) {
+  CombineBackwardOutputs out;
+  detail::after_started_ops(cfg, [&] { out = run_combine_backward(in, cfg); });
+  return out;
 }
 
 }  // namespace moe_ep

@@ -25,6 +25,7 @@
 #include "base/check.h"
 #include "base/env.h"
 #include "base/numeric.h"
+#include "core/ep/async_state.h"
 #include "core/ep/combine_call.h"
 #include "core/ep/combine_sum.h"
 #include "core/ep/config.h"
@@ -762,7 +763,10 @@ Tensor run_combine(const CombineInputs& in, const EpConfig& cfg, const char* op,
 }  // namespace detail
 
 Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
-  return detail::run_combine(in, cfg, "combine_v2", detail::kOpCombine, false);
+  Tensor out;
+  detail::after_started_ops(
+      cfg, [&] { out = detail::run_combine(in, cfg, "combine_v2", detail::kOpCombine, false); });
+  return out;
 }
 
 }  // namespace moe_ep

@@ -25,6 +25,7 @@
 #include "base/check.h"
 #include "base/env.h"
 #include "base/numeric.h"
+#include "core/ep/async_state.h"
 #include "core/ep/config.h"
 #include "core/ep/dispatch_call.h"
 #include "core/ep/handle.h"
@@ -861,43 +862,38 @@ void send_metadata(Dispatch& c, Exchange& ex, RowsPhase& rx) {
 
 // Step 4g: a merged source's rows, each copied to its place from the source's distinct tokens,
 // which came in the order the metadata (in send order) first names them.
-void spread_merged(Dispatch& c, const RowsPhase& rx) {
+void spread_merged(Dispatch& c, const RowsPhase& rx, int s) {
   const RecvPlan& recv = c.recv();
   std::vector<RowCopy> spread;
-  std::vector<int32_t> at;  // [token]: its row among the source's distinct tokens, or -1
-  for (int s = 0, keys = 0; s < c.W; ++s) {
-    if (!rx.merged_in[s]) continue;
-    const int64_t bs = c.headers[s].BS;
-    at.assign(static_cast<std::size_t>(bs), -1);
-    int32_t next = 0;
-    const RowMeta* m = rx.meta_in[s]->data();
-    const char* base = rx.merged_in[s]->ptr<char>();
-    for (int l = 0; l < c.L; ++l) {
-      const int64_t b = int64_t{l} * c.W + s;
-      for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
-           ++j, ++m) {
-        if (m->token < 0 || m->token >= bs)
-          fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent token ", m->token,
-               " of its ", bs, " (please report this bug)");
-        int32_t& t = at[static_cast<std::size_t>(m->token)];
-        if (t < 0) t = next++;
-        spread.push_back({base + int64_t{t} * c.out_row_bytes,
-                          c.out.expand_x.ptr<char>() + j * c.out_row_bytes, keys + t});
-      }
+  const int64_t bs = c.headers[s].BS;
+  std::vector<int32_t> at(static_cast<std::size_t>(bs), -1);  // [token]: its distinct row, or -1
+  int32_t next = 0;
+  const RowMeta* m = rx.meta_in[s]->data();
+  const char* base = rx.merged_in[s]->ptr<char>();
+  for (int l = 0; l < c.L; ++l) {
+    const int64_t b = int64_t{l} * c.W + s;
+    for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
+         ++j, ++m) {
+      if (m->token < 0 || m->token >= bs)
+        fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent token ", m->token,
+             " of its ", bs, " (please report this bug)");
+      int32_t& t = at[static_cast<std::size_t>(m->token)];
+      if (t < 0) t = next++;
+      spread.push_back({base + int64_t{t} * c.out_row_bytes,
+                        c.out.expand_x.ptr<char>() + j * c.out_row_bytes, t});
     }
-    if (next != c.p->distinct_from[s])
-      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent ", c.p->distinct_from[s],
-           " distinct tokens, its rows' metadata names ", next, " (please report this bug)");
-    keys += next;
   }
+  if (next != c.p->distinct_from[s])
+    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent ", c.p->distinct_from[s],
+         " distinct tokens, its rows' metadata names ", next, " (please report this bug)");
   parallel_copy(spread, c.out_row_bytes,
                 static_cast<int64_t>(spread.size()) * c.out_row_bytes >= c.stream_min);
 }
 
-// Step 4h: assist_info_for_combine, expand_scales and dynamic_scales of every received row, from
-// its metadata: in this rank's window for a source that wrote there, else its message (this
-// rank's own: what it built), in the source's send order.
-void fill_row_info(Dispatch& c, const RowsPhase& rx) {
+// Step 4h: assist_info_for_combine, expand_scales and dynamic_scales of every row received from
+// source s, from its metadata: in this rank's window for a source that wrote there, else its
+// message (this rank's own: what it built), in the source's send order.
+void fill_row_info(Dispatch& c, const RowsPhase& rx, int s) {
   const RecvPlan& recv = c.recv();
   int32_t* assist = c.out.assist_info_for_combine.ptr<int32_t>();
   float* scales = c.out.expand_scales.ptr<float>();
@@ -906,22 +902,20 @@ void fill_row_info(Dispatch& c, const RowsPhase& rx) {
       c.slot ? reinterpret_cast<const RowMeta*>(static_cast<char*>(c.slot->ptr) +
                                                 dispatch_meta_offset(c.expand_bytes))
              : nullptr;
-  for (int s = 0; s < c.W; ++s) {
-    const RowMeta* next = c.window_from[s] ? nullptr
-                          : s == c.me      ? rx.meta_out[s]->data()
-                                           : rx.meta_in[s]->data();
-    for (int l = 0; l < c.L; ++l) {
-      const int64_t b = int64_t{l} * c.W + s;
-      const RowMeta* m = c.window_from[s] ? window_meta + recv.block_offset[b] : next;
-      if (!c.window_from[s]) next += recv.block_rows[b];
-      for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
-           ++j, ++m) {
-        assist[3 * j] = s;
-        assist[3 * j + 1] = m->token;
-        assist[3 * j + 2] = m->slot;
-        scales[j] = m->scale;
-        if (dyn) dyn[j] = m->qscale;
-      }
+  const RowMeta* next = c.window_from[s] ? nullptr
+                        : s == c.me      ? rx.meta_out[s]->data()
+                                         : rx.meta_in[s]->data();
+  for (int l = 0; l < c.L; ++l) {
+    const int64_t b = int64_t{l} * c.W + s;
+    const RowMeta* m = c.window_from[s] ? window_meta + recv.block_offset[b] : next;
+    if (!c.window_from[s]) next += recv.block_rows[b];
+    for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
+         ++j, ++m) {
+      assist[3 * j] = s;
+      assist[3 * j + 1] = m->token;
+      assist[3 * j + 2] = m->slot;
+      scales[j] = m->scale;
+      if (dyn) dyn[j] = m->qscale;
     }
   }
 }
@@ -948,6 +942,39 @@ void check_relay_announced(const Dispatch& c, const RowsPhase& rx) {
   }
 }
 
+// Per-source completion (an asynchronous dispatch, fullmesh, rows landing in expand_x itself):
+// each source's rows are finished (announced window rows checked, merged rows spread, row info
+// filled) as soon as its last receive completes, and handed to the caller (PendingDispatch::
+// wait_source) while later sources are still in flight. This rank's own rows are in place before
+// the wait. The bytes are those of the path above.
+void land_each_source(Dispatch& c, Exchange& ex, RowsPhase& rx) {
+  const RecvPlan& recv = c.recv();
+  std::vector<int> source_of(static_cast<std::size_t>(c.comm.size()), -1);
+  for (int s = 0; s < c.W; ++s) source_of[static_cast<std::size_t>(c.peers()[s])] = s;
+  auto land = [&](int s) {
+    if (c.window_from[s]) {
+      c.shm->link(c.peers()[s])->acquire();
+      check_announced(c, s, (*rx.announced)[s], recv.source_rows[s], "");
+    }
+    if (rx.merged_in[s]) spread_merged(c, rx, s);
+    fill_row_info(c, rx, s);
+    SourceRows rows;
+    rows.source = s;
+    for (int l = 0; l < c.L; ++l) {
+      rows.offset.push_back(recv.block_offset[int64_t{l} * c.W + s]);
+      rows.rows.push_back(recv.block_rows[int64_t{l} * c.W + s]);
+    }
+    rows.expand_x = c.out.expand_x;
+    rows.dynamic_scales = c.out.dynamic_scales;
+    rows.expand_scales = c.out.expand_scales;
+    c.async->source_ready(std::move(rows));
+  };
+  for (int s = 0; s < c.W; ++s)
+    if (ex.receives_from(c.peers()[s]) == 0) land(s);
+  ex.wait([&](int peer) { land(source_of[static_cast<std::size_t>(peer)]); });
+  if (c.perf) ex.add_recv_wait_us(c.perf);
+}
+
 // Step 4: the rows phase. With shared memory the sender writes the rows and their metadata
 // itself, then sends their count, which announces them (a message of 8 bytes instead of 16 per
 // row: such a message of a few thousand rows went through MPI's rendezvous, which stalled about
@@ -970,6 +997,10 @@ void move_rows(Dispatch& c) {
   if (relay) relay_copies(c, ex, rx, *relay);
   store_in_place(c, qz);
   send_metadata(c, ex, rx);
+  if (c.async && c.G == 0 && !c.copy_to) {
+    land_each_source(c, ex, rx);
+    return;
+  }
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
   for (int s = 0; s < c.W; ++s) {
@@ -978,8 +1009,10 @@ void move_rows(Dispatch& c) {
     check_announced(c, s, (*rx.announced)[s], c.recv().source_rows[s], "");
   }
   if (relay) check_relay_announced(c, rx);
-  spread_merged(c, rx);
-  fill_row_info(c, rx);
+  for (int s = 0; s < c.W; ++s) {
+    if (rx.merged_in[s]) spread_merged(c, rx, s);
+    fill_row_info(c, rx, s);
+  }
 }
 
 // Step 5: the counts of the plan, the TP all-gather (SPEC §1.1 step 3), the caller's expand_x,
@@ -1047,9 +1080,10 @@ DispatchBuffers buffers_of(const DispatchOutputs& o) {
 namespace detail {
 
 DispatchOutputs run_dispatch(const DispatchInputs& in, const EpConfig& cfg, const char* op,
-                             int32_t code) {
+                             int32_t code, AsyncState* async) {
   Dispatch c(in, cfg, require_comm(op, cfg));
   c.op = op;
+  c.async = async;
   const uint64_t id = next_plan_id(c.comm);
   c.hdr = base_header(code, cfg, in.x, in.x, in.expert_ids, in.quant_mode);
   capture(c.hdr, c.local, [&] {
@@ -1068,7 +1102,10 @@ DispatchOutputs run_dispatch(const DispatchInputs& in, const EpConfig& cfg, cons
 }  // namespace detail
 
 DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
-  return detail::run_dispatch(in, cfg, "dispatch_v2", detail::kOpDispatch);
+  DispatchOutputs out;
+  detail::after_started_ops(
+      cfg, [&] { out = detail::run_dispatch(in, cfg, "dispatch_v2", detail::kOpDispatch); });
+  return out;
 }
 
 }  // namespace moe_ep

@@ -22,6 +22,8 @@
 
 namespace moe_ep::detail {
 
+class AsyncState;
+
 // One dispatch_v2 call: its arguments and what each step leaves for the next.
 struct Dispatch {
   const char* op = "dispatch_v2";  // or the op that runs this route (run_dispatch)
@@ -77,6 +79,9 @@ struct Dispatch {
   // Per source: its rows land in this rank's window (written by the source, or its relay).
   std::vector<char> window_from;
   bool any_message_to = false;
+  // An asynchronous dispatch (dispatch_v2_start): where each source's rows are reported as they
+  // land (land_each_source), else null.
+  AsyncState* async = nullptr;
 
   Dispatch(const DispatchInputs& i, const EpConfig& c, const Communicator& m)
       : in(i), cfg(c), comm(m), world(whole_world(m)) {}
@@ -123,8 +128,9 @@ void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx);
 void relay_copies(Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in);
 
 // dispatch_v2's route run by `op` (its name in errors) with header op code `code` (kOpDispatch,
-// or kOpCombineBackward, whose grad_out travels it).
+// or kOpCombineBackward, whose grad_out travels it). async: an asynchronous dispatch's state, to
+// report each source's rows as they land (null: a synchronous call).
 DispatchOutputs run_dispatch(const DispatchInputs& in, const EpConfig& cfg, const char* op,
-                             int32_t code);
+                             int32_t code, AsyncState* async = nullptr);
 
 }  // namespace moe_ep::detail
