@@ -13,6 +13,8 @@ Without --checkpoint, rank 0 writes a small seeded random one (python -m
 moe_ep.transformers.make_checkpoint --small) into a temporary directory. Rank r gets
 --prompts prompts whose lengths differ from rank to rank (and within the rank: left-padded),
 --idle-rank gives one rank none, --new-tokens-step makes rank r generate fewer tokens than rank 0.
+--overlap on,off runs each MoE layer as two overlapped micro-batches, then as one batch, and
+reports the tokens/s of each.
 
 The check, on every rank: in fp32, the generated tokens equal those of single-process
 transformers with the stock experts implementation (grouped_mm) on the same prompts, token for
@@ -42,6 +44,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --dtype's names
+OVERLAP = {"off": False, "on": True, "split": "split"}  # --overlap's names
 
 
 def memory_mib(field: str) -> float:
@@ -109,29 +112,41 @@ def main(argv=None) -> int:
                     help="also fail when a rank's peak RSS up to the end of loading exceeds this "
                          "many times its weights (non-expert + its experts); 0: not checked")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overlap", default="off",
+                    help="off (one batch per MoE layer), on (two micro-batches whose dispatch "
+                         "and combine travel while the other's experts compute) or split (the "
+                         "same two one after the other); a comma list runs each "
+                         "(moe_ep.transformers.set_overlap)")
     a = ap.parse_args(argv)
     hf_logging.disable_progress_bar()
     comm = MPI.COMM_WORLD
     ok = True
+    overlaps = a.overlap.split(",")
+    for name in overlaps:
+        if name not in OVERLAP:
+            ap.error(f"--overlap {name!r} is not one of {', '.join(OVERLAP)}")
     for dtype_name in a.dtype.split(","):
         if dtype_name not in DTYPES:
             ap.error(f"--dtype {dtype_name!r} is not one of {', '.join(DTYPES)}")
         for family in [None] if a.checkpoint else a.model.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 path = a.checkpoint or small_for_ranks(comm, family, tmp)
-                ok = run(comm, a, path, dtype_name) and ok
-    if comm.Get_rank() == 0 and len(a.dtype.split(",")) * len(a.model.split(",")) > 1:
+                for overlap in overlaps:
+                    ok = run(comm, a, path, dtype_name, overlap) and ok
+    runs = len(a.dtype.split(",")) * len(a.model.split(",")) * len(overlaps)
+    if comm.Get_rank() == 0 and runs > 1:
         print(f"{'PASS' if ok else 'FAIL'}: all runs")
     return 0 if ok else 1
 
 
-def run(comm, a, path: str, dtype_name: str) -> bool:
+def run(comm, a, path: str, dtype_name: str, overlap: str) -> bool:
     """One checkpoint in one dtype: load, generate on every rank, check; rank 0 reports."""
     rank, world = comm.Get_rank(), comm.Get_size()
     reset_peak()
     rss_before = memory_mib("VmRSS")
     model = mt.from_pretrained(path, comm, dtype=DTYPES[dtype_name], transport=a.transport)
     rss_loaded = memory_mib("VmHWM")
+    mt.set_overlap(model, OVERLAP[overlap], comm)
     vocab = model.config.get_text_config().vocab_size
     count = 0 if rank == a.idle_rank else a.prompts
     ids, mask = prompts(rank, count, vocab, a.seed)
@@ -165,7 +180,8 @@ def run(comm, a, path: str, dtype_name: str) -> bool:
                         rss_before, rss_loaded, rss_peak, sizes, verdict, detail), root=0)
     ok = comm.allreduce(int(verdict), op=MPI.MIN) == 1
     if rank == 0:
-        report(a, world, path, dtype_name, rows, total_tokens / slowest, ok)
+        report(a, world, path, f"{dtype_name}, --overlap {overlap}", rows, total_tokens / slowest,
+               ok)
     return ok
 
 

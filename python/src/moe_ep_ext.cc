@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "exit_guard.h"
+#include "moe_ep/async.h"
 #include "moe_ep/backward.h"
 #include "moe_ep/comm.h"
 #include "moe_ep/dispatch.h"
@@ -467,18 +468,65 @@ moe_ep::EpConfig ep_config(const PyCommunicator& group_ep, const EpArgs& e) {
   return c;
 }
 
-nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommunicator& group_ep,
-                      int64_t ep_world_size, int64_t ep_rank_id, int64_t moe_expert_num,
-                      const OptIn& scales, const OptIn& x_active_mask, const OptIn& expert_scales,
-                      const OptIn& elastic_info, const std::optional<OutArray>& performance_info,
-                      std::optional<PyCommunicator> group_tp, int64_t tp_world_size,
-                      int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
-                      int64_t shared_expert_rank_num, int64_t quant_mode, int64_t global_bs,
-                      int64_t expert_token_nums_type, const std::string& comm_alg,
-                      int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
-                      const std::string& transport, bool exact_size,
-                      const moe_ep::DispatchHandle* handle, const std::string& handle_error,
-                      const std::string& caller_error_kind) {
+// The outputs of dispatch_v2 as the Python front takes them.
+nb::tuple dispatch_tuple(moe_ep::DispatchOutputs r) {
+  return nb::make_tuple(
+      to_python(std::move(r.expand_x)), to_python(std::move(r.dynamic_scales)),
+      to_python(std::move(r.assist_info_for_combine)), to_python(std::move(r.expert_token_nums)),
+      to_python(std::move(r.ep_recv_counts)), to_python(std::move(r.tp_recv_counts)),
+      to_python(std::move(r.expand_scales)), nb::cast(std::move(r.handle)));
+}
+
+// A started op (async_op=True; moe_ep/async.h). The Python front keeps the input tensors alive
+// until wait() has returned.
+struct PyPendingDispatch {
+  moe_ep::PendingDispatch p;
+  nb::tuple wait() {
+    moe_ep::DispatchOutputs r;
+    {
+      nb::gil_scoped_release release;
+      r = guarded("dispatch_v2", [&] { return p.wait(); });
+    }
+    return dispatch_tuple(std::move(r));
+  }
+  // (source, offsets, rows, expand_x, dynamic_scales or None, expand_scales), or None.
+  nb::object wait_source() {
+    std::optional<moe_ep::SourceRows> s;
+    {
+      nb::gil_scoped_release release;
+      s = guarded("dispatch_v2", [&] { return p.wait_source(); });
+    }
+    if (!s) return nb::none();
+    return nb::make_tuple(
+        s->source, nb::cast(s->offset), nb::cast(s->rows), to_python(std::move(s->expand_x)),
+        to_python(std::move(s->dynamic_scales)), to_python(std::move(s->expand_scales)));
+  }
+};
+
+struct PyPendingTensor {
+  moe_ep::Pending<Tensor> p;
+  nb::object wait() {
+    Tensor r;
+    {
+      nb::gil_scoped_release release;
+      r = guarded("combine_v2", [&] { return p.wait(); });
+    }
+    return to_python(std::move(r));
+  }
+};
+
+nb::object dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommunicator& group_ep,
+                       int64_t ep_world_size, int64_t ep_rank_id, int64_t moe_expert_num,
+                       const OptIn& scales, const OptIn& x_active_mask, const OptIn& expert_scales,
+                       const OptIn& elastic_info, const std::optional<OutArray>& performance_info,
+                       std::optional<PyCommunicator> group_tp, int64_t tp_world_size,
+                       int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
+                       int64_t shared_expert_rank_num, int64_t quant_mode, int64_t global_bs,
+                       int64_t expert_token_nums_type, const std::string& comm_alg,
+                       int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
+                       const std::string& transport, bool exact_size,
+                       const moe_ep::DispatchHandle* handle, const std::string& handle_error,
+                       const std::string& caller_error_kind, bool async_op) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
@@ -505,16 +553,15 @@ nb::tuple dispatch_v2(const InArray& x, const InArray& expert_ids, const PyCommu
     in.caller_error = caller_error(handle_error, caller_error_kind);
   InUse ep_guard(&group_ep, "dispatch_v2", "group_ep");
   InUse tp_guard(group_tp ? &*group_tp : nullptr, "dispatch_v2", "group_tp");
+  if (async_op)
+    return nb::cast(PyPendingDispatch{
+        guarded("dispatch_v2", [&] { return moe_ep::dispatch_v2_start(in, cfg); })});
   moe_ep::DispatchOutputs r;
   {
     nb::gil_scoped_release release;
     r = guarded("dispatch_v2", [&] { return moe_ep::dispatch_v2(in, cfg); });
   }
-  return nb::make_tuple(
-      to_python(std::move(r.expand_x)), to_python(std::move(r.dynamic_scales)),
-      to_python(std::move(r.assist_info_for_combine)), to_python(std::move(r.expert_token_nums)),
-      to_python(std::move(r.ep_recv_counts)), to_python(std::move(r.tp_recv_counts)),
-      to_python(std::move(r.expand_scales)), nb::cast(std::move(r.handle)));
+  return dispatch_tuple(std::move(r));
 }
 
 nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
@@ -532,7 +579,7 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
                       const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
                       int64_t const_expert_num, const std::string& transport, bool exact_size,
                       const moe_ep::DispatchHandle* handle, const std::string& handle_error,
-                      const std::string& caller_error_kind) {
+                      const std::string& caller_error_kind, bool async_op) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
@@ -566,6 +613,9 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
     in.caller_error = caller_error(handle_error, caller_error_kind);
   InUse ep_guard(&group_ep, "combine_v2", "group_ep");
   InUse tp_guard(group_tp ? &*group_tp : nullptr, "combine_v2", "group_tp");
+  if (async_op)
+    return nb::cast(
+        PyPendingTensor{guarded("combine_v2", [&] { return moe_ep::combine_v2_start(in, cfg); })});
   Tensor r;
   {
     nb::gil_scoped_release release;
@@ -689,6 +739,21 @@ NB_MODULE(_C, m) {
       "The plan of one dispatch_v2 call (SPEC §7): pass it to the combine_v2 of its outputs, or "
       "to a dispatch_v2 with the same routing, so that they exchange rows only")
       .def_prop_ro("defined", &moe_ep::DispatchHandle::defined);
+  nb::class_<PyPendingDispatch>(m, "PendingDispatch",
+                                "A dispatch_v2 started with async_op=True (moe_ep/async.h)")
+      .def(
+          "test", [](const PyPendingDispatch& d) { return d.p.test(); },
+          "True once the op has ended (wait() then returns at once); never blocks")
+      .def("wait", &PyPendingDispatch::wait,
+           "Blocks until the op has ended; returns dispatch_v2's tuple or raises its error; once")
+      .def("wait_source", &PyPendingDispatch::wait_source,
+           "Blocks until one more source rank's rows have landed: (source, offsets, rows, "
+           "expand_x, dynamic_scales, expand_scales), rows [offsets[l], offsets[l] + rows[l]) "
+           "of expand_x for local expert l; None once every source was returned");
+  nb::class_<PyPendingTensor>(m, "PendingTensor",
+                              "A combine_v2 started with async_op=True (moe_ep/async.h)")
+      .def("test", [](const PyPendingTensor& d) { return d.p.test(); })
+      .def("wait", &PyPendingTensor::wait);
   nb::class_<PyCommunicator>(m, "Communicator",
                              "An MPI communicator (duplicated) with moe-ep's settings (deadline, "
                              "shared-memory window size)")
@@ -772,8 +837,9 @@ NB_MODULE(_C, m) {
         "global_bs"_a = 0, "expert_token_nums_type"_a = 1, "comm_alg"_a = "",
         "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
         "transport"_a = "", "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
-        "caller_error_kind"_a = "InvalidArgument",
-        "SPEC §1. Returns (expand_x, dynamic_scales or None, assist_info_for_combine, "
+        "caller_error_kind"_a = "InvalidArgument", "async_op"_a = false,
+        "SPEC §1. async_op: start it and return a PendingDispatch (moe_ep/async.h). Returns "
+        "(expand_x, dynamic_scales or None, assist_info_for_combine, "
         "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales, handle); exact_size: "
         "EpConfig::exact_size (outputs sized to the rows received, not SPEC §1.4's A); handle: "
         "a DispatchHandle of an earlier call with the same routing (a cached dispatch, SPEC §7); "
@@ -793,8 +859,9 @@ NB_MODULE(_C, m) {
         "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
         "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "transport"_a = "",
         "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
-        "caller_error_kind"_a = "InvalidArgument",
-        "SPEC §2. Returns x (BS, H). handle: dispatch_v2's DispatchHandle (SPEC §7); then "
+        "caller_error_kind"_a = "InvalidArgument", "async_op"_a = false,
+        "SPEC §2. async_op: start it and return a PendingTensor (moe_ep/async.h). Returns x (BS, "
+        "H). handle: dispatch_v2's DispatchHandle (SPEC §7); then "
         "assist_info_for_combine and ep_send_counts are not read and may be None");
   // The backward ops take the EP arguments by keyword, as the forward ones do.
   m.def(

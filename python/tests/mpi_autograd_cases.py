@@ -107,11 +107,14 @@ def ep_grads(comm, layer: Layer, rank: int, loss_fn=None):
     return x.grad, router.grad, experts.grad, shared.grad
 
 
-def ep_loss(comm, layer: Layer, rank: int, x, router, experts, shared):
+def ep_loss(comm, layer: Layer, rank: int, x, router, experts, shared, async_op=False):
     w, ids = route(layer, x, router)
     mask = layer.mask[rank] if layer.mask is not None else None
     kw = dict(global_bs=layer.global_bs, x_active_mask=mask)
+    if async_op:  # started, then waited for: the same op on the graph
+        kw["async_op"] = True
     d = mt.dispatch_v2(x, ids, comm, moe_expert_num=layer.e, expert_scales=w.detach(), **kw)
+    d = d.wait() if async_op else d
     local = layer.e // layer.world
     counts = d.expert_token_nums.tolist()
     segments, start = [], 0
@@ -123,6 +126,7 @@ def ep_loss(comm, layer: Layer, rank: int, x, router, experts, shared):
     y = torch.cat(segments + [pad])
     out = mt.combine_v2(y, ids, d.assist_info_for_combine, d.ep_recv_counts, w, comm,
                         moe_expert_num=layer.e, shared_expert_x=x @ shared, handle=d.handle, **kw)
+    out = out.wait() if async_op else out
     return (out * layer.target[rank]).sum()
 
 
@@ -190,6 +194,107 @@ def compiled_layer(comm):
     w = comm.Get_size()
     layer_case(comm, make_layer(w, [5] * w, mask=True, seed=13),
                torch.compile(ep_loss, backend="aot_eager"))
+
+
+@case
+def async_layer(comm):
+    """async_op=True for dispatch_v2 and combine_v2 (include/moe_ep/async.h): the gradients
+    against the dense layer, and the loss and every gradient the same bits as the synchronous
+    calls'."""
+    w = comm.Get_size()
+    bs = [4 + r % 3 for r in range(w)]
+    layer = make_layer(w, bs, mask=True, seed=17)
+    layer_case(comm, layer, lambda *a: ep_loss(*a, async_op=True))
+    rank = comm.Get_rank()
+    want = ep_grads(comm, layer, rank)
+    got = ep_grads(comm, layer, rank, lambda *a: ep_loss(*a, async_op=True))
+    for name, g, s in zip(("x", "router", "experts", "shared"), got, want):
+        if not torch.equal(g, s):
+            raise AssertionError(f"grad of {name}: async differs from sync")
+
+
+@case
+def async_sources_and_errors(comm):
+    """DispatchWork.wait_source hands out every source once, its rows already those of the
+    finished dispatch; is_completed after wait; a second wait gives the same result; an argument
+    error on one rank comes out of wait() there (RemoteError on the others)."""
+    rank, world = comm.Get_rank(), comm.Get_size()
+    layer = make_layer(world, [6] * world, seed=19)
+    w, ids = route(layer, layer.x[rank], layer.router)
+    kw = dict(moe_expert_num=layer.e, expert_scales=w)
+    want = mt.dispatch_v2(layer.x[rank], ids, comm, **kw)
+    work = mt.dispatch_v2(layer.x[rank], ids, comm, async_op=True, **kw)
+    seen = []
+    while (s := work.wait_source()) is not None:
+        seen.append(s.source)
+        for off, n in zip(s.offsets, s.rows):
+            if not torch.equal(s.expand_x[off:off + n], want.expand_x[off:off + n]):
+                raise AssertionError(f"source {s.source}: rows differ when handed out")
+    if sorted(seen) != list(range(world)):
+        raise AssertionError(f"sources handed out: {seen}")
+    got = work.wait()
+    if not work.is_completed() or work.wait() is not got:
+        raise AssertionError("wait() twice or is_completed() after it")
+    valid = int(want.ep_recv_counts[-1])
+    if not torch.equal(got.expand_x[:valid], want.expand_x[:valid]):
+        raise AssertionError("async expand_x differs")
+    bad = ids.clone()
+    if rank == world - 1:
+        bad[0, 0] = layer.e + 3
+    work = mt.dispatch_v2(layer.x[rank], bad, comm, async_op=True, **kw)
+    try:
+        work.wait()
+    except moe_ep.Error as e:
+        want_kind = moe_ep.InvalidArgumentError if rank == world - 1 else moe_ep.RemoteError
+        if not isinstance(e, want_kind) or "expert_ids" not in str(e):
+            raise AssertionError(f"{type(e).__name__}: {e}") from e
+    else:
+        raise AssertionError("a bad expert id went through")
+    try:
+        mt.dispatch_v2(layer.x[rank], ids, comm, async_op=1, **kw)
+    except moe_ep.InvalidArgumentError as e:
+        if "dispatch_v2: async_op = 1 (int) must be a bool" not in str(e):
+            raise
+    else:
+        raise AssertionError("async_op=1 accepted")
+
+
+@case
+def expert_parallel_overlap(comm):
+    """ExpertParallel(overlap=True): two micro-batches overlapped, the output and the gradients
+    the same bits as the same micro-batches one after the other (overlap="split"), and close to
+    the one-batch layer; uneven token counts, one rank with none."""
+    from moe_ep.torch.nn import ExpertParallel
+
+    rank, world = comm.Get_rank(), comm.Get_size()
+    layer = make_layer(world, [7 - (r % 2) * 3 for r in range(world)], seed=23)
+    if world > 1:
+        layer.bs[-1] = 0
+        layer.x[-1] = layer.x[-1][:0]
+    local = layer.e // world
+
+    def run(overlap):
+        experts = layer.experts.clone().requires_grad_()
+
+        def fn(x, counts):
+            out, start = [], 0
+            for l, n in enumerate(counts):
+                out.append(torch.tanh(x[start:start + n] @ experts[rank * local + l]))
+                start += n
+            return torch.cat(out)
+
+        x = layer.x[rank].clone().requires_grad_()
+        w, ids = route(layer, x, layer.router)
+        out = ExpertParallel(layer.e, fn, comm, overlap=overlap)(x, ids, w.detach())
+        out.sum().backward()
+        return out.detach(), x.grad, experts.grad
+
+    ovl, split, one = run(True), run("split"), run(False)
+    for name, a, b in zip(("output", "grad of x", "grad of the experts"), ovl, split):
+        if not torch.equal(a, b):
+            raise AssertionError(f"{name}: overlapped differs from split")
+    for name, a, b in zip(("output", "grad of x", "grad of the experts"), ovl, one):
+        check_close(f"{name} (vs one batch)", a, b)
 
 
 @case

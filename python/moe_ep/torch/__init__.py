@@ -9,7 +9,8 @@ rules of SPEC §5 (generated from the C++ strategy table). dispatch_workspace is
 query (local, a plain function).
 
 dispatch_v2 / combine_v2 take mpi4py communicators (default: MPI.COMM_WORLD); start the processes
-with mpirun. moe_ep.torch.nn has them as a module: ExpertParallel (a MoE layer's experts over the
+with mpirun; async_op=True starts them and returns a work object (DispatchWork, CombineWork) to
+wait() on while the caller computes. moe_ep.torch.nn has them as a module: ExpertParallel (a MoE layer's experts over the
 ranks, each holding its own), Lockstep and average_gradients.
 """
 
@@ -23,6 +24,7 @@ from moe_ep.torch.distributed import (
     group_id,
     release_group,
 )
+from moe_ep.torch._async import CombineWork, DispatchWork, SourceRows
 from moe_ep.torch.ops import (
     _token_unpermute,
     token_permute,
@@ -41,9 +43,12 @@ if _dist.is_available():  # DTensor needs torch.distributed (the CPU wheels have
     _register_rules()
 
 __all__ = [
+    "CombineWork",
     "DispatchOutputs",
     "DispatchResult",
+    "DispatchWork",
     "DispatchWorkspace",
+    "SourceRows",
     "_token_unpermute",
     "combine_v2",
     "dispatch_v2",

@@ -920,8 +920,9 @@ def dispatch_v2(
     moe_expert_num: int = 0,
     *,
     group_tp=None,
+    async_op: bool = False,
     **kwargs,
-) -> DispatchOutputs:
+):
     """SPEC §1: moves each token to the ranks that host its experts.
 
     x (BS, H) bf16/fp16/fp32; expert_ids (BS, K) int32 (torch.topk's indices are int64: .int()).
@@ -951,6 +952,14 @@ def dispatch_v2(
     handle: the .handle of an earlier result with the same expert_ids and x_active_mask (a cached
     dispatch, SPEC §7: no counts round; the same outputs).
 
+    async_op (default False): True starts the op on the communicator's worker thread and returns
+    a DispatchWork at once (include/moe_ep/async.h): .wait() gives the DispatchResult below (the
+    same bits; differentiable likewise), or raises the op's error; .is_completed(); and
+    .wait_source(), each source rank's rows as they land (SourceRows), so experts can start on
+    early rows. Keep the inputs unchanged until wait(). Needs mpi4py's default thread level
+    (MPI_THREAD_MULTIPLE; UnsupportedError otherwise), tp_world_size 0 or 1, and no
+    torch.compile (UnsupportedError).
+
     Returns DispatchResult (expand_x, dynamic_scales ((0,) unless quant_mode 2),
     assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales;
     SPEC §1.4), which also carries .handle, the plan of this call (SPEC §7). Only the first
@@ -960,12 +969,19 @@ def dispatch_v2(
     Errors: moe_ep.InvalidArgumentError / UnsupportedError on this rank's bad arguments,
     RemoteError when another rank's were bad, TimeoutError past the deadline (docs/errors.md).
     """
+    _args.boolean("dispatch_v2", "async_op", async_op)
     gid, size, rank = _resolve(group_ep, "dispatch_v2", "group_ep")
     ep_world_size = size if ep_world_size is None else ep_world_size
     ep_rank_id = rank if ep_rank_id is None else ep_rank_id
     tp = _front_checks("dispatch_v2", _dispatch_v2_impl, gid, group_tp, dict(
         x=x, expert_ids=expert_ids, ep_world_size=ep_world_size, ep_rank_id=ep_rank_id,
         moe_expert_num=moe_expert_num, **kwargs))
+    if async_op:
+        from moe_ep.torch import _async
+
+        return _async.start_dispatch(
+            (x, expert_ids, gid, ep_world_size, ep_rank_id, moe_expert_num),
+            dict(group_tp=tp, **kwargs))
     with_perf = kwargs.get("performance_info") is not None
     op = torch.ops.moe_ep.dispatch_v2 if with_perf else torch.ops.moe_ep._dispatch_v2_functional
     with _checked_by_front("dispatch_v2"):
@@ -996,8 +1012,9 @@ def combine_v2(
     moe_expert_num: int = 0,
     *,
     group_tp=None,
+    async_op: bool = False,
     **kwargs,
-) -> Tensor:
+):
     """SPEC §2: brings the expert outputs back as the weighted sum of SPEC §2.3.
 
     expand_x: the expert outputs, row for row in dispatch_v2's layout; expert_ids,
@@ -1016,7 +1033,10 @@ def combine_v2(
     (without performance_info); with comm_quant_mode 2 none is, and an input that requires grad
     (grad mode on) is an UnsupportedError here, at the forward. Without handle, both
     assist_info_for_combine and ep_send_counts are required.
+    async_op (default False): True starts the op and returns a CombineWork at once, whose
+    .wait() gives x (or raises the op's error), as dispatch_v2's async_op.
     """
+    _args.boolean("combine_v2", "async_op", async_op)
     gid, size, rank = _resolve(group_ep, "combine_v2", "group_ep")
     ep_world_size = size if ep_world_size is None else ep_world_size
     ep_rank_id = rank if ep_rank_id is None else ep_rank_id
@@ -1024,6 +1044,12 @@ def combine_v2(
         expand_x=expand_x, expert_ids=expert_ids, assist_info_for_combine=assist_info_for_combine,
         ep_send_counts=ep_send_counts, expert_scales=expert_scales, ep_world_size=ep_world_size,
         ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, **kwargs))
+    if async_op:
+        from moe_ep.torch import _async
+
+        return _async.start_combine(
+            (expand_x, expert_ids, assist_info_for_combine, ep_send_counts, expert_scales, gid,
+             ep_world_size, ep_rank_id, moe_expert_num), dict(group_tp=tp, **kwargs))
     with_perf = kwargs.get("performance_info") is not None
     op = torch.ops.moe_ep.combine_v2 if with_perf else torch.ops.moe_ep._combine_v2_functional
     with _checked_by_front("combine_v2"):

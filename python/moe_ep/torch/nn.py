@@ -152,7 +152,13 @@ class ExpertParallel(torch.nn.Module):
     module's own math); a torch.nn.Module passed here is registered as a submodule, so its
     parameters (this rank's slices only) are this module's. transport: "shm", "mpi" or ""
     (dispatch_v2's). lockstep: a Lockstep whose global_bs this layer uses while it is set (no
-    round of its own).
+    round of its own). overlap: False (default) runs the layer's tokens as one batch; True
+    splits them into two micro-batches (the first ceil(T/2) tokens, then the rest) whose
+    dispatch and combine travel while the other's experts compute (async_op=True): micro-batch
+    1's dispatch during micro-batch 0's experts, micro-batch 0's combine during micro-batch 1's.
+    "split" runs the same two micro-batches one after the other (the reference of overlap=True:
+    the same bits, since each half computes exactly the same; the one-batch result may differ from
+    both by the expert math's own dependence on the row count).
 
     forward(hidden_states (T, H) bf16/fp16/fp32, top_k_ids (T, K) integer in [0, E),
     top_k_weights (T, K) float) -> (T, H) in hidden_states' dtype: the weighted sum of each token's
@@ -162,7 +168,8 @@ class ExpertParallel(torch.nn.Module):
     collective on every rank when one rank's arguments are bad (RemoteError elsewhere)."""
 
     def __init__(self, num_experts: int, experts: LocalExperts, comm=None, *,
-                 transport: str = "", lockstep: Optional[Lockstep] = None):
+                 transport: str = "", lockstep: Optional[Lockstep] = None,
+                 overlap=False):
         super().__init__()
         self.comm = _comm_or_world(comm)
         self.num_experts = int(num_experts)
@@ -172,6 +179,10 @@ class ExpertParallel(torch.nn.Module):
         self.experts = experts
         self.transport = transport
         self.lockstep = lockstep
+        if overlap not in (False, True, "split"):
+            raise InvalidArgumentError(
+                f"ExpertParallel: overlap = {overlap!r} must be False, True or 'split'")
+        self.overlap = overlap
         self.last_input: Optional[tuple] = None  # (H, dtype, K) of the last call: idle calls' shape
 
     @property
@@ -196,12 +207,31 @@ class ExpertParallel(torch.nn.Module):
                     global_bs=self._global_bs(tokens), exact_size=True, transport=self.transport)
         ids = top_k_ids.to(torch.int32)
         scales = top_k_weights.to(torch.float32)
-        d = dispatch_v2(hidden_states, ids, **args)
+        if self.overlap is False:
+            d = dispatch_v2(hidden_states, ids, **args)
+            return combine_v2(self._experts_of(d, hidden_states.dtype), ids,
+                              d.assist_info_for_combine, d.ep_recv_counts, scales,
+                              handle=d.handle, **args)
+        # Two micro-batches: global_bs for halves of at most ceil(max T / 2) tokens.
+        most = args["global_bs"] // self.ep_world_size
+        args["global_bs"] = self.ep_world_size * max(1, -(-most // 2))
+        half = -(-tokens // 2)
+        parts = [slice(0, half), slice(half, tokens)]
+        run_async = self.overlap is True
+        started = [dispatch_v2(hidden_states[p], ids[p], async_op=run_async, **args)
+                   for p in parts] if run_async else None
+        outs = []
+        for i, p in enumerate(parts):
+            d = started[i].wait() if run_async else dispatch_v2(hidden_states[p], ids[p], **args)
+            outs.append(combine_v2(self._experts_of(d, hidden_states.dtype), ids[p],
+                                   d.assist_info_for_combine, d.ep_recv_counts, scales[p],
+                                   handle=d.handle, async_op=run_async, **args))
+        return torch.cat([o.wait() for o in outs] if run_async else outs)
+
+    def _experts_of(self, d, dtype) -> Tensor:
         x = d.expand_x  # exact_size: the rows received, grouped by local expert
         y = self.experts(x, d.expert_token_nums.tolist()) if x.shape[0] else x
-        y = y.to(hidden_states.dtype)  # the rows go back in the dtype they came in
-        return combine_v2(y, ids, d.assist_info_for_combine, d.ep_recv_counts, scales,
-                          handle=d.handle, **args)
+        return y.to(dtype)  # the rows go back in the dtype they came in
 
 
 def token_weight(tokens: int, comm=None) -> float:

@@ -11,7 +11,8 @@ its experts' slices, cut at the first call), and
 
 builds the model without its expert weights and reads only this rank's experts from the
 safetensors checkpoint. lockstep(model, comm) lets ranks run their own sequences (data-parallel
-attention) with different lengths and token counts, 0 included. docs/design.md ("Real models").
+attention) with different lengths and token counts, 0 included. set_overlap(model) runs each MoE
+layer as two micro-batches whose dispatch and combine travel while the other's experts compute. docs/design.md ("Real models").
 """
 
 from moe_ep.transformers._experts import (
@@ -23,6 +24,7 @@ from moe_ep.transformers._experts import (
     is_experts_module,
     moe_ep_experts_forward,
     register,
+    set_overlap,
     shard_experts,
 )
 from moe_ep.transformers._loader import from_pretrained
@@ -38,6 +40,7 @@ __all__ = [
     "experts_modules",
     "from_pretrained",
     "is_experts_module",
+    "set_overlap",
     "lockstep",
     "moe_ep_experts_forward",
     "register",

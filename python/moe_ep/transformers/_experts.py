@@ -167,6 +167,23 @@ def shard_experts(model: torch.nn.Module, comm=None, *, transport: str = "",
     return count
 
 
+def set_overlap(model: torch.nn.Module, overlap=True, comm=None) -> int:
+    """Runs every MoE layer of model as two micro-batches whose dispatch and combine travel while
+    the other's experts compute (overlap True), the same two one after the other ("split": the
+    same bits), or as one batch (False); ExpertParallel's overlap. Cuts modules not yet cut to
+    this rank's experts of comm (default MPI.COMM_WORLD), as shard_experts. Returns the number of
+    experts modules. InvalidArgumentError for another value of overlap."""
+    if overlap not in (False, True, "split"):
+        raise InvalidArgumentError(
+            f"set_overlap: overlap = {overlap!r} must be False, True or 'split'")
+    shard_experts(model, comm)
+    count = 0
+    for _, module in experts_modules(model):
+        module._moe_ep.overlap = overlap
+        count += 1
+    return count
+
+
 def moe_ep_experts_forward(self, hidden_states: Tensor, top_k_index: Tensor,
                            top_k_weights: Tensor) -> Tensor:
     """The function registered as experts implementation "moe_ep": hidden_states (T, H) in the
