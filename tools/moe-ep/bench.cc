@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bench_output.h"
+#include "bench_overlap.h"
 #include "bench_point.h"
 #include "bench_timing.h"
 #include "bench_verify.h"
@@ -77,6 +78,7 @@ int bench_command(const BenchOptions& o) {
   const std::vector<int> machine = ranks_on_this_machine(rank);
   const int node_ranks = static_cast<int>(machine.size());
   Setup setup = agreed("before the run", [&] { return plan_bench(o, world, rank, node_ranks); });
+  if (o.overlap) return overlap_command(o, setup, *comm, dog);
   const bool compare = o.compare, quant = o.quant == "int8" || (o.quant.empty() && compare);
   setup.leaders = node_leaders(rank, machine);
   const bool nodes = std::any_of(setup.leaders.begin(), setup.leaders.end(),

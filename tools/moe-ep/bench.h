@@ -46,6 +46,12 @@ struct BenchOptions {
   std::string csv, json, plot;
   std::optional<double> timeout_s;
   bool debug_corrupt_baseline = false;  // test hook: flips one byte of the textbook's expand_x
+  // --overlap: the two-micro-batch layer, sequential against overlapped (bench_overlap.h), with
+  // the last rank holding `skew` times the tokens, and the experts' FFN size (unset: sized so
+  // that the experts take about as long as dispatch + combine).
+  bool overlap = false;
+  double skew = 1.0;
+  std::optional<int64_t> ffn;
 };
 
 // Collective over MPI_COMM_WORLD. Returns 0 when every verification passed (missed performance

@@ -141,7 +141,9 @@ int run(const CommandLine& line) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  // MPI_THREAD_MULTIPLE: bench --overlap runs moe-ep's asynchronous ops (moe_ep/async.h).
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_dup(MPI_COMM_WORLD, &g_fail_comm);
