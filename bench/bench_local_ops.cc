@@ -32,7 +32,7 @@
 // more slowly than memcpy moves data, that floor is below 0.8x memcpy. The
 // ops allocate their outputs on every call (the API returns owned tensors), so their page
 // faults would be part of their time, but the library keeps freed large blocks for reuse
-// (src/core/block_cache.h), so from the second call on the outputs land on pages already
+// (src/base/block_cache.h), so from the second call on the outputs land on pages already
 // mapped, as in a training or serving loop. alloc/<op> shows what fresh pages would cost.
 //
 // Every op is compared bitwise with its ref/ oracle once, before it is timed; a mismatch aborts.

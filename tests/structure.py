@@ -7,7 +7,7 @@
 
 Layers, top to bottom: include/moe_ep (the API) -> src/core and src/sharding (plans, the ops as
 named steps) -> src/kernels (leaves: they know no network) and src/transport (moves opaque
-bytes) -> src/base (checks, threads, environment). ref/ (the test oracles) shares no code with
+bytes) -> src/base (checks, threads, environment, the tensor view). ref/ (the test oracles) shares no code with
 what it checks; tools/, python/src/ and examples/ use the public API only. Exits 1 naming every
 offence.
 """
@@ -29,6 +29,10 @@ ALLOWED = {
     "examples": {"moe_ep", "local"},
     "bench": {"moe_ep", "ref", "local"},
 }
+# Public types every layer uses, and the one directory their member functions may be defined in:
+# the bottom layer, so that no leaf (kernels, transport) depends on core at link time.
+HOMES = {"Tensor": "src/base", "TensorView": "src/base"}
+DEFINITION = re.compile(r"^[\w:<>*&][\w:<>*&\s]*?\b(" + "|".join(HOMES) + r")::~?\w+\s*\(")
 # Sources whose functions are SIMD kernel bodies (Highway's per-target code), allowed to be long.
 KERNEL_BODIES = {"src/kernels/cpu/convert.cc", "src/kernels/cpu/quant.cc",
                  "src/kernels/cpu/rows-inl.h"}
@@ -56,6 +60,13 @@ def layering(root):
                 if top not in allowed:
                     bad.append(f"{f.relative_to(root)}:{n}: includes \"{target}\" "
                                f"({d} may include only {', '.join(sorted(allowed))})")
+    for f in files_under(root, "src"):
+        rel = f.relative_to(root).as_posix()
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            m = DEFINITION.match(line)
+            if m and not rel.startswith(HOMES[m.group(1)] + "/"):
+                bad.append(f"{rel}:{n}: defines a member of {m.group(1)}, which belongs in "
+                           f"{HOMES[m.group(1)]} (every layer uses it)")
     return bad
 
 

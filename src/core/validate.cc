@@ -42,12 +42,6 @@ void expect_shape(const char* op, const char* name, const TensorView& t) {
               dtype_name(t.dtype), " exceeds 2^63 bytes (the sizes other than 0 count)");
 }
 
-std::string shape_text(const int64_t* shape, int ndim) {
-  std::string s = "[";
-  for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
-  return s + "]";
-}
-
 void expect_memory(const char* op, const char* name, const TensorView& t) {
   expect_shape(op, name, t);
   int64_t bytes = 0;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "base/numeric.h"
+#include "base/tensor_internals.h"
 #include "moe_ep/tensor.h"
 
 namespace moe_ep::detail {
@@ -30,8 +31,6 @@ void expect_rows(const char* op, const char* name, const TensorView& t);
 // fit int64: "unpermute: permuted_tokens.shape = [4611686018427387904, 4] fp32 exceeds 2^63 bytes
 // (the sizes other than 0 count)".
 void expect_shape(const char* op, const char* name, const TensorView& t);
-// "[4, 2048]": the first ndim sizes, for messages.
-std::string shape_text(const int64_t* shape, int ndim);
 // Sizes >= 0 (expect_shape), non-null data when numel > 0, non-negative strides.
 void expect_memory(const char* op, const char* name, const TensorView& t);
 

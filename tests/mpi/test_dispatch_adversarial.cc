@@ -350,7 +350,7 @@ TEST_F(EpLayoutAdversarial, NoTokensAnywhere) {
 // communicator of its own: a first call with many valid rows, whose expand_x and
 // assist_info_for_combine are then poisoned (NaN rows, 0xa5a5a5a5 entries) and released; then a
 // second call with other routing, fewer valid rows and the same capacity A, which gets that memory
-// back (both outputs are over the block cache's 4 MiB threshold, core/block_cache.h; with "shm"
+// back (both outputs are over the block cache's 4 MiB threshold, base/block_cache.h; with "shm"
 // expand_x takes the same slot of the new window). Its valid prefix must equal the reference
 // bitwise, and combine_v2 over it (the expert outputs NaN past the valid rows, the assist tail
 // poisoned) must equal the reference bitwise: a read past the valid rows would show.

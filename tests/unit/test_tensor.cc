@@ -46,7 +46,7 @@ TEST(Tensor, EmptyZerosAligned) {
   Tensor e = Tensor::empty(DType::kI64, {0, 7});
   EXPECT_EQ(e.numel(), 0);
   EXPECT_EQ(e.size(1), 7);
-  // Small blocks come from malloc, aligned by hand (src/core/block_cache.cc): every size is
+  // Small blocks come from malloc, aligned by hand (src/base/block_cache.cc): every size is
   // 64-byte aligned and writable to its end, and is freed whole (AddressSanitizer checks the
   // free and the bounds).
   for (int64_t bytes : {1, 15, 16, 17, 63, 64, 65, 127, 1000, 4096, 100000, (4 << 20) - 1}) {
@@ -60,7 +60,7 @@ TEST(Tensor, EmptyZerosAligned) {
 }
 
 // Blocks of 4 MiB and more are kept when freed and handed to the next allocation of the same
-// rounded size (src/core/block_cache.h): outputs of repeated calls land on mapped pages.
+// rounded size (src/base/block_cache.h): outputs of repeated calls land on mapped pages.
 TEST(Tensor, LargeBlocksAreReused) {
   constexpr int64_t kBytes = int64_t{8} << 20;
   const void* first = nullptr;

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "base/check.h"
+#include "base/tensor_internals.h"
 #include "core/ep/dispatch_call.h"
 #include "core/ep/slot.h"
-#include "core/tensor_internals.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
 #include "transport/communicator.h"

@@ -1,4 +1,4 @@
-#include "core/block_cache.h"
+#include "base/block_cache.h"
 
 #include <sys/mman.h>
 

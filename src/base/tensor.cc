@@ -6,13 +6,18 @@
 #include <new>
 #include <sstream>
 
+#include "base/block_cache.h"
 #include "base/check.h"
 #include "base/numeric.h"
-#include "core/block_cache.h"
-#include "core/tensor_internals.h"
-#include "core/validate.h"
+#include "base/tensor_internals.h"
 
 namespace moe_ep {
+
+std::string detail::shape_text(const int64_t* shape, int ndim) {
+  std::string s = "[";
+  for (int d = 0; d < ndim; ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + "]";
+}
 
 namespace {
 // DLPack 0.6 has no bool code; later versions use 6 (kDLBool), which PyTorch exports.
@@ -223,7 +228,7 @@ Tensor Tensor::empty(DType dtype, const std::vector<int64_t>& shape) {
     detail::invalid("Tensor::empty: ", elems, " elements of ", dtype_name(dtype),
                     " exceed 2^63 bytes");
   const std::size_t bytes = static_cast<std::size_t>(bytes64);
-  // Large blocks are reused between calls (core/block_cache.h): fresh pages cost a page fault
+  // Large blocks are reused between calls (base/block_cache.h): fresh pages cost a page fault
   // and the kernel's zeroing each.
   void* p = detail::allocate_block(bytes);
   if (p == nullptr)
