@@ -451,9 +451,9 @@ def train_moe_example(comm):
         run_example(comm, "train_moe.py")
 
 
-def run_example(comm, name: str) -> None:
-    """examples/python/<name> as __main__ in this launch: exit status 0 on every rank, PASS on
-    rank 0; its output is passed on, one line per write."""
+def run_example(comm, name: str, args=()) -> None:
+    """examples/python/<name> as __main__ in this launch (with args): exit status 0 on every
+    rank, PASS on rank 0; its output is passed on, one line per write."""
     import contextlib
     import io
     import runpy
@@ -461,7 +461,7 @@ def run_example(comm, name: str) -> None:
 
     path = Path(__file__).resolve().parents[2] / "examples" / "python" / name
     buf, argv = io.StringIO(), sys.argv
-    sys.argv = [str(path)]
+    sys.argv = [str(path), *args]
     try:
         with contextlib.redirect_stdout(buf):
             runpy.run_path(str(path), run_name="__main__")
@@ -476,6 +476,14 @@ def run_example(comm, name: str) -> None:
     if status not in (0, None) or (comm.Get_rank() == 0 and not any(
             line.startswith("PASS") for line in lines)):
         raise AssertionError(f"{name} exited with {status!r}: {lines[-3:]}")
+
+
+@case
+def overlap_example(comm):
+    """examples/python/overlap.py: the overlapped two-micro-batch layer gives the sequential
+    one's bits (small sizes; 2 ranks only)."""
+    if comm.Get_size() == 2:
+        run_example(comm, "overlap.py", ["--tokens", "24", "--hidden", "64", "--iters", "2"])
 
 
 @case

@@ -59,6 +59,14 @@ def test_train_moe_example():
     assert re.search(r"^train_moe\.py rank=0: PASS$", proc.report, re.M), _tail(proc.stdout)
 
 
+def test_overlap_example():
+    """examples/python/overlap.py (issue 32): rank 0 printed PASS (the overlapped layer's outputs
+    equal the sequential one's bit for bit) in the 2-rank launch."""
+    proc, results = _launch(2)
+    assert results.get("overlap_example") == {r: "OK" for r in range(2)}, _tail(proc.stdout)
+    assert re.search(r"^overlap\.py rank=0: PASS", proc.report, re.M), _tail(proc.stdout)
+
+
 def test_ascend_single_op_example():
     """The seed's single-op example ported to moe_ep.torch_npu by swapping its import and its
     group set-up (examples/python/ascend_single_op.py, README "Porting torch_npu code") runs
