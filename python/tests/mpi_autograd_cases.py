@@ -250,10 +250,14 @@ def async_sources_and_errors(comm):
             raise AssertionError(f"{type(e).__name__}: {e}") from e
     else:
         raise AssertionError("a bad expert id went through")
-    try:
-        mt.dispatch_v2(layer.x[rank], ids, comm, async_op=1, **kw)
-    except moe_ep.InvalidArgumentError as e:
-        if "dispatch_v2: async_op = 1 (int) must be a bool" not in str(e):
+    try:  # a malformed async_op on one rank: through the collective, RemoteError elsewhere
+        flag = 1 if rank == world - 1 else True
+        work = mt.dispatch_v2(layer.x[rank], ids, comm, async_op=flag, **kw)
+        work.wait()
+    except moe_ep.Error as e:
+        want_kind = moe_ep.InvalidArgumentError if rank == world - 1 else moe_ep.RemoteError
+        if (not isinstance(e, want_kind)
+                or "dispatch_v2: async_op = 1 (int) must be a bool" not in str(e)):
             raise
     else:
         raise AssertionError("async_op=1 accepted")

@@ -969,8 +969,8 @@ def dispatch_v2(
     Errors: moe_ep.InvalidArgumentError / UnsupportedError on this rank's bad arguments,
     RemoteError when another rank's were bad, TimeoutError past the deadline (docs/errors.md).
     """
-    _args.boolean("dispatch_v2", "async_op", async_op)
     gid, size, rank = _resolve(group_ep, "dispatch_v2", "group_ep")
+    _check_async_op("dispatch_v2", async_op, gid)
     ep_world_size = size if ep_world_size is None else ep_world_size
     ep_rank_id = rank if ep_rank_id is None else ep_rank_id
     tp = _front_checks("dispatch_v2", _dispatch_v2_impl, gid, group_tp, dict(
@@ -1036,8 +1036,8 @@ def combine_v2(
     async_op (default False): True starts the op and returns a CombineWork at once, whose
     .wait() gives x (or raises the op's error), as dispatch_v2's async_op.
     """
-    _args.boolean("combine_v2", "async_op", async_op)
     gid, size, rank = _resolve(group_ep, "combine_v2", "group_ep")
+    _check_async_op("combine_v2", async_op, gid)
     ep_world_size = size if ep_world_size is None else ep_world_size
     ep_rank_id = rank if ep_rank_id is None else ep_rank_id
     tp = _front_checks("combine_v2", _combine_v2_impl, gid, group_tp, dict(
@@ -1066,6 +1066,15 @@ def combine_v2(
             group_tp=tp,
             **kwargs,
         )
+
+
+def _check_async_op(op: str, async_op, gid: int) -> None:
+    """async_op is a bool; else raised through op's collective (the peers, synchronous or not,
+    raise RemoteError instead of waiting for this rank)."""
+    try:
+        _args.boolean(op, "async_op", async_op)
+    except Error as err:
+        _raise_in_collective(op, err, gid, 0, None)
 
 
 def _front_checks(op: str, impl, gid: int, group_tp, values: Dict[str, object]) -> int:
