@@ -20,7 +20,9 @@
 // Lifetimes: the tensors the inputs view (x, expert_ids, expand_x, ...), the memory of
 // DispatchInputs::out and the Communicators must stay alive and unchanged until wait() has
 // returned (or thrown): the op reads and writes them while it runs, as MPI_Isend does. The input
-// structs themselves, a DispatchHandle and DispatchBuffers are copied by the start call.
+// structs themselves, a DispatchHandle and DispatchBuffers are copied by the start call. A Pending
+// destroyed without wait() leaves its op running to its end (the peers run it too), so that
+// memory must stay valid until then; the Communicator's destructor waits for it.
 // One thread at a time may start, test and wait the ops of one communicator.
 #pragma once
 

@@ -238,6 +238,17 @@ def async_sources_and_errors(comm):
     valid = int(want.ep_recv_counts[-1])
     if not torch.equal(got.expand_x[:valid], want.expand_x[:valid]):
         raise AssertionError("async expand_x differs")
+    # A work dropped before wait(): its op still runs (its inputs kept), and the next call, queued
+    # behind it, gives the same outputs.
+    x_dropped = layer.x[rank].clone()
+    mt.dispatch_v2(x_dropped, ids, comm, async_op=True, **kw)  # the work is dropped at once
+    del x_dropped
+    import gc
+
+    gc.collect()
+    again = mt.dispatch_v2(layer.x[rank], ids, comm, **kw)
+    if not torch.equal(again.expand_x[:valid], want.expand_x[:valid]):
+        raise AssertionError("the call after a dropped work differs")
     bad = ids.clone()
     if rank == world - 1:
         bad[0, 0] = layer.e + 3

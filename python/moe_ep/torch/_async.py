@@ -6,7 +6,9 @@ e.g. the experts of another micro-batch.
 Autograd: when grad mode is on at the start and an input the op differentiates requires grad,
 wait() attaches the op to the graph as the synchronous call would (the same backward ops, which
 run synchronously). The input tensors are kept alive by the work object until wait() (the op
-reads them while it runs): do not change them in place before.
+reads them while it runs): do not change them in place before. A work object dropped before
+wait() leaves its op running to its end (every rank runs it); its inputs are then kept in
+_orphans until it has ended.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ class SourceRows(NamedTuple):
     expand_x: Tensor
     dynamic_scales: Optional[Tensor]
     expand_scales: Tensor
+
+
+# (pending op, its inputs) of work objects dropped before wait(): the worker may still read them.
+_orphans: List[tuple] = []
+
+
+def _adopt(pending, values) -> None:
+    _orphans[:] = [o for o in _orphans if not o[0].test()]
+    if values is not None and not pending.test():
+        _orphans.append((pending, values))
 
 
 def _impl_args(impl, values: Dict[str, object]) -> list:
@@ -109,6 +121,9 @@ class DispatchWork:
     def is_completed(self) -> bool:
         return self._result is not None or self._pending.test()
 
+    def __del__(self):
+        _adopt(self._pending, self._values)
+
     def wait(self) -> "_d.DispatchResult":
         if self._result is not None:
             return self._result
@@ -148,6 +163,9 @@ class CombineWork:
 
     def is_completed(self) -> bool:
         return self._result is not None or self._pending.test()
+
+    def __del__(self):
+        _adopt(self._pending, self._values)
 
     def wait(self) -> Tensor:
         if self._result is not None:
