@@ -713,6 +713,12 @@ cli_expect_output(bench.transport_mpi "seed 0  transport mpi  comm_alg fullmesh 
 cli_expect_output(bench.exact_size "transport shm  comm_alg fullmesh  --exact-size  --quant int8\n.*verified\n.*verified\n.*peak RSS per rank \\(VmHWM, whole run\\): min"
   "${_mpi} -n 2 --oversubscribe ${_exe} bench --exact-size --tokens 8,16 --hidden 64 --iters 2 --warmup 0 --quant int8"
   NOT_REGEX "error|FAILED|abort|verification failed" PROCESSORS 2)
+# --overlap (moe_ep/async.h): the two-micro-batch layer, sequential and overlapped, bitwise equal
+# outputs, on 3 ranks with the last holding twice the tokens; --ffn out of range is refused.
+cli_expect_output(bench.overlap "tokens/rank 8 \\(last rank 16\\).*ffn 16 \\(--ffn\\).*sequential .* overlapped .* ratio .*; outputs bitwise equal\n.*whole dispatch .* per source"
+  "${_mpi} -n 3 --oversubscribe ${_exe} bench --overlap --experts 12 --top-k 4 --routing uniform --tokens 8 --hidden 64 --iters 2 --warmup 1 --ffn 16 --skew 2"
+  NOT_REGEX "error|FAIL|abort" PROCESSORS 3)
+cli_expect_usage_error(bench_overlap_ffn_range "--ffn: .*16" "bench --overlap --ffn 8")
 # --compare times int8 dispatch too unless --quant none: the issue's targets include it.
 cli_expect_output(bench.compare_times_int8 "--compare  --quant int8\n.*dispatch int8/bf16 time"
   "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 8 --hidden 64 --iters 2 --warmup 0 --compare"

@@ -71,18 +71,20 @@ extern template class Pending<CombineBackwardOutputs>;
 
 // The rows one source rank sent this rank, landed in the outputs (PendingDispatch::wait_source).
 struct SourceRows {
-  int64_t source = -1;  // the source's rank in group_ep (assist_info_for_combine's first field)
-  // Per local expert l in [0, L): expand_x rows [offset[l], offset[l] + rows[l]) are this
+  // The source rank: assist_info_for_combine's first field (its group_ep rank; after a scale-in,
+  // elastic_info, its new rank).
+  int64_t source = -1;
+  // Per local expert l in [0, L): expand_x rows [offsets[l], offsets[l] + rows[l]) are this
   // source's rows for local expert l (SPEC §1.4's order), with their expand_scales,
   // dynamic_scales and assist_info_for_combine entries written.
-  std::vector<int64_t> offset, rows;
+  std::vector<int64_t> offsets, rows;
   // The outputs the rows landed in: the Tensors wait() will return (same memory), valid for the
   // rows this SourceRows names (and those of the sources returned before it); other rows may
   // still be in flight.
-  Tensor expand_x, dynamic_scales, expand_scales;
+  Tensor expand_x, dynamic_scales, expand_scales, assist_info_for_combine;
 };
 
-// A started dispatch_v2 (or the dispatch route of combine_v2_backward).
+// A started dispatch_v2.
 class MOE_EP_API PendingDispatch : public Pending<DispatchOutputs> {
  public:
   // Per-source completion: blocks until the rows of one more source rank have landed, and

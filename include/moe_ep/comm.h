@@ -77,11 +77,10 @@ class MOE_EP_API Communicator {
 
   // First waits for the ops started on it (moe_ep/async.h) that are still running or queued:
   // they end by their deadlines. Then frees the duplicate (if MPI is not finalised yet); local,
-  // never throws. When
-  // the shared-memory transport was used (EpConfig::transport), its node communicator and windows
-  // stay mapped until the process exits: freeing them is collective over the machine, and
-  // destructors run at different moments on different ranks (docs/design.md, "Shared-memory
-  // transport"), so create communicators once per process rather than per step.
+  // never throws. When the shared-memory transport was used (EpConfig::transport), its node
+  // communicator and windows stay mapped until the process exits: freeing them is collective over
+  // the machine, and destructors run at different moments on different ranks (docs/design.md,
+  // "Shared-memory transport"), so create communicators once per process rather than per step.
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -121,7 +120,7 @@ class MOE_EP_API Communicator {
   mutable int node_ranks_env_ = -1;
   mutable Traffic traffic_;
   // Runs the asynchronous ops (moe_ep/async.h) in the order they were started; made by the first.
-  mutable std::shared_ptr<detail::SerialWorker> worker_;
+  mutable std::unique_ptr<detail::SerialWorker> worker_;
   // The first failure of an op's wait on this communicator (a timeout, an MPI error), or "":
   // afterwards messages of the failed op may still be in flight, so no later op may start on it.
   mutable std::string broken_;

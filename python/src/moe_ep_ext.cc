@@ -489,7 +489,8 @@ struct PyPendingDispatch {
     }
     return dispatch_tuple(std::move(r));
   }
-  // (source, offsets, rows, expand_x, dynamic_scales or None, expand_scales), or None.
+  // (source, offsets, rows, expand_x, dynamic_scales or None, expand_scales,
+  // assist_info_for_combine), or None.
   nb::object wait_source() {
     std::optional<moe_ep::SourceRows> s;
     {
@@ -498,8 +499,9 @@ struct PyPendingDispatch {
     }
     if (!s) return nb::none();
     return nb::make_tuple(
-        s->source, nb::cast(s->offset), nb::cast(s->rows), to_python(std::move(s->expand_x)),
-        to_python(std::move(s->dynamic_scales)), to_python(std::move(s->expand_scales)));
+        s->source, nb::cast(s->offsets), nb::cast(s->rows), to_python(std::move(s->expand_x)),
+        to_python(std::move(s->dynamic_scales)), to_python(std::move(s->expand_scales)),
+        to_python(std::move(s->assist_info_for_combine)));
   }
 };
 
@@ -748,7 +750,8 @@ NB_MODULE(_C, m) {
            "Blocks until the op has ended; returns dispatch_v2's tuple or raises its error; once")
       .def("wait_source", &PyPendingDispatch::wait_source,
            "Blocks until one more source rank's rows have landed: (source, offsets, rows, "
-           "expand_x, dynamic_scales, expand_scales), rows [offsets[l], offsets[l] + rows[l]) "
+           "expand_x, dynamic_scales, expand_scales, assist_info_for_combine), rows [offsets[l], "
+           "offsets[l] + rows[l]) "
            "of expand_x for local expert l; None once every source was returned");
   nb::class_<PyPendingTensor>(m, "PendingTensor",
                               "A combine_v2 started with async_op=True (moe_ep/async.h)")

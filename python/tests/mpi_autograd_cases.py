@@ -239,8 +239,8 @@ def async_sources_and_errors(comm):
     if not torch.equal(got.expand_x[:valid], want.expand_x[:valid]):
         raise AssertionError("async expand_x differs")
     # A work dropped before wait(): its op still runs (its inputs kept), and the next call, queued
-    # behind it, gives the same outputs.
-    x_dropped = layer.x[rank].clone()
+    # behind it, gives the same outputs. x with strided rows: the binding is given a copy.
+    x_dropped = layer.x[rank].t().contiguous().t()
     mt.dispatch_v2(x_dropped, ids, comm, async_op=True, **kw)  # the work is dropped at once
     del x_dropped
     import gc
@@ -305,6 +305,14 @@ def expert_parallel_overlap(comm):
         return out.detach(), x.grad, experts.grad
 
     ovl, split, one = run(True), run("split"), run(False)
+    for bad in (1, 0, "yes"):
+        try:
+            ExpertParallel(layer.e, None, comm, overlap=bad)
+        except moe_ep.InvalidArgumentError as e:
+            if "must be False, True or 'split'" not in str(e):
+                raise
+        else:
+            raise AssertionError(f"overlap={bad!r} accepted")
     for name, a, b in zip(("output", "grad of x", "grad of the experts"), ovl, split):
         if not torch.equal(a, b):
             raise AssertionError(f"{name}: overlapped differs from split")

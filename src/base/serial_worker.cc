@@ -4,6 +4,17 @@
 
 namespace moe_ep::detail {
 
+namespace {
+thread_local bool t_on_worker = false;
+}  // namespace
+
+bool SerialWorker::on_a_worker() { return t_on_worker; }
+
+void SerialWorker::drain() {
+  std::unique_lock<std::mutex> lock(mu_);
+  idle_.wait(lock, [&] { return queue_.empty() && !running_; });
+}
+
 SerialWorker::~SerialWorker() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -26,6 +37,7 @@ bool SerialWorker::idle() const {
 }
 
 void SerialWorker::loop() {
+  t_on_worker = true;
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -37,6 +49,7 @@ void SerialWorker::loop() {
     task();
     lock.lock();
     running_ = false;
+    if (queue_.empty()) idle_.notify_all();
   }
 }
 

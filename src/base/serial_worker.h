@@ -25,14 +25,16 @@ class SerialWorker {
   void submit(std::function<void()> task);
   // Nothing queued or running.
   bool idle() const;
-  // True on the worker's own thread: an op a task runs must not submit and wait (it would wait
-  // for itself).
-  bool on_worker() const { return std::this_thread::get_id() == thread_.get_id(); }
+  // Blocks until idle(). Not from a worker's own thread (it would wait for itself).
+  void drain();
+  // True on the thread of any SerialWorker.
+  static bool on_a_worker();
 
  private:
   void loop();
   mutable std::mutex mu_;
   std::condition_variable wake_;
+  std::condition_variable idle_;  // notified when the queue runs empty
   std::deque<std::function<void()>> queue_;
   bool running_ = false;  // a task is running
   bool stop_ = false;

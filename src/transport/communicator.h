@@ -29,7 +29,7 @@ struct CommInternals {
   static std::string& broken(const Communicator& comm) { return comm.broken_; }
   // The worker of the asynchronous ops, or null before the first (no thread is started for a
   // communicator that never runs one).
-  static std::shared_ptr<SerialWorker>& worker(const Communicator& comm) { return comm.worker_; }
+  static std::unique_ptr<SerialWorker>& worker(const Communicator& comm) { return comm.worker_; }
 };
 
 // The level of thread support MPI was initialised with (MPI_Query_thread), by name, and whether

@@ -171,8 +171,15 @@ void Exchange::wait(const std::function<void(int peer)>& on_received) {
       if (on_received && done.recv && --pending_from[static_cast<std::size_t>(done.peer)] == 0)
         received.push_back(done.peer);
     }
-    if (mpi_failure.empty())
-      for (int peer : received) on_received(peer);
+    if (mpi_failure.empty()) {
+      try {
+        for (int peer : received) on_received(peer);
+      } catch (const std::exception& e) {
+        // Other peers' messages of this phase are still in flight: no later op may take them.
+        broken(cat(op_, " failed in phase '", phase_, "' while taking a peer's data: ", e.what()));
+        throw;
+      }
+    }
     received.clear();
     if (outcount > 0) {
       idle = 0;

@@ -163,12 +163,19 @@ TEST(Async, EachSourceLandsOnceWithItsRows) {
         const int64_t blk = l * W + s->source;
         const int64_t end = inclusive[blk], n = end - (blk > 0 ? inclusive[blk - 1] : 0);
         EXPECT_EQ(s->rows[l], n);
-        EXPECT_EQ(s->offset[l], end - n);
+        EXPECT_EQ(s->offsets[l], end - n);
         const int64_t bytes = n * b.H * 2, at = (end - n) * b.H * 2;
         EXPECT_EQ(std::memcmp(s->expand_x.ptr<char>() + at, want.expand_x.ptr<char>() + at,
                               static_cast<std::size_t>(bytes)),
                   0)
             << "source " << s->source << " expert " << l;
+        // Their expand_scales and assist_info_for_combine entries are written too.
+        EXPECT_EQ(std::memcmp(s->expand_scales.ptr<float>() + (end - n),
+                              want.expand_scales.ptr<float>() + (end - n),
+                              static_cast<std::size_t>(n) * 4),
+                  0);
+        for (int64_t j = end - n; j < end; ++j)
+          EXPECT_EQ(s->assist_info_for_combine.ptr<int32_t>()[3 * j], s->source) << "row " << j;
       }
     }
     EXPECT_EQ(static_cast<int>(seen.size()), W);
@@ -254,6 +261,24 @@ TEST(Async, MisusesAreRefused) {
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::kUnsupported) << e.what();
     EXPECT_NE(std::string(e.what()).find("tp_world_size 2"), std::string::npos) << e.what();
+  }
+}
+
+// Pendings dropped without wait() and the communicator destroyed with ops still queued: the
+// destructor waits for them (the inputs outlive it here), and a new communicator works.
+TEST(Async, DestroyingTheCommunicatorWaitsForItsOps) {
+  Batch b = make_batch(11), b2 = make_batch(12, 3);
+  const DispatchOutputs want = dispatch_v2(dispatch_inputs(b2), config(b2));
+  for (int round = 0; round < 2; ++round) {
+    auto c = Communicator::from_mpi(MPI_COMM_WORLD);
+    EpConfig cfg = config(b);
+    cfg.group_ep = c.get();
+    for (int i = 0; i < 3; ++i) dispatch_v2_start(dispatch_inputs(b), cfg);  // dropped at once
+    if (round == 1) {  // a synchronous op queued behind them first
+      EpConfig cfg2 = config(b2);
+      cfg2.group_ep = c.get();
+      expect_same_dispatch(dispatch_v2(dispatch_inputs(b2), cfg2), want, b2.H);
+    }
   }
 }
 

@@ -105,7 +105,7 @@ struct Layer {
     Tensor y;
     while (std::optional<moe_ep::SourceRows> s = p.wait_source()) {
       if (!y.defined()) y = Tensor::empty(dtype, {s->expand_x.size(0), s->expand_x.size(1)});
-      source(s->expand_x, y, s->offset, s->rows);
+      source(s->expand_x, y, s->offsets, s->rows);
     }
     return y;
   }
@@ -170,20 +170,32 @@ Tensor experts_by_source(Layer& layer, const MicroBatch& b, bool per_source, dou
   return y;
 }
 
-double max_over_ranks(double v) {
+// The blocking MPI calls of the bench (outside moe-ep's ops, which have their own deadlines)
+// run with the watchdog armed: a rank that failed is named, not waited for.
+double max_over_ranks(Watchdog& dog, double v) {
   double m = 0;
+  dog.arm("the overlap bench's reduction of the times");
   MPI_Allreduce(&v, &m, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  dog.disarm();
   return m;
 }
 
-bool same_bits(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+bool same_bits(Watchdog& dog, const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
   bool same = a.size() == b.size();
   for (size_t i = 0; same && i < a.size(); ++i)
     same = a[i].nbytes() == b[i].nbytes() &&
            std::memcmp(a[i].data(), b[i].data(), static_cast<size_t>(a[i].nbytes())) == 0;
   int ok = same ? 1 : 0, all = 0;
+  dog.arm("the overlap bench's comparison of the outputs");
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+  dog.disarm();
   return all == 1;
+}
+
+void barrier(Watchdog& dog) {
+  dog.arm("the overlap bench's barrier");
+  MPI_Barrier(MPI_COMM_WORLD);
+  dog.disarm();
 }
 
 double median(std::vector<double> v) {
@@ -193,13 +205,13 @@ double median(std::vector<double> v) {
 
 // Seconds of `f` on the slowest rank, median of `n` runs after a barrier each.
 template <class F>
-double timed(int n, F&& f) {
+double timed(Watchdog& dog, int n, F&& f) {
   std::vector<double> t;
   for (int i = 0; i < n; ++i) {
-    MPI_Barrier(MPI_COMM_WORLD);
+    barrier(dog);
     const double t0 = now_s();
     f();
-    t.push_back(max_over_ranks(now_s() - t0));
+    t.push_back(max_over_ranks(dog, now_s() - t0));
   }
   return median(t);
 }
@@ -208,7 +220,6 @@ double timed(int n, F&& f) {
 
 int overlap_command(const BenchOptions& o, const Setup& s, moe_ep::Communicator& comm,
                     Watchdog& dog) {
-  (void)dog;
   // One BLAS thread per rank unless asked otherwise, as moe-ep run: ranks already fill the cores.
   if (std::getenv("OPENBLAS_NUM_THREADS") == nullptr) openblas_set_num_threads(1);
   int fails = 0;
@@ -226,20 +237,22 @@ int overlap_command(const BenchOptions& o, const Setup& s, moe_ep::Communicator&
     // Expert work near the transfer time: time dispatch + combine and the experts at F = 16,
     // then scale F (--ffn overrides), the largest over ranks.
     const int reps = std::max<int64_t>(1, std::min<int64_t>(o.iters, 3));
-    const double comm_s = timed(reps, [&] {
+    const double comm_s = timed(dog, reps, [&] {
       const DispatchOutputs d = moe_ep::dispatch_v2(mbs[0].inputs(), layer.cfg);
       moe_ep::combine_v2(layer.combine_inputs(mbs[0], d, d.expand_x), layer.cfg);
     });
     const DispatchOutputs d0 = moe_ep::dispatch_v2(mbs[0].inputs(), layer.cfg);
     int64_t ffn = o.ffn.value_or(0);
     if (ffn == 0) {
-      const double expert_s = timed(reps, [&] { layer.all(d0); });
+      const double expert_s = timed(dog, reps, [&] { layer.all(d0); });
       const double f = 16.0 * comm_s / std::max(expert_s, 1e-6);
       ffn = std::clamp<int64_t>(static_cast<int64_t>(f), 16, 1 << 16);
+      dog.arm("the overlap bench's agreement on the FFN size");
       MPI_Allreduce(MPI_IN_PLACE, &ffn, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+      dog.disarm();
     }
     layer.bank = ExpertBank(ExpertFn::kSwiglu, o.seed, s.layer.experts, s.layer.hidden, ffn);
-    const double expert_s = timed(reps, [&] { layer.all(d0); });
+    const double expert_s = timed(dog, reps, [&] { layer.all(d0); });
     for (int i = 0; i < o.warmup; ++i) {
       sequential(layer, mbs);
       overlapped(layer, mbs);
@@ -248,17 +261,17 @@ int overlap_command(const BenchOptions& o, const Setup& s, moe_ep::Communicator&
     bool same = true;
     for (int64_t it = 0; it < o.iters; ++it) {
       std::vector<Tensor> a, b;
-      seq.push_back(timed(1, [&] { a = sequential(layer, mbs); }));
-      ovl.push_back(timed(1, [&] { b = overlapped(layer, mbs); }));
-      same = same_bits(a, b) && same;
+      seq.push_back(timed(dog, 1, [&] { a = sequential(layer, mbs); }));
+      ovl.push_back(timed(dog, 1, [&] { b = overlapped(layer, mbs); }));
+      same = same_bits(dog, a, b) && same;
       for (bool per_source : {false, true}) {
-        MPI_Barrier(MPI_COMM_WORLD);
+        barrier(dog);
         double done = 0;
         DispatchOutputs d;
         const Tensor y = experts_by_source(layer, mbs[0], per_source, now_s(), &done, &d);
         // The slow source itself waits for nobody's rows: its time is not the one at stake.
         const double mine = s.rank == s.W - 1 && s.W > 1 ? 0 : done;
-        (per_source ? by_source : whole).push_back(max_over_ranks(mine));
+        (per_source ? by_source : whole).push_back(max_over_ranks(dog, mine));
         moe_ep::combine_v2(layer.combine_inputs(mbs[0], d, y), layer.cfg);
       }
     }

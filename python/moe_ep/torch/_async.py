@@ -5,10 +5,11 @@ e.g. the experts of another micro-batch.
 
 Autograd: when grad mode is on at the start and an input the op differentiates requires grad,
 wait() attaches the op to the graph as the synchronous call would (the same backward ops, which
-run synchronously). The input tensors are kept alive by the work object until wait() (the op
-reads them while it runs): do not change them in place before. A work object dropped before
-wait() leaves its op running to its end (every rank runs it); its inputs are then kept in
-_orphans until it has ended.
+run synchronously). The op reads its inputs while it runs: do not change them in place before
+wait(). The module keeps them (and the copies the binding was given, e.g. of a tensor whose rows
+are strided) alive until the op has ended, also for a work object dropped before wait() (its op
+still runs to its end: every rank runs it), and waits for every started op at interpreter exit,
+before mpi4py finalises MPI under the worker.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from moe_ep.torch._convert import tt
 class SourceRows(NamedTuple):
     """The rows one source rank sent this rank, landed (DispatchWork.wait_source): for local
     expert l, rows offsets[l] : offsets[l] + rows[l] of expand_x (SPEC §1.4's order), with their
-    expand_scales (and dynamic_scales with quant_mode 2). expand_x is the tensor wait() returns
+    expand_scales, assist_info_for_combine entries (and dynamic_scales with quant_mode 2). expand_x is the tensor wait() returns
     (the same memory), valid for these rows and those of the sources returned before."""
 
     source: int
@@ -36,16 +37,31 @@ class SourceRows(NamedTuple):
     expand_x: Tensor
     dynamic_scales: Optional[Tensor]
     expand_scales: Tensor
+    assist_info_for_combine: Tensor
 
 
-# (pending op, its inputs) of work objects dropped before wait(): the worker may still read them.
-_orphans: List[tuple] = []
+# (pending op, what its worker may still read) of every op started and not seen ended.
+_inflight: List[tuple] = []
+_exit_hook = []
 
 
-def _adopt(pending, values) -> None:
-    _orphans[:] = [o for o in _orphans if not o[0].test()]
-    if values is not None and not pending.test():
-        _orphans.append((pending, values))
+def _keep(pending, *buffers) -> None:
+    _inflight[:] = [o for o in _inflight if not o[0].test()]
+    _inflight.append((pending, buffers))
+    if not _exit_hook:  # after mpi4py's own atexit (registered when MPI was imported): runs first
+        import atexit
+
+        atexit.register(_wait_all)
+        _exit_hook.append(True)
+
+
+def _wait_all() -> None:
+    for pending, _ in _inflight:
+        try:
+            pending.wait()
+        except Exception:  # noqa: BLE001  (its error was the caller's to take; exiting now)
+            pass
+    _inflight.clear()
 
 
 def _impl_args(impl, values: Dict[str, object]) -> list:
@@ -121,9 +137,6 @@ class DispatchWork:
     def is_completed(self) -> bool:
         return self._result is not None or self._pending.test()
 
-    def __del__(self):
-        _adopt(self._pending, self._values)
-
     def wait(self) -> "_d.DispatchResult":
         if self._result is not None:
             return self._result
@@ -144,10 +157,10 @@ class DispatchWork:
         got = self._pending.wait_source()
         if got is None:
             return None
-        source, offsets, rows, expand_x, dynamic_scales, expand_scales = got
+        source, offsets, rows, expand_x, dynamic_scales, expand_scales, assist = got
         return SourceRows(source, list(offsets), list(rows), tt(expand_x),
                           None if dynamic_scales is None else tt(dynamic_scales),
-                          tt(expand_scales))
+                          tt(expand_scales), tt(assist))
 
 
 class CombineWork:
@@ -163,9 +176,6 @@ class CombineWork:
 
     def is_completed(self) -> bool:
         return self._result is not None or self._pending.test()
-
-    def __del__(self):
-        _adopt(self._pending, self._values)
 
     def wait(self) -> Tensor:
         if self._result is not None:
@@ -186,7 +196,9 @@ def _start(op: str, impl, positional, kwargs):
     args = _d._binding_args(op, values)
     args["handle"], args["handle_error"] = _d._handle_of(op, values["handle"])
     args["async_op"] = True
-    return values, getattr(_C, op)(**args)
+    pending = getattr(_C, op)(**args)
+    _keep(pending, values, args)
+    return values, pending
 
 
 def start_dispatch(positional, kwargs) -> DispatchWork:

@@ -179,7 +179,7 @@ class ExpertParallel(torch.nn.Module):
         self.experts = experts
         self.transport = transport
         self.lockstep = lockstep
-        if overlap not in (False, True, "split"):
+        if not (isinstance(overlap, bool) or overlap == "split"):
             raise InvalidArgumentError(
                 f"ExpertParallel: overlap = {overlap!r} must be False, True or 'split'")
         self.overlap = overlap

@@ -173,7 +173,7 @@ def set_overlap(model: torch.nn.Module, overlap=True, comm=None) -> int:
     same bits), or as one batch (False); ExpertParallel's overlap. Cuts modules not yet cut to
     this rank's experts of comm (default MPI.COMM_WORLD), as shard_experts. Returns the number of
     experts modules. InvalidArgumentError for another value of overlap."""
-    if overlap not in (False, True, "split"):
+    if not (isinstance(overlap, bool) or overlap == "split"):
         raise InvalidArgumentError(
             f"set_overlap: overlap = {overlap!r} must be False, True or 'split'")
     shard_experts(model, comm)

@@ -3,7 +3,9 @@
 // communicator's worker, which runs the synchronous op there.
 #include "moe_ep/async.h"
 
-#include <functional>
+#include <memory>
+#include <optional>
+#include <type_traits>
 #include <utility>
 
 #include "base/check.h"
@@ -77,35 +79,33 @@ SerialWorker& worker_for(const char* op, const EpConfig& cfg) {
     fail(ErrorKind::kUnsupported, op, ": MPI was initialised with ", level.name,
          "; the asynchronous ops call MPI from a thread of their own while the caller's may "
          "call it too, which needs MPI_THREAD_MULTIPLE (MPI_Init_thread)");
-  std::shared_ptr<SerialWorker>& w = CommInternals::worker(*cfg.group_ep);
-  if (!w) w = std::make_shared<SerialWorker>();
+  std::unique_ptr<SerialWorker>& w = CommInternals::worker(*cfg.group_ep);
+  if (!w) w = std::make_unique<SerialWorker>();
   return *w;
 }
 
-// Queues run() (returning an R) on `worker`; the Pending's state gets its result or its error.
-template <class R>
-std::shared_ptr<AsyncState> queue(SerialWorker& worker, std::function<R()> run) {
+// Starts `run` (an R from an In) on cfg.group_ep's worker over a copy of `in`, whose handle
+// (and, for a dispatch, DispatchBuffers) the task owns; the state gets R or the error.
+template <class R, class In, class Run>
+std::shared_ptr<AsyncState> start(const char* op, const In& in, const EpConfig& cfg, Run run) {
+  SerialWorker& worker = worker_for(op, cfg);
   auto state = std::make_shared<AsyncState>();
-  worker.submit([state, run = std::move(run)] {
+  std::optional<DispatchHandle> handle;
+  if (in.handle) handle = *in.handle;
+  std::optional<DispatchBuffers> out;
+  if constexpr (std::is_same_v<In, DispatchInputs>)
+    if (in.out) out = *in.out;
+  worker.submit([state, in = In(in), cfg, handle, out, run]() mutable {
+    in.handle = handle ? &*handle : nullptr;
+    if constexpr (std::is_same_v<In, DispatchInputs>) in.out = out ? &*out : nullptr;
     try {
-      state->finish(std::make_shared<R>(run()), nullptr);
+      state->finish(std::make_shared<R>(run(in, cfg, *state)), nullptr);
     } catch (...) {
       state->finish(nullptr, std::current_exception());
     }
   });
   return state;
 }
-
-// Copies of what an input struct points to, owned by the task.
-struct Owned {
-  std::optional<DispatchHandle> handle;
-  std::optional<DispatchBuffers> out;
-  const DispatchHandle* keep(const DispatchHandle* h) {
-    if (h == nullptr) return nullptr;
-    handle = *h;
-    return &*handle;
-  }
-};
 
 // A finished dispatch's sources, reported together when they did not land one by one.
 void report_sources(AsyncState& state, const DispatchOutputs& out) {
@@ -119,12 +119,13 @@ void report_sources(AsyncState& state, const DispatchOutputs& out) {
     for (int64_t l = 0; l < L; ++l) {
       const int64_t b = l * W + s;
       const int64_t n = inclusive[b] - (b > 0 ? inclusive[b - 1] : 0);
-      rows.offset.push_back(inclusive[b] - n);
+      rows.offsets.push_back(inclusive[b] - n);
       rows.rows.push_back(n);
     }
     rows.expand_x = out.expand_x;
     rows.dynamic_scales = out.dynamic_scales;
     rows.expand_scales = out.expand_scales;
+    rows.assist_info_for_combine = out.assist_info_for_combine;
     state.source_ready(std::move(rows));
   }
 }
@@ -156,83 +157,54 @@ std::optional<SourceRows> PendingDispatch::wait_source() {
 
 PendingDispatch dispatch_v2_start(const DispatchInputs& in, const EpConfig& cfg) {
   using namespace detail;
-  SerialWorker& worker = worker_for("dispatch_v2_start", cfg);
-  auto owned = std::make_shared<Owned>();
-  DispatchInputs copy = in;
-  copy.handle = owned->keep(in.handle);
-  if (in.out) copy.out = &owned->out.emplace(*in.out);
   PendingDispatch p;
-  auto state = std::make_shared<AsyncState>();
-  AsyncState* raw = state.get();
-  worker.submit([state, owned, copy, cfg, raw] {
-    try {
-      DispatchOutputs out = run_dispatch(copy, cfg, "dispatch_v2", kOpDispatch, raw);
-      report_sources(*state, out);
-      state->finish(std::make_shared<DispatchOutputs>(std::move(out)), nullptr);
-    } catch (...) {
-      state->finish(nullptr, std::current_exception());
-    }
-  });
-  AsyncInternals::state(p) = std::move(state);
+  AsyncInternals::state(p) = start<DispatchOutputs>(
+      "dispatch_v2_start", in, cfg,
+      [](const DispatchInputs& i, const EpConfig& c, AsyncState& state) {
+        DispatchOutputs out = run_dispatch(i, c, "dispatch_v2", kOpDispatch, &state);
+        report_sources(state, out);
+        return out;
+      });
   return p;
 }
 
 Pending<Tensor> combine_v2_start(const CombineInputs& in, const EpConfig& cfg) {
-  using namespace detail;
-  SerialWorker& worker = worker_for("combine_v2_start", cfg);
-  auto owned = std::make_shared<Owned>();
-  CombineInputs copy = in;
-  copy.handle = owned->keep(in.handle);
   Pending<Tensor> p;
-  AsyncInternals::state(p) =
-      queue<Tensor>(worker, [owned, copy, cfg] { return combine_v2(copy, cfg); });
+  detail::AsyncInternals::state(p) =
+      detail::start<Tensor>("combine_v2_start", in, cfg,
+                            [](const CombineInputs& i, const EpConfig& c, detail::AsyncState&) {
+                              return combine_v2(i, c);
+                            });
   return p;
 }
 
 Pending<Tensor> dispatch_v2_backward_start(const DispatchBackwardInputs& in, const EpConfig& cfg) {
-  using namespace detail;
-  SerialWorker& worker = worker_for("dispatch_v2_backward_start", cfg);
-  auto owned = std::make_shared<Owned>();
-  DispatchBackwardInputs copy = in;
-  copy.handle = owned->keep(in.handle);
   Pending<Tensor> p;
-  AsyncInternals::state(p) =
-      queue<Tensor>(worker, [owned, copy, cfg] { return dispatch_v2_backward(copy, cfg); });
+  detail::AsyncInternals::state(p) =
+      detail::start<Tensor>("dispatch_v2_backward_start", in, cfg,
+                            [](const DispatchBackwardInputs& i, const EpConfig& c,
+                               detail::AsyncState&) { return dispatch_v2_backward(i, c); });
   return p;
 }
 
 Pending<CombineBackwardOutputs> combine_v2_backward_start(const CombineBackwardInputs& in,
                                                           const EpConfig& cfg) {
-  using namespace detail;
-  SerialWorker& worker = worker_for("combine_v2_backward_start", cfg);
-  auto owned = std::make_shared<Owned>();
-  CombineBackwardInputs copy = in;
-  copy.handle = owned->keep(in.handle);
   Pending<CombineBackwardOutputs> p;
-  AsyncInternals::state(p) = queue<CombineBackwardOutputs>(
-      worker, [owned, copy, cfg] { return combine_v2_backward(copy, cfg); });
+  detail::AsyncInternals::state(p) = detail::start<CombineBackwardOutputs>(
+      "combine_v2_backward_start", in, cfg,
+      [](const CombineBackwardInputs& i, const EpConfig& c, detail::AsyncState&) {
+        return combine_v2_backward(i, c);
+      });
   return p;
 }
 
 namespace detail {
 
-void after_started_ops(const EpConfig& cfg, const std::function<void()>& run) {
-  const std::shared_ptr<SerialWorker> w =
-      cfg.group_ep ? CommInternals::worker(*cfg.group_ep) : nullptr;
-  if (!w || w->on_worker() || w->idle()) {
-    run();
-    return;
-  }
-  auto state = std::make_shared<AsyncState>();
-  w->submit([state, &run] {
-    try {
-      run();
-      state->finish(nullptr, nullptr);
-    } catch (...) {
-      state->finish(nullptr, std::current_exception());
-    }
-  });
-  state->take("after_started_ops");
+void wait_for_started_ops(const EpConfig& cfg) {
+  if (SerialWorker::on_a_worker()) return;  // a started op's own task: it runs in order already
+  for (const Communicator* group : {cfg.group_ep, cfg.group_tp})
+    if (group != nullptr)
+      if (SerialWorker* w = CommInternals::worker(*group).get(); w != nullptr) w->drain();
 }
 
 }  // namespace detail

@@ -4,7 +4,6 @@
 
 #include <condition_variable>
 #include <exception>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -52,9 +51,9 @@ struct AsyncInternals {
 
 namespace moe_ep::detail {
 
-// The synchronous ops' entry: runs `run` on this thread, or, while ops started on cfg.group_ep
-// are still queued or running on its worker, on the worker after them (and waits), so that this
-// rank issues the communicator's ops in the order its caller made them.
-void after_started_ops(const EpConfig& cfg, const std::function<void()>& run);
+// The synchronous ops' entry: waits until the ops started on cfg.group_ep and cfg.group_tp have
+// ended (their workers are idle), so that this rank issues a communicator's ops in the order its
+// caller made them; at once on a worker's own thread (a started op's task runs in order).
+void wait_for_started_ops(const EpConfig& cfg);
 
 }  // namespace moe_ep::detail

@@ -344,15 +344,13 @@ CombineBackwardOutputs run_combine_backward(const CombineBackwardInputs& in, con
 }  // namespace
 
 Tensor dispatch_v2_backward(const DispatchBackwardInputs& in, const EpConfig& cfg) {
-  Tensor out;
-  detail::after_started_ops(cfg, [&] { out = run_dispatch_backward(in, cfg); });
-  return out;
+  detail::wait_for_started_ops(cfg);
+  return run_dispatch_backward(in, cfg);
 }
 
 CombineBackwardOutputs combine_v2_backward(const CombineBackwardInputs& in, const EpConfig& cfg) {
-  CombineBackwardOutputs out;
-  detail::after_started_ops(cfg, [&] { out = run_combine_backward(in, cfg); });
-  return out;
+  detail::wait_for_started_ops(cfg);
+  return run_combine_backward(in, cfg);
 }
 
 }  // namespace moe_ep

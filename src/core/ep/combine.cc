@@ -763,10 +763,8 @@ Tensor run_combine(const CombineInputs& in, const EpConfig& cfg, const char* op,
 }  // namespace detail
 
 Tensor combine_v2(const CombineInputs& in, const EpConfig& cfg) {
-  Tensor out;
-  detail::after_started_ops(
-      cfg, [&] { out = detail::run_combine(in, cfg, "combine_v2", detail::kOpCombine, false); });
-  return out;
+  detail::wait_for_started_ops(cfg);
+  return detail::run_combine(in, cfg, "combine_v2", detail::kOpCombine, false);
 }
 
 }  // namespace moe_ep

@@ -961,12 +961,13 @@ void land_each_source(Dispatch& c, Exchange& ex, RowsPhase& rx) {
     SourceRows rows;
     rows.source = s;
     for (int l = 0; l < c.L; ++l) {
-      rows.offset.push_back(recv.block_offset[int64_t{l} * c.W + s]);
+      rows.offsets.push_back(recv.block_offset[int64_t{l} * c.W + s]);
       rows.rows.push_back(recv.block_rows[int64_t{l} * c.W + s]);
     }
     rows.expand_x = c.out.expand_x;
     rows.dynamic_scales = c.out.dynamic_scales;
     rows.expand_scales = c.out.expand_scales;
+    rows.assist_info_for_combine = c.out.assist_info_for_combine;
     c.async->source_ready(std::move(rows));
   };
   for (int s = 0; s < c.W; ++s)
@@ -1102,10 +1103,8 @@ DispatchOutputs run_dispatch(const DispatchInputs& in, const EpConfig& cfg, cons
 }  // namespace detail
 
 DispatchOutputs dispatch_v2(const DispatchInputs& in, const EpConfig& cfg) {
-  DispatchOutputs out;
-  detail::after_started_ops(
-      cfg, [&] { out = detail::run_dispatch(in, cfg, "dispatch_v2", detail::kOpDispatch); });
-  return out;
+  detail::wait_for_started_ops(cfg);
+  return detail::run_dispatch(in, cfg, "dispatch_v2", detail::kOpDispatch);
 }
 
 }  // namespace moe_ep
