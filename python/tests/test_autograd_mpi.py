@@ -60,7 +60,7 @@ def test_train_moe_example():
 
 
 def test_overlap_example():
-    """examples/python/overlap.py (issue 32): rank 0 printed PASS (the overlapped layer's outputs
+    """examples/python/overlap.py: rank 0 printed PASS (the overlapped layer's outputs
     equal the sequential one's bit for bit) in the 2-rank launch."""
     proc, results = _launch(2)
     assert results.get("overlap_example") == {r: "OK" for r in range(2)}, _tail(proc.stdout)
