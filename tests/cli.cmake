@@ -719,6 +719,11 @@ cli_expect_output(bench.overlap "tokens/rank 8 \\(last rank 16\\).*ffn 16 \\(--f
   "${_mpi} -n 3 --oversubscribe ${_exe} bench --overlap --experts 12 --top-k 4 --routing uniform --tokens 8 --hidden 64 --iters 2 --warmup 1 --ffn 16 --skew 2"
   NOT_REGEX "error|FAIL|abort" PROCESSORS 3)
 cli_expect_usage_error(bench_overlap_ffn_range "--ffn: .*16" "bench --overlap --ffn 8")
+cli_expect_usage_error(bench_overlap_skew_nan "--skew: must be a number in \\[1, 1024\\], got nan"
+                       "bench --overlap --skew nan")
+cli_expect_usage_error(bench_skew_needs_overlap "--skew requires --overlap" "bench --skew 2")
+cli_expect_usage_error(bench_overlap_excludes_compare "--compare excludes --overlap"
+                       "bench --overlap --compare")
 # --compare times int8 dispatch too unless --quant none: the issue's targets include it.
 cli_expect_output(bench.compare_times_int8 "--compare  --quant int8\n.*dispatch int8/bf16 time"
   "${_mpi} -n 2 --oversubscribe ${_exe} bench --tokens 8 --hidden 64 --iters 2 --warmup 0 --compare"

@@ -355,23 +355,34 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
   bench->add_option("--plot", o.plot,
                     "write a PNG of GB/s against tokens per rank with gnuplot (the .dat and .gp "
                     "beside it); without gnuplot the plot is skipped with a message");
-  bench->add_flag("--overlap", o.overlap,
-                  "time a MoE layer of two micro-batches (routing -> dispatch_v2 -> SwiGLU "
-                  "experts -> combine_v2) run one step after another and with one micro-batch's "
-                  "dispatch and combine travelling while the other's experts compute "
-                  "(moe_ep/async.h), and one micro-batch's experts started source by source as "
-                  "rows land against after the whole dispatch; the outputs are checked bitwise "
-                  "equal");
+  CLI::Option* overlap = bench->add_flag(
+      "--overlap", o.overlap,
+      "time a MoE layer of two micro-batches (routing -> dispatch_v2 -> SwiGLU "
+      "experts -> combine_v2) run one step after another and with one micro-batch's "
+      "dispatch and combine travelling while the other's experts compute "
+      "(moe_ep/async.h), and one micro-batch's experts started source by source as "
+      "rows land against after the whole dispatch; the outputs are checked bitwise "
+      "equal");
   bench
       ->add_option("--skew", o.skew,
-                   "with --overlap: the last rank holds this many times the tokens (>= 1, "
-                   "default 1), so its rows land last everywhere")
-      ->check(CLI::Range(1.0, 1024.0));
+                   "with --overlap: the last rank holds this many times the tokens (in [1, "
+                   "1024], default 1), so its rows land last everywhere")
+      ->check(validator(
+          [](const std::string& v) {
+            return check_positive(v, "times the tokens").empty() && std::stod(v) >= 1 &&
+                           std::stod(v) <= 1024
+                       ? std::string()
+                       : "must be a number in [1, 1024], got " + v;
+          },
+          "[1, 1024]"))
+      ->needs(overlap);
   bench
       ->add_option("--ffn", o.ffn,
                    "with --overlap: the experts' FFN size (default: sized so that the experts "
                    "take about as long as dispatch + combine)")
-      ->check(integer(16, 1 << 16));
+      ->check(integer(16, 1 << 16))
+      ->needs(overlap);
+  overlap->excludes("--compare");
   bench->add_flag("--debug-corrupt-baseline", o.debug_corrupt_baseline)->group("");
   bench
       ->add_option("--timeout", o.timeout_s,

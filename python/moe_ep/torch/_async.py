@@ -40,28 +40,47 @@ class SourceRows(NamedTuple):
     assist_info_for_combine: Tensor
 
 
-# (pending op, what its worker may still read) of every op started and not seen ended.
-_inflight: List[tuple] = []
+# Every op started and not yet seen ended and waited for: [pending op, what its worker may still
+# read (None once it has ended), whether the caller waited for it].
+_inflight: List[list] = []
 _exit_hook = []
 
 
-def _keep(pending, *buffers) -> None:
-    _inflight[:] = [o for o in _inflight if not o[0].test()]
-    _inflight.append((pending, buffers))
-    if not _exit_hook:  # after mpi4py's own atexit (registered when MPI was imported): runs first
+def _keep(pending, *buffers) -> list:
+    for record in _inflight:
+        if record[1] is not None and record[0].test():
+            record[1] = None  # ended: the worker reads nothing more
+    _inflight[:] = [r for r in _inflight if not (r[1] is None and r[2])]
+    record = [pending, buffers, False]
+    _inflight.append(record)
+    if not _exit_hook:
         import atexit
 
         atexit.register(_wait_all)
         _exit_hook.append(True)
+    return record
 
 
 def _wait_all() -> None:
-    for pending, _ in _inflight:
+    """At exit (before MPI is finalised): waits for the ops nobody waited for. One that failed
+    (a peer that never ran it: its deadline) is reported on stderr and ends the process with
+    status 1, as the synchronous call's error would have."""
+    failed = None
+    for pending, _, waited in _inflight:
+        if waited:
+            continue
         try:
             pending.wait()
-        except Exception:  # noqa: BLE001  (its error was the caller's to take; exiting now)
-            pass
+        except Exception as e:  # noqa: BLE001  (reported below)
+            failed = failed or e
     _inflight.clear()
+    if failed is not None:
+        import os
+        import sys
+
+        print(f"moe_ep: an op started with async_op=True and never waited for failed: "
+              f"{type(failed).__name__}: {failed}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _impl_args(impl, values: Dict[str, object]) -> list:
@@ -128,18 +147,22 @@ class DispatchWork:
     result. is_completed() never blocks. wait_source() hands out each source rank's rows as they
     land (SourceRows), None once every source was handed out."""
 
-    def __init__(self, pending, values: Dict[str, object]):
+    def __init__(self, pending, values: Dict[str, object], record: list):
         self._pending = pending
-        self._values = values  # the inputs, alive until wait()
+        self._values = values  # the inputs, for autograd at wait()
+        self._record = record
         self._grad = _needs_grad(values, ("x",)) and values["performance_info"] is None
-        self._result = None
+        self._result = self._error = None
 
     def is_completed(self) -> bool:
         return self._result is not None or self._pending.test()
 
     def wait(self) -> "_d.DispatchResult":
-        if self._result is not None:
-            return self._result
+        if self._result is None:
+            self._result = _finish(self, self._outputs)
+        return self._result
+
+    def _outputs(self):
         expand_x, dynamic_scales, *rest, plan = self._pending.wait()
         dynamic_scales = (torch.empty((0,), dtype=torch.float32) if dynamic_scales is None
                           else tt(dynamic_scales))
@@ -150,7 +173,6 @@ class DispatchWork:
                     _Box(outs), *_impl_args(_d._dispatch_v2_impl, self._values))
         result = _d.DispatchResult(*outs[:7])
         result.handle = outs[7]
-        self._result, self._values = result, None
         return result
 
     def wait_source(self) -> Optional[SourceRows]:
@@ -167,25 +189,42 @@ class CombineWork:
     """A started combine_v2 (async_op=True). wait() returns x (BS, H), as the synchronous call;
     again on a second call. is_completed() never blocks."""
 
-    def __init__(self, pending, values: Dict[str, object]):
+    def __init__(self, pending, values: Dict[str, object], record: list):
         self._pending = pending
         self._values = values
+        self._record = record
         self._grad = (_needs_grad(values, _d._COMBINE_GRADS)
                       and values["performance_info"] is None)
-        self._result = None
+        self._result = self._error = None
 
     def is_completed(self) -> bool:
         return self._result is not None or self._pending.test()
 
     def wait(self) -> Tensor:
-        if self._result is not None:
-            return self._result
+        if self._result is None:
+            self._result = _finish(self, self._outputs)
+        return self._result
+
+    def _outputs(self):
         out = tt(self._pending.wait())
         if self._grad:
             with torch.enable_grad():
                 out = _AsyncCombine.apply(_Box(out), *_impl_args(_d._combine_v2_impl, self._values))
-        self._result, self._values = out, None
         return out
+
+
+def _finish(work, outputs):
+    """The first wait() of a work: its outputs, or its error, raised again by every later wait()."""
+    if work._error is not None:
+        raise work._error
+    try:
+        return outputs()
+    except Exception as e:
+        work._error = e
+        raise
+    finally:
+        work._record[2] = True
+        work._values = None
 
 
 def _start(op: str, impl, positional, kwargs):
@@ -197,15 +236,12 @@ def _start(op: str, impl, positional, kwargs):
     args["handle"], args["handle_error"] = _d._handle_of(op, values["handle"])
     args["async_op"] = True
     pending = getattr(_C, op)(**args)
-    _keep(pending, values, args)
-    return values, pending
+    return pending, values, _keep(pending, values, args)
 
 
 def start_dispatch(positional, kwargs) -> DispatchWork:
-    values, pending = _start("dispatch_v2", _d._dispatch_v2_impl, positional, kwargs)
-    return DispatchWork(pending, values)
+    return DispatchWork(*_start("dispatch_v2", _d._dispatch_v2_impl, positional, kwargs))
 
 
 def start_combine(positional, kwargs) -> CombineWork:
-    values, pending = _start("combine_v2", _d._combine_v2_impl, positional, kwargs)
-    return CombineWork(pending, values)
+    return CombineWork(*_start("combine_v2", _d._combine_v2_impl, positional, kwargs))
