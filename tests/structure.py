@@ -4,12 +4,17 @@
   structure.py layering ROOT   every #include "..." goes downward (or sideways within a layer)
   structure.py length ROOT     no function in src/ longer than MAX_LINES lines, SIMD kernel
                                bodies (the Highway sources listed below) excepted
+  structure.py selftest        plants one offence of each kind in a scratch tree and checks
+                               that each is reported (and that comments and strings are not)
 
 Layers, top to bottom: include/moe_ep (the API) -> src/core and src/sharding (plans, the ops as
 named steps) -> src/kernels (leaves: they know no network) and src/transport (moves opaque
-bytes) -> src/base (checks, threads, environment, the tensor view). ref/ (the test oracles) shares no code with
-what it checks; tools/, python/src/ and examples/ use the public API only. Exits 1 naming every
-offence.
+bytes) -> src/base (checks, threads, environment, the tensor view). The transport's interface is
+the headers directly in src/transport (bytes, offsets, tags, deadlines); its implementations are
+src/transport/mpi and src/transport/shm. src/core and src/sharding include only the interface,
+never <mpi.h>, and name no MPI type or function; nor does the interface. ref/ (the test oracles)
+shares no code with what it checks; tools/, python/src/ and examples/ use the public API only.
+Exits 1 naming every offence.
 """
 import pathlib
 import re
@@ -39,6 +44,11 @@ KERNEL_BODIES = {"src/kernels/cpu/convert.cc", "src/kernels/cpu/quant.cc",
 MAX_LINES = 150
 SOURCES = ("*.cc", "*.h")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+# The layers that see the transport only through its interface, and what they may not name.
+TRANSPORT_USERS = ("src/core", "src/sharding")
+CONCRETE_TRANSPORTS = ("transport/mpi/", "transport/shm/")
+MPI_HEADER = re.compile(r"^\s*#\s*include\s+<mpi\.h>")
+MPI_NAME = re.compile(r"\bMPI_\w+")
 
 
 def files_under(root, d):
@@ -60,6 +70,7 @@ def layering(root):
                 if top not in allowed:
                     bad.append(f"{f.relative_to(root)}:{n}: includes \"{target}\" "
                                f"({d} may include only {', '.join(sorted(allowed))})")
+    bad += transport_seam(root)
     for f in files_under(root, "src"):
         rel = f.relative_to(root).as_posix()
         for n, line in enumerate(f.read_text().splitlines(), 1):
@@ -67,6 +78,31 @@ def layering(root):
             if m and not rel.startswith(HOMES[m.group(1)] + "/"):
                 bad.append(f"{rel}:{n}: defines a member of {m.group(1)}, which belongs in "
                            f"{HOMES[m.group(1)]} (every layer uses it)")
+    return bad
+
+
+def transport_seam(root):
+    """src/core and src/sharding reach the transport through its interface only: no concrete
+    transport's header, no <mpi.h>, no MPI name outside comments and strings. The interface (the
+    headers directly in src/transport) names no MPI either."""
+    bad = []
+    interface = [f for f in files_under(root, "src/transport") if f.parent == root / "src/transport"]
+    users = [f for d in TRANSPORT_USERS for f in files_under(root, d)]
+    for f in users + interface:
+        rel = f.relative_to(root).as_posix()
+        text = f.read_text()
+        for n, line in enumerate(text.splitlines(), 1):
+            m = INCLUDE.match(line)
+            if m and m.group(1).startswith(CONCRETE_TRANSPORTS) and f in users:
+                bad.append(f"{rel}:{n}: includes the concrete transport \"{m.group(1)}\" "
+                           f"(use the interface: the headers directly in src/transport)")
+            if MPI_HEADER.match(line):
+                bad.append(f"{rel}:{n}: includes <mpi.h> (only src/transport/mpi and "
+                           f"src/transport/shm may)")
+        for n, line in enumerate(strip(text).splitlines(), 1):
+            for m in MPI_NAME.finditer(line):
+                bad.append(f"{rel}:{n}: names {m.group(0)} (MPI belongs behind the transport "
+                           f"interface)")
     return bad
 
 
@@ -139,7 +175,46 @@ def length(root):
     return bad
 
 
+def selftest():
+    """Each check must catch what it exists for: a scratch tree with one offence of each kind."""
+    import tempfile
+    long_body = "\n".join(["  ++x;"] * (MAX_LINES + 1))
+    plants = {
+        "src/core/ep/a.cc": '#include "transport/shm/context.h"\n#include <mpi.h>\n'
+                            '// MPI_Comm in a comment is fine\nconst char* s = "MPI_OK";\n'
+                            'MPI_Comm c;\n',
+        "src/sharding/b.cc": '#include "transport/mpi/link.h"\n'
+                             'int Tensor::size() const { return 0; }\n',
+        "src/transport/i.h": 'struct I { MPI_Request r; };\n',
+        "src/transport/mpi/ok.cc": '#include <mpi.h>\nMPI_Comm fine;\n',
+        "src/kernels/k.cc": '#include "core/ep/plan.h"\n',
+        "src/base/f.cc": "void f(int x) {\n" + long_body + "\n}\n",
+    }
+    want = ["a.cc:1: includes the concrete transport", "a.cc:2: includes <mpi.h>",
+            "a.cc:5: names MPI_Comm", "b.cc:1: includes the concrete transport",
+            "b.cc:2: defines a member of Tensor", "i.h:1: names MPI_Request",
+            "k.cc:1: includes \"core/ep/plan.h\"", "f.cc:1: f spans"]
+    with tempfile.TemporaryDirectory() as d:
+        root = pathlib.Path(d)
+        for rel, text in plants.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+        got = layering(root) + length(root)
+    missing = [w for w in want if not any(w in g for g in got)]
+    extra = [g for g in got if not any(w in g for w in want)]
+    for m in missing:
+        print(f"structure.py selftest: not reported: {m}")
+    for e in extra:
+        print(f"structure.py selftest: reported wrongly: {e}")
+    if missing or extra:
+        return 1
+    print(f"structure.py selftest: ok ({len(want)} planted offences reported)")
+    return 0
+
+
 def main():
+    if sys.argv[1:] == ["selftest"]:
+        return selftest()
     if len(sys.argv) != 3 or sys.argv[1] not in ("layering", "length"):
         print(__doc__)
         return 2

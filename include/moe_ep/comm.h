@@ -25,8 +25,8 @@
 namespace moe_ep {
 
 namespace detail {
-class ShmContext;
-class MessageLink;
+class Windows;
+class Link;
 class SerialWorker;
 struct CommInternals;
 }  // namespace detail
@@ -109,9 +109,9 @@ class MOE_EP_API Communicator {
   // The shared-memory transport's state (node communicator, windows, slots), created by the
   // first op that uses it. Internal: reached through detail::CommInternals.
   friend struct detail::CommInternals;
-  mutable std::shared_ptr<detail::ShmContext> shm_;
+  mutable std::shared_ptr<detail::Windows> shm_;
   // The MPI transport's per-peer links, created by the first op.
-  mutable std::shared_ptr<std::vector<std::unique_ptr<detail::MessageLink>>> links_;
+  mutable std::shared_ptr<std::vector<std::unique_ptr<detail::Link>>> links_;
   // dispatch_v2 calls so far: the id of each one's plan (DispatchHandle, dispatch.h).
   mutable uint64_t plans_ = 0;
   // comm_alg "hierarchy": the ranks per node, found by the first op that needs them, and the

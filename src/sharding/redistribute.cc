@@ -1,5 +1,5 @@
 // Redistribution between placements over point-to-point messages with deadlines
-// (transport/mpi/context.h), and the header agreement of the sharded collectives.
+// (transport/exchange.h), and the header agreement of the sharded collectives.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -16,20 +16,18 @@ namespace detail {
 
 namespace {
 
-
-// Messages are split into pieces of at most 1 GiB (MPI counts are int).
+// Messages are split into pieces of at most 1 GiB (Exchange takes at most INT_MAX bytes).
 constexpr int64_t kMaxMessage = int64_t{1} << 30;
 
 void send_bytes(Exchange& ex, const void* p, int64_t bytes, int peer) {
   for (int64_t off = 0; off < bytes; off += kMaxMessage)
-    ex.isend(static_cast<const char*>(p) + off,
-             static_cast<int>(std::min(kMaxMessage, bytes - off)), MPI_BYTE, peer, kTagShardData);
+    ex.isend(static_cast<const char*>(p) + off, std::min(kMaxMessage, bytes - off), peer,
+             kTagShardData);
 }
 
 void recv_bytes(Exchange& ex, void* p, int64_t bytes, int peer) {
   for (int64_t off = 0; off < bytes; off += kMaxMessage)
-    ex.irecv(static_cast<char*>(p) + off, static_cast<int>(std::min(kMaxMessage, bytes - off)),
-             MPI_BYTE, peer, kTagShardData);
+    ex.irecv(static_cast<char*>(p) + off, std::min(kMaxMessage, bytes - off), peer, kTagShardData);
 }
 
 struct ShardHeader {
@@ -253,8 +251,8 @@ void agree_sharded(const Communicator& mesh, const char* op, int32_t call, const
     ex.keep_alive(sent);
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
-      ex.irecv(&(*headers)[p], sizeof(ShardHeader), MPI_BYTE, p, kTagShardHeader);
-      ex.isend(sent.get(), sizeof(ShardHeader), MPI_BYTE, p, kTagShardHeader);
+      ex.irecv(&(*headers)[p], sizeof(ShardHeader), p, kTagShardHeader);
+      ex.isend(sent.get(), sizeof(ShardHeader), p, kTagShardHeader);
     }
     ex.wait();
   }

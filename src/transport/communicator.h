@@ -10,15 +10,14 @@
 
 namespace moe_ep::detail {
 
-class ShmContext;
-class MessageLink;
+class Windows;
+class Link;
 class SerialWorker;
 
 // The private members of Communicator that the transports keep there.
 struct CommInternals {
-  static std::shared_ptr<ShmContext>& shm(const Communicator& comm) { return comm.shm_; }
-  static std::shared_ptr<std::vector<std::unique_ptr<MessageLink>>>& links(
-      const Communicator& comm) {
+  static std::shared_ptr<Windows>& shm(const Communicator& comm) { return comm.shm_; }
+  static std::shared_ptr<std::vector<std::unique_ptr<Link>>>& links(const Communicator& comm) {
     return comm.links_;
   }
   static uint64_t& plans(const Communicator& comm) { return comm.plans_; }

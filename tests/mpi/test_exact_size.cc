@@ -27,7 +27,7 @@
 #include "mpi/common.h"
 #include "ref/numeric.h"
 #include "transport/communicator.h"
-#include "transport/shm/context.h"
+#include "transport/windows.h"
 
 namespace moe_ep {
 namespace {

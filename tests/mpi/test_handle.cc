@@ -17,7 +17,7 @@
 #include "mpi/common.h"
 #include "transport/communicator.h"
 #include "transport/exchange.h"
-#include "transport/shm/context.h"
+#include "transport/windows.h"
 
 namespace moe_ep {
 namespace {

@@ -22,7 +22,7 @@
 #include "mpi/common.h"
 #include "ref/numeric.h"
 #include "transport/communicator.h"
-#include "transport/shm/context.h"
+#include "transport/windows.h"
 
 namespace moe_ep {
 namespace {
@@ -384,7 +384,7 @@ TEST(Transport, MalformedEnvironment) {
 }
 
 // Outputs held across calls: a window big enough but full grows (a new generation) while this
-// rank's windows map less than ShmContext::kFullGrowthFactor (4) times its largest request;
+// rank's windows map less than Windows::kFullGrowthFactor (4) times its largest request;
 // beyond that a call receives through MPI. Same inputs every call, so every output is the same.
 TEST(Transport, FullWindowGrowsWithinABound) {
   auto c = Communicator::from_mpi(MPI_COMM_WORLD);
@@ -480,7 +480,7 @@ struct GrowthInputs {
     c.transport = transport;
     return combine_v2(cin, c);
   }
-  const detail::ShmContext& shm() const { return *detail::CommInternals::shm(*comm); }
+  const detail::Windows& shm() const { return *detail::CommInternals::shm(*comm); }
   // The generation whose window holds t, or -1.
   int located(const Tensor& t) const {
     const auto& ctx = detail::CommInternals::shm(*comm);

@@ -20,7 +20,7 @@
 #include "moe_ep/error.h"
 #include "mpi/common.h"
 #include "transport/communicator.h"
-#include "transport/shm/context.h"
+#include "transport/windows.h"
 
 namespace moe_ep {
 namespace {

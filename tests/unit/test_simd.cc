@@ -322,7 +322,7 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
   for_each_target([] {
     std::mt19937_64 rng(13);
     for (DType dtype : kFloatDTypes)
-      for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 47, 64, 65, 80, 85, 111, 127, 513, 1030, 7171})
+      for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 47, 64, 65, 80, 85, 111, 127, 513, 2071})
         for (int kind = 0; kind < 7; ++kind) {
           SCOPED_TRACE(std::string(dtype_name(dtype)) + " n=" + std::to_string(n) +
                        " kind=" + std::to_string(kind));
@@ -390,8 +390,12 @@ TEST(Simd, DotRowFollowsTheBlockedOrder) {
             }
             // The fused pass over 1..9 rows (whole and partial groups of eight): the same dot
             // products, each row of scale_row_f32, nothing past the ends.
+            // Every group size on short rows; on long ones (whose tails the short ones already
+            // cover) one row, a whole group and a group plus one, to keep the test fast.
+            const std::vector<int> counts =
+                n <= 127 ? std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8, 9} : std::vector<int>{1, 8, 9};
             for (DType out : kFloatDTypes)
-              for (int count : {1, 2, 3, 4, 5, 6, 7, 8, 9}) {
+              for (int count : counts) {
                 SCOPED_TRACE(std::string("scaled to ") + dtype_name(out) +
                              " count=" + std::to_string(count));
                 const std::size_t ob = static_cast<std::size_t>(n) * dtype_size(out);

@@ -196,8 +196,7 @@ void return_dots(const CombineBackward& b, const Communicator& comm, const std::
     }
     MOE_EP_CHECK(static_cast<int64_t>(v->size()) == p.recv.source_rows[s]);
     ex.keep_alive(v);
-    if (s != me && !v->empty())
-      ex.isend(v->data(), to_int(v->size()), MPI_FLOAT, s, kTagScaleGrads);
+    if (s != me && !v->empty()) ex.isend_n(v->data(), v->size(), s, kTagScaleGrads);
   }
   for (int d = 0; d < W; ++d) {  // as a source: the entries it sent rank d
     const int64_t n = p.send.rank_offset[d + 1] - p.send.rank_offset[d];
@@ -206,7 +205,7 @@ void return_dots(const CombineBackward& b, const Communicator& comm, const std::
     } else {
       back[d] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(n));
       ex.keep_alive(back[d]);
-      if (n > 0) ex.irecv(back[d]->data(), to_int(n), MPI_FLOAT, d, kTagScaleGrads);
+      if (n > 0) ex.irecv_n(back[d]->data(), n, d, kTagScaleGrads);
     }
   }
   ex.wait();

@@ -41,9 +41,9 @@
 #include "kernels/cpu/scatter.h"
 #include "moe_ep/dispatch.h"
 #include "transport/communicator.h"
-#include "transport/mpi/context.h"
-#include "transport/shm/context.h"
+#include "transport/link.h"
 #include "transport/tags.h"
+#include "transport/windows.h"
 
 namespace moe_ep::detail {
 
@@ -382,8 +382,8 @@ void layout_back(Combine& c) {
     ex.keep_alive(mine);
     ex.keep_alive(got[d]);
     const Link& link = *messages[c.peers()[d]];
-    link.expect(ex, got[d]->data(), to_int(2 * ld), MPI_INT64_T, kTagCombineLayout);
-    link.post(ex, mine->data(), 2 * L, MPI_INT64_T, kTagCombineLayout);
+    link.expect(ex, got[d]->data(), 2 * ld, kTagCombineLayout);
+    link.post(ex, mine->data(), 2 * L, kTagCombineLayout);
   }
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
@@ -439,8 +439,8 @@ void plan_layout(Combine& c) {
 // The rows phase's buffers.
 struct RowsBack {
   explicit RowsBack(const Combine& c)
-      : row(c.wire_row, c.op), meta_type(sizeof(BackMeta), c.op), meta_in(c.W), discard(c.W) {}
-  const MpiType row, meta_type;
+      : row_bytes(c.wire_row), meta_bytes(sizeof(BackMeta)), meta_in(c.W), discard(c.W) {}
+  const int64_t row_bytes, meta_bytes;
   std::shared_ptr<Tensor> y;  // rows through MPI, in this rank's send order (owner d's at
                               // back->rank_offset[d]), expand_x's dtype or int8
   std::shared_ptr<std::vector<float>> y_scale;  // their int8 scales, in the same order
@@ -500,15 +500,15 @@ void post_receives(Combine& c, Exchange& ex, RowsBack& rx) {
       }
       for (std::size_t l = 0, at = 0; l < c.rows_of[d].size(); ++l) {
         const int64_t rows = c.rows_of[d][l];
-        if (rows > 0) from.get_block(ex, to + at * c.wire_row, rows, rx.row, kTagCombineRows);
+        if (rows > 0) from.get_block(ex, to + at * c.wire_row, rows, rx.row_bytes, kTagCombineRows);
         at += rows;
       }
-      if (c.cq) from.expect(ex, scales, to_int(c.announced[d]), MPI_FLOAT, kTagCombineScales);
+      if (c.cq) from.expect(ex, scales, c.announced[d], kTagCombineScales);
     }
     if (c.plan || c.announced[d] == 0) continue;
     rx.meta_in[d] = std::make_shared<std::vector<BackMeta>>(c.announced[d]);
     ex.keep_alive(rx.meta_in[d]);
-    from.get_block(ex, rx.meta_in[d]->data(), c.announced[d], rx.meta_type, kTagCombineMeta);
+    from.get_block(ex, rx.meta_in[d]->data(), c.announced[d], rx.meta_bytes, kTagCombineMeta);
   }
 }
 
@@ -548,20 +548,21 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
       for (int l = 0; l < c.L; ++l) {
         const int64_t b = int64_t{l} * c.W + s, rows = c.blocks->block_rows[b];
         if (rows == 0) continue;
-        to.put_block(ex, base + c.blocks->block_offset[b] * stride, rows, rx.row, kTagCombineRows);
+        to.put_block(ex, base + c.blocks->block_offset[b] * stride, rows, rx.row_bytes,
+                     kTagCombineRows);
         if (c.cq)
           scales->insert(scales->end(), c.qscales + c.blocks->block_offset[b],
                          c.qscales + c.blocks->block_offset[b] + rows);
       }
       if (c.cq) {
         ex.keep_alive(scales);
-        to.post(ex, scales->data(), to_int(c.blocks->source_rows[s]), MPI_FLOAT, kTagCombineScales);
+        to.post(ex, scales->data(), c.blocks->source_rows[s], kTagCombineScales);
       }
     }
     if (c.plan || c.blocks->source_rows[s] == 0) continue;
     auto meta = back_meta(c, s);
     ex.keep_alive(meta);
-    to.put_block(ex, meta->data(), c.blocks->source_rows[s], rx.meta_type, kTagCombineMeta);
+    to.put_block(ex, meta->data(), c.blocks->source_rows[s], rx.meta_bytes, kTagCombineMeta);
   }
 }
 
@@ -631,8 +632,8 @@ void finish_reading(Combine& c) {
   for (int q = 0; q < c.W; ++q) {
     if (q == c.me || !(c.provide[q] || c.read[q])) continue;  // only peers on this machine
     const Link& link = *c.shm->link(c.peers()[q]);
-    if (c.provide[q]) link.expect(ex, flag->data() + q, 1, MPI_INT32_T, kTagShmDone);
-    if (c.read[q]) link.post(ex, flag->data() + c.me, 1, MPI_INT32_T, kTagShmDone);
+    if (c.provide[q]) link.expect(ex, flag->data() + q, 1, kTagShmDone);
+    if (c.read[q]) link.post(ex, flag->data() + c.me, 1, kTagShmDone);
   }
   ex.wait();
 }

@@ -15,7 +15,7 @@
 #include "core/ep/plan.h"
 #include "moe_ep/dispatch.h"
 #include "moe_ep/error.h"
-#include "transport/shm/context.h"
+#include "transport/windows.h"
 
 namespace moe_ep::detail {
 
@@ -65,7 +65,7 @@ struct Combine {
   int64_t row_bytes = 0, wire_row = 0;  // a row in expand_x's dtype; on the way back
   // 3. agree
   std::vector<OpHeader> headers;
-  ShmContext* shm = nullptr;
+  Windows* shm = nullptr;
   int W = 0, L = 0, me = 0;
   std::vector<Where> where;        // per world rank: where its rows lie (this machine only)
   std::vector<char> provide;       // per source: it reads this rank's rows in place

@@ -39,9 +39,9 @@
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
 #include "transport/communicator.h"
-#include "transport/mpi/context.h"
-#include "transport/shm/context.h"
+#include "transport/link.h"
 #include "transport/tags.h"
+#include "transport/windows.h"
 
 namespace moe_ep::detail {
 
@@ -168,7 +168,7 @@ void allocate_expand_x(Dispatch& c, DType dtype, int64_t rows) {
     const auto& ctx = CommInternals::shm(c.comm);
     if (ctx && given && given->has_value()) c.slot = ctx->adopt((*given)->data, c.slot_need);
     if (!c.slot && ctx) c.slot = ctx->try_alloc(c.slot_need);
-    // No window yet, or ShmContext::should_grow (one too small, or full within a bound): all
+    // No window yet, or Windows::should_grow (one too small, or full within a bound): all
     // ranks of the machine grow it after the agreement. Otherwise: MPI for this call.
     if (!c.slot && (!ctx || ctx->should_grow(c.slot_need))) c.hdr.shm_grow = 1, c.shm_defer = true;
     const bool adopted = c.slot && given && given->has_value() && c.slot->ptr == (*given)->data;
@@ -421,8 +421,8 @@ void gather_counts(Dispatch& c, std::vector<int32_t>& from_source) {
     ex.keep_alive(shared);
     for (int q = 0; q < W; ++q) {
       if (q == me) continue;
-      ex.irecv(shared->data() + q * T, to_int(T), MPI_INT32_T, c.peers()[q], kTagCounts);
-      ex.isend(shared->data() + me * T, to_int(T), MPI_INT32_T, c.peers()[q], kTagCounts);
+      ex.irecv_n(shared->data() + q * T, T, c.peers()[q], kTagCounts);
+      ex.isend_n(shared->data() + me * T, T, c.peers()[q], kTagCounts);
     }
     ex.wait();
     if (c.perf) ex.add_recv_wait_us(c.perf);
@@ -475,10 +475,10 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
     ex.keep_alive(counts_out);
     ex.keep_alive(counts_in);
     for (int q = 0; q < W; ++q)
-      ex.irecv(counts_in->data() + q * per, to_int(per), MPI_INT32_T, c.peers()[q], kTagCounts);
+      ex.irecv_n(counts_in->data() + q * per, per, c.peers()[q], kTagCounts);
     for (int d = 0, at = 0; d < W; ++d) {
       const int n = to_int(c.sh.pl.local_experts(d)) + extra;
-      ex.isend(counts_out->data() + at, n, MPI_INT32_T, c.peers()[d], kTagCounts);
+      ex.isend_n(counts_out->data() + at, n, c.peers()[d], kTagCounts);
       at += n;
     }
     ex.wait();
@@ -526,8 +526,8 @@ void send_block_rows(Dispatch& c) {
     in_rows[q] = std::make_shared<std::vector<int64_t>>(N * lq);
     ex.keep_alive(out_rows[q]);
     ex.keep_alive(in_rows[q]);
-    ex.irecv(in_rows[q]->data(), to_int(N * lq), MPI_INT64_T, c.peers()[q], kTagShmOffsets);
-    ex.isend(out_rows[q]->data(), N * L, MPI_INT64_T, c.peers()[q], kTagShmOffsets);
+    ex.irecv_n(in_rows[q]->data(), N * lq, c.peers()[q], kTagShmOffsets);
+    ex.isend_n(out_rows[q]->data(), N * L, c.peers()[q], kTagShmOffsets);
   }
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
@@ -720,18 +720,18 @@ void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
       rx.merged_in[s] = std::make_shared<Tensor>(
           Tensor::empty(DType::kI8, {int64_t{c.p->distinct_from[s]} * c.out_row_bytes}));
       ex.keep_alive(rx.merged_in[s]);
-      from.get_block(ex, rx.merged_in[s]->data(), c.p->distinct_from[s], rx.row, kTagRows);
+      from.get_block(ex, rx.merged_in[s]->data(), c.p->distinct_from[s], rx.row_bytes, kTagRows);
     } else {
       for (int l = 0; l < c.L; ++l) {
         const int64_t b = int64_t{l} * c.W + s;
         if (recv.block_rows[b] > 0)
           from.get_block(ex, c.out.expand_x.ptr<char>() + recv.block_offset[b] * c.out_row_bytes,
-                         recv.block_rows[b], rx.row, kTagRows);
+                         recv.block_rows[b], rx.row_bytes, kTagRows);
       }
     }
     rx.meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
     ex.keep_alive(rx.meta_in[s]);
-    from.get_block(ex, rx.meta_in[s]->data(), recv.source_rows[s], rx.meta_type, kTagMeta);
+    from.get_block(ex, rx.meta_in[s]->data(), recv.source_rows[s], rx.meta_bytes, kTagMeta);
   }
 }
 
@@ -771,12 +771,12 @@ void post_sends(Dispatch& c, Exchange& ex, const RowsPhase& rx) {
     const int64_t first = send.rank_offset[d];
     if (!c.p->distinct[d].empty()) {
       c.to[d]->put_block(ex, packed->ptr<char>() + first * rb,
-                         static_cast<int64_t>(c.p->distinct[d].size()), rx.row, kTagRows);
+                         static_cast<int64_t>(c.p->distinct[d].size()), rx.row_bytes, kTagRows);
       continue;
     }
     for (int64_t l = 0, j = first; l < c.sh.pl.local_experts(d); ++l) {
       const int64_t n = send.counts[c.sh.pl.block_base(d) + l];
-      if (n > 0) c.to[d]->put_block(ex, packed->ptr<char>() + j * rb, n, rx.row, kTagRows);
+      if (n > 0) c.to[d]->put_block(ex, packed->ptr<char>() + j * rb, n, rx.row_bytes, kTagRows);
       j += n;
     }
   }
@@ -842,7 +842,7 @@ void send_metadata(Dispatch& c, Exchange& ex, RowsPhase& rx) {
     }
     if (!c.to[d]) continue;
     if (!c.to[d]->addressable()) {
-      c.to[d]->put_block(ex, m, n, rx.meta_type, kTagMeta);
+      c.to[d]->put_block(ex, m, n, rx.meta_bytes, kTagMeta);
       continue;
     }
     for (int64_t l = 0, j = 0; l < sh.pl.local_experts(d); ++l) {  // next to its rows

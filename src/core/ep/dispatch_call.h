@@ -18,7 +18,7 @@
 #include "moe_ep/error.h"
 #include "transport/exchange.h"
 #include "transport/link.h"
-#include "transport/shm/context.h"
+#include "transport/windows.h"
 
 namespace moe_ep::detail {
 
@@ -60,7 +60,7 @@ struct Dispatch {
   int64_t expand_bytes = 0, slot_need = 0, stream_min = 0;
   // 2. agree
   std::vector<OpHeader> headers;
-  ShmContext* shm = nullptr;
+  Windows* shm = nullptr;
   int W = 0, L = 0, me = 0;
   std::vector<Where> where;  // per world rank: its slot (this machine only)
   // comm_alg "hierarchy" across nodes: the ranks per node (0: the fullmesh route, also on one
@@ -99,13 +99,13 @@ struct Dispatch {
 // The rows phase's buffers.
 struct RowsPhase {
   explicit RowsPhase(const Dispatch& c)
-      : row(c.out_row_bytes, c.op),
-        meta_type(sizeof(RowMeta), c.op),
+      : row_bytes(c.out_row_bytes),
+        meta_bytes(sizeof(RowMeta)),
         meta_in(c.W),
         meta_out(c.W),
         merged_in(c.W),
         announced(std::make_shared<std::vector<int64_t>>(4 * c.W, 0)) {}
-  const MpiType row, meta_type;
+  const int64_t row_bytes, meta_bytes;
   std::vector<std::shared_ptr<std::vector<RowMeta>>> meta_in, meta_out;
   // Rows of a merged source: its distinct tokens in the order of their first rows.
   std::vector<std::shared_ptr<Tensor>> merged_in;

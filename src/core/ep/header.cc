@@ -118,8 +118,8 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
     ex.keep_alive(sent);
     for (int p = 0; p < W; ++p) {
       if (p == me) continue;
-      ex.irecv(&(*headers)[p], sizeof(OpHeader), MPI_BYTE, peers[p], kTagHeader);
-      ex.isend(sent.get(), sizeof(OpHeader), MPI_BYTE, peers[p], kTagHeader);
+      ex.irecv(&(*headers)[p], sizeof(OpHeader), peers[p], kTagHeader);
+      ex.isend(sent.get(), sizeof(OpHeader), peers[p], kTagHeader);
     }
     ex.wait();
     if (perf != nullptr && local == nullptr) ex.add_recv_wait_us(perf);

@@ -29,9 +29,9 @@
 #include "kernels/cpu/scatter.h"
 #include "transport/communicator.h"
 #include "transport/exchange.h"
-#include "transport/mpi/context.h"
-#include "transport/shm/context.h"
+#include "transport/link.h"
 #include "transport/tags.h"
+#include "transport/windows.h"
 
 namespace moe_ep::detail {
 
@@ -131,7 +131,7 @@ void read_layout(const Combine& c, Relay& r, int g) {
 
 void exchange_weights(Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
-  const MpiType entry(sizeof(RelayEntry), c.op);
+  constexpr int64_t entry = sizeof(RelayEntry);
   Exchange ex(c.comm, c.op, "relay weights");
   std::vector<int> recv_index(static_cast<std::size_t>(c.W), -1);
   int posted = 0;
@@ -154,12 +154,11 @@ void exchange_weights(Combine& c, Relay& r) {
     const int n = to_int(2 * r.N * c.sh.pl.local_experts(d));
     r.layout[g] = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(n));
     ex.keep_alive(r.layout[g]);
-    messages[c.peers()[d]]->expect(ex, r.layout[g]->data(), n, MPI_INT64_T, kTagRelayCounts);
+    messages[c.peers()[d]]->expect(ex, r.layout[g]->data(), n, kTagRelayCounts);
     ++posted;
     auto mine = layout_for_relay(c, g, r.N);
     ex.keep_alive(mine);
-    messages[c.peers()[d]]->post(ex, mine->data(), to_int(2 * r.N * c.L), MPI_INT64_T,
-                                 kTagRelayCounts);
+    messages[c.peers()[d]]->post(ex, mine->data(), 2 * r.N * c.L, kTagRelayCounts);
   }
   for (int n = 0; n < r.N; ++n) {  // as a source
     if (n == r.node) continue;
@@ -172,10 +171,9 @@ void exchange_weights(Combine& c, Relay& r) {
   ex.wait();
   for (int s = 0; s < c.W; ++s) {
     if (recv_index[s] < 0) continue;
-    int count = 0;
-    MPI_Status st = ex.recv_status(recv_index[s]);
-    check_mpi(MPI_Get_count(&st, entry.get(), &count), c.op, "MPI_Get_count");
-    r.weights[s]->resize(static_cast<std::size_t>(count));
+    const int64_t bytes = ex.received_bytes(recv_index[s]);
+    MOE_EP_CHECK(bytes % entry == 0);
+    r.weights[s]->resize(static_cast<std::size_t>(bytes / entry));
   }
   for (int g = 0; g < c.G; ++g) read_layout(c, r, g);
 }
@@ -218,7 +216,7 @@ int64_t pack_for_relay(const Combine& c, int g, const Relay& r, bool rows_too,
 
 void exchange_rows(Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
-  const MpiType row(c.wire_row, c.op), meta_type(sizeof(BackMeta), c.op);
+  const int64_t row_bytes = c.wire_row, meta_bytes = sizeof(BackMeta);
   Exchange ex(c.comm, c.op, "relay rows");
   for (int g = 0; g < c.G; ++g) {
     const int d = r.node * c.G + g;
@@ -236,31 +234,31 @@ void exchange_rows(Combine& c, Relay& r) {
     if (in_rows > 0 && !in_place) {
       r.rows[g] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {in_rows * c.wire_row}));
       ex.keep_alive(r.rows[g]);
-      link.get_block(ex, r.rows[g]->data(), in_rows, row, kTagRelayBack);
+      link.get_block(ex, r.rows[g]->data(), in_rows, row_bytes, kTagRelayBack);
       if (c.cq) {
         r.scales[g] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(in_rows));
         ex.keep_alive(r.scales[g]);
-        link.expect(ex, r.scales[g]->data(), to_int(in_rows), MPI_FLOAT, kTagRelayBack);
+        link.expect(ex, r.scales[g]->data(), in_rows, kTagRelayBack);
       }
     }
     if (in_rows > 0 && !c.plan) {
       r.meta[g] = std::make_shared<std::vector<BackMeta>>(static_cast<std::size_t>(in_rows));
       ex.keep_alive(r.meta[g]);
-      link.get_block(ex, r.meta[g]->data(), in_rows, meta_type, kTagRelayBack);
+      link.get_block(ex, r.meta[g]->data(), in_rows, meta_bytes, kTagRelayBack);
     }
     const int64_t out_rows = pack_for_relay(c, g, r, !c.provide[d], rows, scales, meta);
     if (out_rows == 0) continue;
     if (rows) {
       ex.keep_alive(rows);
-      link.put_block(ex, rows->data(), out_rows, row, kTagRelayBack);
+      link.put_block(ex, rows->data(), out_rows, row_bytes, kTagRelayBack);
     }
     if (scales) {
       ex.keep_alive(scales);
-      link.post(ex, scales->data(), to_int(out_rows), MPI_FLOAT, kTagRelayBack);
+      link.post(ex, scales->data(), out_rows, kTagRelayBack);
     }
     if (meta) {
       ex.keep_alive(meta);
-      link.put_block(ex, meta->data(), out_rows, meta_type, kTagRelayBack);
+      link.put_block(ex, meta->data(), out_rows, meta_bytes, kTagRelayBack);
     }
   }
   ex.wait();
@@ -455,7 +453,7 @@ void check_partials(const Combine& c, int n, const std::vector<int32_t>& status)
 void exchange_partials(Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
   const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H, chunk = chunk_tokens(c);
-  const MpiType row(prow, c.op);
+  const int64_t row_bytes = prow;
   Exchange ex(c.comm, c.op, "relay partials");
   std::vector<std::shared_ptr<std::vector<int32_t>>> status(static_cast<std::size_t>(r.N));
   for (int n = 0; n < r.N; ++n) {  // as a source
@@ -464,7 +462,7 @@ void exchange_partials(Combine& c, Relay& r) {
     const Link& from = *messages[c.peers()[c.relay_on(n)]];
     status[n] = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(kStatusWords + T));
     ex.keep_alive(status[n]);
-    from.expect(ex, status[n]->data(), to_int(kStatusWords + T), MPI_INT32_T, kTagRelayStatus);
+    from.expect(ex, status[n]->data(), kStatusWords + T, kTagRelayStatus);
     if (T == 0) continue;
     c.partials[n] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * prow}));
     ex.keep_alive(c.partials[n]);
@@ -473,9 +471,8 @@ void exchange_partials(Combine& c, Relay& r) {
     if (c.cq) ex.keep_alive(c.partial_scales[n]);
     for (int64_t t = 0; t < T; t += chunk) {
       const int64_t k = std::min(chunk, T - t);
-      from.get_block(ex, c.partials[n]->ptr<char>() + t * prow, k, row, kTagRelayPartial);
-      if (c.cq)
-        from.expect(ex, c.partial_scales[n]->data() + t, to_int(k), MPI_FLOAT, kTagRelayPartial);
+      from.get_block(ex, c.partials[n]->ptr<char>() + t * prow, k, row_bytes, kTagRelayPartial);
+      if (c.cq) from.expect(ex, c.partial_scales[n]->data() + t, k, kTagRelayPartial);
     }
   }
   for (int s = 0; s < c.W; ++s) {  // as a relay
@@ -484,7 +481,7 @@ void exchange_partials(Combine& c, Relay& r) {
     const Link& to = *messages[c.peers()[s]];
     const int64_t T = p.tokens();
     ex.keep_alive(p.status);
-    to.post(ex, p.status->data(), to_int(kStatusWords + T), MPI_INT32_T, kTagRelayStatus);
+    to.post(ex, p.status->data(), kStatusWords + T, kTagRelayStatus);
     if (T == 0) continue;
     auto rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * prow}));
     auto scales = std::make_shared<std::vector<float>>(static_cast<std::size_t>(c.cq ? T : 0));
@@ -494,8 +491,8 @@ void exchange_partials(Combine& c, Relay& r) {
       const int64_t k = std::min(chunk, T - t);
       sum_partials(c, p, t, t + k, rows->ptr<char>() + t * prow,
                    c.cq ? scales->data() + t : nullptr);
-      to.put_block(ex, rows->ptr<char>() + t * prow, k, row, kTagRelayPartial);
-      if (c.cq) to.post(ex, scales->data() + t, to_int(k), MPI_FLOAT, kTagRelayPartial);
+      to.put_block(ex, rows->ptr<char>() + t * prow, k, row_bytes, kTagRelayPartial);
+      if (c.cq) to.post(ex, scales->data() + t, k, kTagRelayPartial);
       ex.progress();
     }
   }

@@ -17,9 +17,9 @@
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
 #include "transport/communicator.h"
-#include "transport/mpi/context.h"
-#include "transport/shm/context.h"
+#include "transport/link.h"
 #include "transport/tags.h"
+#include "transport/windows.h"
 
 namespace moe_ep::detail {
 
@@ -151,7 +151,7 @@ std::shared_ptr<RelayIn> exchange_relay(Dispatch& c) {
   in->rows.resize(c.W);
   in->meta.resize(c.W);
   const auto& messages = message_links(c.comm);
-  const MpiType row(in->wire_row, c.op), meta_type(sizeof(RelayMeta), c.op);
+  const int64_t row_bytes = in->wire_row, meta_bytes = sizeof(RelayMeta);
   Exchange ex(c.comm, c.op, "relay");
   for (int s = 0; s < c.W; ++s) {
     if (p.relay_tokens[s] == 0) continue;
@@ -161,8 +161,8 @@ std::shared_ptr<RelayIn> exchange_relay(Dispatch& c) {
     ex.keep_alive(in->rows[s]);
     ex.keep_alive(in->meta[s]);
     const Link& from = *messages[c.peers()[s]];
-    from.get_block(ex, in->rows[s]->data(), p.relay_tokens[s], row, kTagRelayRows);
-    from.get_block(ex, in->meta[s]->data(), p.relay_entries[s], meta_type, kTagRelayMeta);
+    from.get_block(ex, in->rows[s]->data(), p.relay_tokens[s], row_bytes, kTagRelayRows);
+    from.get_block(ex, in->meta[s]->data(), p.relay_entries[s], meta_bytes, kTagRelayMeta);
   }
   for (int n = 0; n < c.W / c.G; ++n) {
     const std::vector<int32_t>& tokens = p.node_tokens[n];
@@ -173,8 +173,8 @@ std::shared_ptr<RelayIn> exchange_relay(Dispatch& c) {
     ex.keep_alive(rows);
     ex.keep_alive(meta);
     const Link& to = *messages[c.peers()[c.relay_on(n)]];
-    to.put_block(ex, rows->data(), static_cast<int64_t>(tokens.size()), row, kTagRelayRows);
-    to.put_block(ex, meta->data(), static_cast<int64_t>(meta->size()), meta_type, kTagRelayMeta);
+    to.put_block(ex, rows->data(), static_cast<int64_t>(tokens.size()), row_bytes, kTagRelayRows);
+    to.put_block(ex, meta->data(), static_cast<int64_t>(meta->size()), meta_bytes, kTagRelayMeta);
   }
   ex.wait();
   if (c.plan) c.plan->relay_routes.assign(c.W, {});
@@ -202,9 +202,9 @@ void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
       const int64_t b = int64_t{l} * c.W + s;
       if (recv.block_rows[b] > 0)
         from.get_block(ex, c.out.expand_x.ptr<char>() + recv.block_offset[b] * c.out_row_bytes,
-                       recv.block_rows[b], rx.row, kTagRelayRows);
+                       recv.block_rows[b], rx.row_bytes, kTagRelayRows);
     }
-    from.get_block(ex, rx.meta_in[s]->data(), recv.source_rows[s], rx.meta_type, kTagRelayMeta);
+    from.get_block(ex, rx.meta_in[s]->data(), recv.source_rows[s], rx.meta_bytes, kTagRelayMeta);
   }
   if (!c.slot) return;
   for (int q = c.me / c.G * c.G; q < (c.me / c.G + 1) * c.G; ++q)  // every other relay here
@@ -314,11 +314,11 @@ void send_relayed(Dispatch& c, Exchange& ex, RowsPhase& rx, int s, const CopyPla
   if (!window_to(c, d)) {
     for_each_block(meta, j, end, [&](int64_t r, int64_t stop, int32_t) {
       message_links(c.comm)[c.peers()[d]]->put_block(
-          ex, cp.staged->ptr<char>() + cp.staged_at[r] * c.out_row_bytes, stop - r, rx.row,
+          ex, cp.staged->ptr<char>() + cp.staged_at[r] * c.out_row_bytes, stop - r, rx.row_bytes,
           kTagRelayRows);
     });
     ex.keep_alive(rows_meta);
-    message_links(c.comm)[c.peers()[d]]->put_block(ex, rows_meta->data(), end - j, rx.meta_type,
+    message_links(c.comm)[c.peers()[d]]->put_block(ex, rows_meta->data(), end - j, rx.meta_bytes,
                                                    kTagRelayMeta);
     return;
   }

@@ -59,8 +59,8 @@ int64_t tp_handshake(const char* op, const EpConfig& cfg, OpHeader& hdr,
     Exchange ex(tp, op, "tp header");
     ex.keep_alive(theirs);
     ex.keep_alive(sent);
-    ex.irecv(theirs.get(), static_cast<int>(sizeof(TpHeader)), MPI_BYTE, peer, kTagTpHeader);
-    ex.isend(sent.get(), static_cast<int>(sizeof(TpHeader)), MPI_BYTE, peer, kTagTpHeader);
+    ex.irecv(theirs.get(), sizeof(TpHeader), peer, kTagTpHeader);
+    ex.isend(sent.get(), sizeof(TpHeader), peer, kTagTpHeader);
     ex.wait();
   }
   if (local) return -1;  // this rank's own error comes first
@@ -111,7 +111,7 @@ void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64
   auto counts_out = std::make_shared<std::vector<int32_t>>(out.ep_recv_counts.ptr<int32_t>(),
                                                            out.ep_recv_counts.ptr<int32_t>() + WL);
   auto counts_in = std::make_shared<std::vector<int32_t>>(WL, 0);
-  MPI_Status scales_status{};
+  int64_t scales_bytes = 0;
   {
     Exchange ex(tp, op, "tp rows");
     ex.keep_alive(counts_out);
@@ -119,30 +119,24 @@ void tp_all_gather(const char* op, const EpConfig& cfg, const EpShape& sh, int64
     for (const Tensor* t :
          {&out.expand_x, &out.assist_info_for_combine, &out.expand_scales, &out.dynamic_scales})
       if (t->defined()) ex.keep_alive(std::make_shared<Tensor>(*t));
-    const MpiType row(row_bytes, op);
     char* x = out.expand_x.ptr<char>();
     int32_t* assist = out.assist_info_for_combine.ptr<int32_t>();
     float* scales = out.expand_scales.ptr<float>();
-    ex.irecv(counts_in->data(), to_int(WL), MPI_INT32_T, peer, kTagTpCounts);
-    ex.irecv(x + own * row_bytes, to_int(cap), row.get(), peer, kTagTpRows);
-    ex.irecv(assist + 3 * own, to_int(3 * cap), MPI_INT32_T, peer, kTagTpAssist);
-    ex.irecv(scales + own, to_int(cap), MPI_FLOAT, peer, kTagTpScales);
-    if (dyn)
-      ex.irecv(out.dynamic_scales.ptr<float>() + own, to_int(cap), MPI_FLOAT, peer,
-               kTagTpDynScales);
-    ex.isend(counts_out->data(), to_int(WL), MPI_INT32_T, peer, kTagTpCounts);
-    ex.isend(x, to_int(own), row.get(), peer, kTagTpRows);
-    ex.isend(assist, to_int(3 * own), MPI_INT32_T, peer, kTagTpAssist);
-    ex.isend(scales, to_int(own), MPI_FLOAT, peer, kTagTpScales);
-    if (dyn)
-      ex.isend(out.dynamic_scales.ptr<float>(), to_int(own), MPI_FLOAT, peer, kTagTpDynScales);
+    ex.irecv_n(counts_in->data(), WL, peer, kTagTpCounts);
+    ex.irecv_rows(x + own * row_bytes, cap, row_bytes, peer, kTagTpRows);
+    ex.irecv_n(assist + 3 * own, 3 * cap, peer, kTagTpAssist);
+    ex.irecv_n(scales + own, cap, peer, kTagTpScales);
+    if (dyn) ex.irecv_n(out.dynamic_scales.ptr<float>() + own, cap, peer, kTagTpDynScales);
+    ex.isend_n(counts_out->data(), WL, peer, kTagTpCounts);
+    ex.isend_rows(x, own, row_bytes, peer, kTagTpRows);
+    ex.isend_n(assist, 3 * own, peer, kTagTpAssist);
+    ex.isend_n(scales, own, peer, kTagTpScales);
+    if (dyn) ex.isend_n(out.dynamic_scales.ptr<float>(), own, peer, kTagTpDynScales);
     ex.wait();
-    scales_status = ex.recv_status(3);
+    scales_bytes = ex.received_bytes(3);
   }
   const int64_t peer_rows = WL > 0 ? counts_in->back() : 0;
-  int got = 0;
-  check_mpi(MPI_Get_count(&scales_status, MPI_FLOAT, &got), op, "MPI_Get_count");
-  MOE_EP_CHECK(got == peer_rows && peer_rows <= cap);
+  MOE_EP_CHECK(scales_bytes == peer_rows * static_cast<int64_t>(sizeof(float)) && peer_rows <= cap);
 
   MOE_EP_CHECK(out.ep_recv_counts.numel() == 2 * WL && out.tp_recv_counts.numel() == 2);
   int32_t* c = out.ep_recv_counts.ptr<int32_t>();
@@ -207,9 +201,8 @@ std::shared_ptr<Tensor> tp_reduce_scatter(const char* op, const EpConfig& cfg,
     Exchange ex(tp, op, "tp reduce-scatter");
     ex.keep_alive(send);
     ex.keep_alive(recv);
-    const MpiType row(row_bytes, op);
-    ex.irecv(recv->data(), to_int(own), row.get(), peer, kTagTpRows);
-    ex.isend(send->data(), to_int(peer_rows), row.get(), peer, kTagTpRows);
+    ex.irecv_rows(recv->data(), own, row_bytes, peer, kTagTpRows);
+    ex.isend_rows(send->data(), peer_rows, row_bytes, peer, kTagTpRows);
     ex.wait();
   }
   auto rs = std::make_shared<Tensor>(Tensor::empty(sh.dtype, {own, sh.H}));

@@ -13,9 +13,9 @@ bool shm_applies(int64_t transport, const EpConfig& cfg, const World& w) {
   return transport == kTransportShm && cfg.tp_world_size != 2 && w.hash == 0;
 }
 
-ShmContext& ensure_shm(const Communicator& comm, const char* op, const std::vector<OpHeader>& h,
-                       const std::vector<int>& peers, int64_t own_need) {
-  std::shared_ptr<ShmContext>& ctx = CommInternals::shm(comm);
+Windows& ensure_shm(const Communicator& comm, const char* op, const std::vector<OpHeader>& h,
+                    const std::vector<int>& peers, int64_t own_need) {
+  std::shared_ptr<Windows>& ctx = CommInternals::shm(comm);
   // A rank that timed out in the header phase sent its header all the same, so the others'
   // agreement does not prove it is still here. Before a blocking collective (which has no
   // deadline), every rank taking part confirms it passed the agreement (phase "shm ready", with
@@ -26,15 +26,15 @@ ShmContext& ensure_shm(const Communicator& comm, const char* op, const std::vect
     ex.keep_alive(flags);
     for (std::size_t i = 0; i < with.size(); ++i) {
       if (with[i] == comm.rank()) continue;
-      ex.irecv(flags->data() + i, 1, MPI_INT32_T, with[i], kTagShmReady);
-      ex.isend(flags->data() + with.size(), 1, MPI_INT32_T, with[i], kTagShmReady);
+      ex.irecv_n(flags->data() + i, 1, with[i], kTagShmReady);
+      ex.isend_n(flags->data() + with.size(), 1, with[i], kTagShmReady);
     }
     ex.wait();
   };
   bool grow = false;
   if (!ctx) {
     confirm(peers);  // MPI_Comm_split_type is collective over group_ep
-    ctx = ShmContext::create(comm, op, h[0].shm_node_ranks);
+    ctx = open_windows(comm, op, h[0].shm_node_ranks);
     grow = true;
   } else {
     std::vector<int> node;
@@ -46,13 +46,13 @@ ShmContext& ensure_shm(const Communicator& comm, const char* op, const std::vect
     if (grow) confirm(node);  // MPI_Win_allocate_shared is collective over the machine
   }
   if (grow)
-    ctx->grow(std::max({ctx->capacity(), 2 * ShmContext::slot_bytes(own_need), kMinShmBytes,
+    ctx->grow(std::max({ctx->capacity(), 2 * window_slot_bytes(own_need), kMinShmBytes,
                         comm.shm_window_bytes()}),
               op, comm.shm_window_bytes());
   return *ctx;
 }
 
-std::vector<Where> rows_where(const Communicator& comm, const char* op, const ShmContext& shm,
+std::vector<Where> rows_where(const Communicator& comm, const char* op, const Windows& shm,
                               const std::vector<OpHeader>& h, const std::vector<int>& peers, int me,
                               const Where& mine) {
   const int W = static_cast<int>(peers.size());
@@ -69,11 +69,10 @@ std::vector<Where> rows_where(const Communicator& comm, const char* op, const Sh
   auto out = std::make_shared<Where>(mine);
   ex.keep_alive(in);
   ex.keep_alive(out);
-  constexpr int kWords = sizeof(Where) / sizeof(int64_t);
   for (int p = 0; p < W; ++p) {
     if (p == me || shm.node_of(peers[p]) < 0) continue;
-    if (h[p].shm_grow) ex.irecv(&(*in)[p], kWords, MPI_INT64_T, peers[p], kTagWhere);
-    if (h[me].shm_grow) ex.isend(out.get(), kWords, MPI_INT64_T, peers[p], kTagWhere);
+    if (h[p].shm_grow) ex.irecv_n(&(*in)[p], 1, peers[p], kTagWhere);
+    if (h[me].shm_grow) ex.isend_n(out.get(), 1, peers[p], kTagWhere);
   }
   ex.wait();
   shm.sync();  // the peers' stores before their announcement (combine_v2's staged rows)

@@ -5,7 +5,7 @@
 #include "core/ep/slot.h"
 #include "core/ep/windows.h"
 #include "moe_ep/dispatch.h"
-#include "transport/shm/context.h"
+#include "transport/windows.h"
 
 namespace moe_ep {
 
@@ -47,8 +47,8 @@ DispatchWorkspace dispatch_workspace(const EpConfig& cfg, int64_t bs, int64_t hi
                           sh.W * sh.L * std::max<int64_t>(1, cfg.tp_world_size) * 4 +
                           std::max<int64_t>(1, cfg.tp_world_size) * 4 + sh.L * 8;
   if (shm_applies(transport, cfg, world)) {
-    w.shm_slot_bytes = ShmContext::slot_bytes(dispatch_slot_need(w.expand_x_bytes, rows));
-    w.shm_stage_bytes = ShmContext::slot_bytes(
+    w.shm_slot_bytes = window_slot_bytes(dispatch_slot_need(w.expand_x_bytes, rows));
+    w.shm_stage_bytes = window_slot_bytes(
         stage_need(sh.A, sh.H * (comm_quant_mode == 2 ? 1 : esize), comm_quant_mode == 2));
   }
   w.combine_output_bytes = sh.BS * sh.H * esize;

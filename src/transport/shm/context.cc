@@ -9,6 +9,7 @@
 
 #include "base/check.h"
 #include "transport/exchange.h"
+#include "transport/mpi/check.h"
 
 namespace moe_ep::detail {
 
@@ -31,6 +32,11 @@ struct SlotRelease {
 };
 
 }  // namespace
+
+std::shared_ptr<Windows> open_windows(const Communicator& comm, const char* op,
+                                      int ranks_per_node) {
+  return ShmContext::create(comm, op, ranks_per_node);
+}
 
 std::shared_ptr<ShmContext> ShmContext::create(const Communicator& comm, const char* op,
                                                int ranks_per_node) {
@@ -116,7 +122,7 @@ void ShmContext::grow(int64_t own_bytes, const char* op, int64_t shm_window_byte
     check_mpi(rc, op, what.c_str());
   }
   MPI_Win_set_errhandler(w->win, MPI_ERRORS_RETURN);
-  const int n = node_size();
+  const int n = static_cast<int>(node_to_group_.size());
   w->base.resize(n);
   w->bytes.resize(n);
   // Slots are named by their offset from that boundary. Every rank gathers what every rank found,
@@ -163,12 +169,12 @@ void ShmContext::grow(int64_t own_bytes, const char* op, int64_t shm_window_byte
   windows_.push_back(std::move(w));
 }
 
-int64_t ShmContext::slot_bytes(int64_t bytes) {
+int64_t window_slot_bytes(int64_t bytes) {
   return round_up(std::max<int64_t>(bytes, 1), kSlotAlign);
 }
 
 std::optional<ShmSlot> ShmContext::try_alloc(int64_t bytes) {
-  const int64_t need = slot_bytes(bytes);
+  const int64_t need = window_slot_bytes(bytes);
   largest_request_ = std::max(largest_request_, need);
   for (auto it = windows_.rbegin(); it != windows_.rend(); ++it) {
     const std::shared_ptr<ShmWindow>& w = *it;
@@ -194,7 +200,7 @@ std::optional<ShmSlot> ShmContext::try_alloc(int64_t bytes) {
 }
 
 std::optional<ShmSlot> ShmContext::adopt(const void* p, int64_t bytes) const {
-  const int64_t need = slot_bytes(bytes);
+  const int64_t need = window_slot_bytes(bytes);
   for (const std::shared_ptr<ShmWindow>& w : windows_) {
     const char* base = w->base[node_rank_];
     const char* c = static_cast<const char*>(p);

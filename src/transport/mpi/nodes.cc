@@ -7,7 +7,7 @@
 
 #include "base/check.h"
 #include "transport/communicator.h"
-#include "transport/exchange.h"
+#include "transport/mpi/check.h"
 
 namespace moe_ep::detail {
 

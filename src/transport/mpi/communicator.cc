@@ -20,8 +20,9 @@
 #include "base/serial_worker.h"
 #include "base/threads.h"
 #include "transport/exchange.h"
+#include "transport/mpi/check.h"
 #include "transport/mpi/link.h"
-#include "transport/shm/context.h"
+#include "transport/windows.h"
 
 namespace moe_ep::detail {
 

@@ -1,5 +1,6 @@
 #include "transport/exchange.h"
 
+#include <mpi.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -9,7 +10,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory_resource>
 #include <mutex>
+#include <new>
 #include <sstream>
 #include <thread>
 
@@ -17,6 +20,7 @@
 #include "base/threads.h"
 #include "moe_ep/tensor.h"
 #include "transport/communicator.h"
+#include "transport/mpi/check.h"
 
 namespace moe_ep::detail {
 
@@ -44,30 +48,124 @@ void check_mpi(int rc, const char* op, const char* what) {
   fail(ErrorKind::kSystem, op, ": ", what, " failed: ", mpi_error_string(rc));
 }
 
-MpiType::MpiType(int64_t bytes, const char* op) : op_(op) {
-  MOE_EP_CHECK(bytes >= 0 && bytes <= INT_MAX);
-  bytes_ = static_cast<int>(bytes);
-}
-
-MpiType::~MpiType() {
-  int finalized = 1;
-  MPI_Finalized(&finalized);
-  if (t_ != MPI_DATATYPE_NULL && !finalized) MPI_Type_free(&t_);
-}
-
-MPI_Datatype MpiType::get() const {
-  if (t_ != MPI_DATATYPE_NULL) return t_;
-  MPI_Datatype t;
-  check_mpi(MPI_Type_contiguous(bytes_, MPI_BYTE, &t), op_, "MPI_Type_contiguous");
-  const int rc = MPI_Type_commit(&t);
-  if (rc != MPI_SUCCESS) MPI_Type_free(&t);
-  check_mpi(rc, op_, "MPI_Type_commit");
-  return t_ = t;
-}
-
 thread_local std::vector<std::string>* phase_trace = nullptr;
 
-Exchange::Exchange(const Communicator& comm, const char* op, const char* phase)
+struct Exchange::State {
+  State(const Communicator& comm, const char* op, const char* phase);
+  ~State();
+  void post(bool recv, void* buf, int count, MPI_Datatype type, int peer, int tag);
+  MPI_Datatype row_type(int64_t row_bytes);
+  void wait(const std::function<void(int peer)>& on_received);
+  void make_room();  // capacity for one more request, reserved before it is posted
+  // Marks the communicator unusable with `what` (the first failure only): require_comm refuses
+  // later ops on it.
+  void broken(std::string what) const;
+
+  struct Posted {
+    int peer;
+    bool recv;
+    int64_t done_us;    // after wait(): microseconds from its start to this request's completion
+    MPI_Status status;  // after wait()
+  };
+  const Communicator& comm_;
+  const char* op_;
+  const char* phase_;
+  alignas(std::max_align_t) std::byte arena_[4096];
+  std::pmr::monotonic_buffer_resource pool_{arena_, sizeof(arena_)};
+  std::pmr::vector<MPI_Request> reqs_{&pool_};  // contiguous, for MPI_Testsome
+  std::pmr::vector<Posted> posted_{&pool_};     // one per request
+  std::pmr::vector<std::shared_ptr<const void>> keep_{&pool_};
+  // Row datatypes of the blocks past INT_MAX bytes, freed with the phase (MPI lets pending
+  // requests finish).
+  std::pmr::vector<MPI_Datatype> types_{&pool_};
+};
+
+static_assert(sizeof(Exchange::State) <= 4864 &&
+                  alignof(Exchange::State) <= alignof(std::max_align_t),
+              "Exchange::kStateBytes is too small for its State");
+
+Exchange::State& Exchange::state() { return *std::launder(reinterpret_cast<State*>(storage_)); }
+const Exchange::State& Exchange::state() const {
+  return *std::launder(reinterpret_cast<const State*>(storage_));
+}
+
+Exchange::Exchange(const Communicator& comm, const char* op, const char* phase) {
+  new (storage_) State(comm, op, phase);
+}
+Exchange::~Exchange() { state().~State(); }
+
+void Exchange::isend(const void* buf, int64_t bytes, int peer, int tag) {
+  MOE_EP_CHECK(bytes >= 0 && bytes <= INT_MAX);
+  state().post(false, const_cast<void*>(buf), static_cast<int>(bytes), MPI_BYTE, peer, tag);
+}
+
+void Exchange::irecv(void* buf, int64_t bytes, int peer, int tag) {
+  MOE_EP_CHECK(bytes >= 0 && bytes <= INT_MAX);
+  state().post(true, buf, static_cast<int>(bytes), MPI_BYTE, peer, tag);
+}
+
+// A block of up to INT_MAX bytes travels as bytes; a larger one as rows of a contiguous datatype
+// (the type signatures are the same, so either side may use either form).
+void Exchange::isend_rows(const void* buf, int64_t rows, int64_t row_bytes, int peer, int tag) {
+  MOE_EP_CHECK(rows >= 0 && rows <= INT_MAX && row_bytes >= 0 && row_bytes <= INT_MAX);
+  if (rows * row_bytes <= INT_MAX) return isend(buf, rows * row_bytes, peer, tag);
+  State& s = state();
+  s.post(false, const_cast<void*>(buf), static_cast<int>(rows), s.row_type(row_bytes), peer, tag);
+}
+
+void Exchange::irecv_rows(void* buf, int64_t rows, int64_t row_bytes, int peer, int tag) {
+  MOE_EP_CHECK(rows >= 0 && rows <= INT_MAX && row_bytes >= 0 && row_bytes <= INT_MAX);
+  if (rows * row_bytes <= INT_MAX) return irecv(buf, rows * row_bytes, peer, tag);
+  State& s = state();
+  s.post(true, buf, static_cast<int>(rows), s.row_type(row_bytes), peer, tag);
+}
+
+void Exchange::keep_alive(std::shared_ptr<const void> buffer) {
+  state().keep_.push_back(std::move(buffer));
+}
+
+void Exchange::wait(const std::function<void(int peer)>& on_received) { state().wait(on_received); }
+
+int Exchange::receives_from(int peer) const {
+  const auto& posted = state().posted_;
+  return static_cast<int>(std::count_if(posted.begin(), posted.end(), [&](const State::Posted& p) {
+    return p.recv && p.peer == peer;
+  }));
+}
+
+int64_t Exchange::received_bytes(int i) const {
+  const State& s = state();
+  for (const State::Posted& p : s.posted_)
+    if (p.recv && i-- == 0) {
+      MPI_Count bytes = 0;
+      check_mpi(MPI_Get_elements_x(&p.status, MPI_BYTE, &bytes), s.op_, "MPI_Get_elements_x");
+      return static_cast<int64_t>(bytes);
+    }
+  fail(ErrorKind::kInternal, s.op_, ": no receive ", i, " in phase '", s.phase_, "'");
+}
+
+void Exchange::progress() const {
+  int flag = 0;
+  const State& s = state();
+  check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, s.comm_.mpi_comm(), &flag, MPI_STATUS_IGNORE),
+            s.op_, "MPI_Iprobe");
+}
+
+void Exchange::add_recv_wait_us(int64_t* per_peer) const {
+  std::vector<std::pair<int, int64_t>> last;  // (peer, latest completion)
+  for (const State::Posted& p : state().posted_) {
+    if (!p.recv) continue;
+    auto it =
+        std::find_if(last.begin(), last.end(), [&](const auto& pr) { return pr.first == p.peer; });
+    if (it == last.end())
+      last.emplace_back(p.peer, p.done_us);
+    else
+      it->second = std::max(it->second, p.done_us);
+  }
+  for (const auto& [peer, us] : last) per_peer[peer] += us;
+}
+
+Exchange::State::State(const Communicator& comm, const char* op, const char* phase)
     : comm_(comm), op_(op), phase_(phase) {
   if (phase_trace) phase_trace->push_back(phase);
   // A send and a receive per peer is the common phase; reserved at once, since the arena never
@@ -78,7 +176,7 @@ Exchange::Exchange(const Communicator& comm, const char* op, const char* phase)
   keep_.reserve(4);
 }
 
-Exchange::~Exchange() {
+Exchange::State::~State() {
   bool abandoned = false;
   for (std::size_t i = 0; i < reqs_.size(); ++i) {
     if (reqs_[i] == MPI_REQUEST_NULL) continue;
@@ -87,47 +185,47 @@ Exchange::~Exchange() {
     MPI_Request_free(&reqs_[i]);
   }
   if (abandoned) bury(keep_);
+  int finalized = 1;
+  MPI_Finalized(&finalized);
+  for (MPI_Datatype& t : types_)
+    if (!finalized) MPI_Type_free(&t);
 }
 
-void Exchange::make_room() {
+void Exchange::State::make_room() {
   if (reqs_.size() < reqs_.capacity() && posted_.size() < posted_.capacity()) return;
   const std::size_t n = 2 * reqs_.size() + 8;
   reqs_.reserve(n);
   posted_.reserve(n);
 }
 
-void Exchange::isend(const void* buf, int count, MPI_Datatype type, int peer, int tag) {
+MPI_Datatype Exchange::State::row_type(int64_t row_bytes) {
+  MPI_Datatype t;
+  check_mpi(MPI_Type_contiguous(static_cast<int>(row_bytes), MPI_BYTE, &t), op_,
+            "MPI_Type_contiguous");
+  const int rc = MPI_Type_commit(&t);
+  if (rc != MPI_SUCCESS) MPI_Type_free(&t);
+  check_mpi(rc, op_, "MPI_Type_commit");
+  types_.push_back(t);
+  return t;
+}
+
+void Exchange::State::post(bool recv, void* buf, int count, MPI_Datatype type, int peer, int tag) {
   make_room();  // a posted request is always recorded (nothing can throw after MPI_Isend)
   MPI_Request r = MPI_REQUEST_NULL;
-  check_mpi(MPI_Isend(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Isend");
+  if (recv) {
+    check_mpi(MPI_Irecv(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Irecv");
+  } else {
+    check_mpi(MPI_Isend(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Isend");
+    int size = 0;
+    MPI_Type_size(type, &size);
+    CommInternals::traffic(comm_).message_bytes[static_cast<std::size_t>(peer)] +=
+        int64_t{count} * size;
+  }
   reqs_.push_back(r);
-  int size = 0;
-  MPI_Type_size(type, &size);
-  CommInternals::traffic(comm_).message_bytes[static_cast<std::size_t>(peer)] +=
-      int64_t{count} * size;
-  posted_.push_back({peer, false, 0, {}});
+  posted_.push_back({peer, recv, 0, {}});
 }
 
-void Exchange::irecv(void* buf, int count, MPI_Datatype type, int peer, int tag) {
-  make_room();
-  MPI_Request r = MPI_REQUEST_NULL;
-  check_mpi(MPI_Irecv(buf, count, type, peer, tag, comm_.mpi_comm(), &r), op_, "MPI_Irecv");
-  reqs_.push_back(r);
-  posted_.push_back({peer, true, 0, {}});
-}
-
-const MPI_Status& Exchange::recv_status(int i) const {
-  for (const Posted& p : posted_)
-    if (p.recv && i-- == 0) return p.status;
-  fail(ErrorKind::kInternal, op_, ": no receive ", i, " in phase '", phase_, "'");
-}
-
-int Exchange::receives_from(int peer) const {
-  return static_cast<int>(std::count_if(posted_.begin(), posted_.end(),
-                                        [&](const Posted& p) { return p.recv && p.peer == peer; }));
-}
-
-void Exchange::wait(const std::function<void(int peer)>& on_received) {
+void Exchange::State::wait(const std::function<void(int peer)>& on_received) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   // Capped at 10^9 s (~31 years): larger values mean "no deadline" to the caller, and would
@@ -236,29 +334,9 @@ void Exchange::wait(const std::function<void(int peer)>& on_received) {
   }
 }
 
-void Exchange::broken(std::string what) const {
+void Exchange::State::broken(std::string what) const {
   std::string& first = CommInternals::broken(comm_);
   if (first.empty()) first = std::move(what);
-}
-
-void Exchange::progress() const {
-  int flag = 0;
-  check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_.mpi_comm(), &flag, MPI_STATUS_IGNORE),
-            op_, "MPI_Iprobe");
-}
-
-void Exchange::add_recv_wait_us(int64_t* per_peer) const {
-  std::vector<std::pair<int, int64_t>> last;  // (peer, latest completion)
-  for (const Posted& p : posted_) {
-    if (!p.recv) continue;
-    auto it =
-        std::find_if(last.begin(), last.end(), [&](const auto& pr) { return pr.first == p.peer; });
-    if (it == last.end())
-      last.emplace_back(p.peer, p.done_us);
-    else
-      it->second = std::max(it->second, p.done_us);
-  }
-  for (const auto& [peer, us] : last) per_peer[peer] += us;
 }
 
 }  // namespace moe_ep::detail
