@@ -48,6 +48,15 @@ struct CommOptions {
   // that creates or grows the window with Error(kSystem) naming the bytes asked for and this
   // value.
   int64_t shm_window_bytes = 0;
+  // Whether ops may create and grow the shared-memory window (true, the default: as above).
+  // false: the window is made once, by from_mpi (collectively, as part of it), with
+  // shm_window_bytes (> 0) per rank, and no op ever creates or grows it, so no op makes a
+  // collective window allocation or maps more memory behind the caller's back: a call whose rows
+  // find no free slot in a receiver's window moves them by messages (EpConfig::transport "shm"
+  // stays a per-call choice). Every rank must pass the same value; $MOE_EP_SHM_NODE_RANKS is read
+  // by from_mpi then. from_mpi throws Error(kInvalidArgument) for false with shm_window_bytes 0
+  // (on this rank, before duplicating) and, on every rank, when ranks disagree.
+  bool shm_grow = true;
 };
 
 // The bytes one rank moved to or from each peer (SPEC §3, "Bytes"), see Communicator::traffic.
@@ -98,6 +107,7 @@ class MOE_EP_API Communicator {
   MPI_Comm mpi_comm() const { return comm_; }
   double timeout_s() const { return timeout_s_; }
   int64_t shm_window_bytes() const { return shm_window_bytes_; }
+  bool shm_grow() const { return shm_grow_; }
 
  private:
   Communicator(MPI_Comm dup, int rank, int size, double timeout_s, int64_t shm_window_bytes);
@@ -106,6 +116,7 @@ class MOE_EP_API Communicator {
   int size_;
   double timeout_s_;
   int64_t shm_window_bytes_;
+  bool shm_grow_ = true;
   // The shared-memory transport's state (node communicator, windows, slots), created by the
   // first op that uses it. Internal: reached through detail::CommInternals.
   friend struct detail::CommInternals;

@@ -150,7 +150,7 @@ class InUse {
 };
 
 PyCommunicator make_communicator(int64_t fortran_handle, std::optional<double> timeout_s,
-                                 int64_t shm_window_bytes) {
+                                 int64_t shm_window_bytes, bool shm_grow) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -168,6 +168,7 @@ PyCommunicator make_communicator(int64_t fortran_handle, std::optional<double> t
   moe_ep::CommOptions options;
   options.timeout_s = timeout_s;
   options.shm_window_bytes = shm_window_bytes;  // from_mpi rejects < 0 before MPI_Comm_dup
+  options.shm_grow = shm_grow;
   nb::gil_scoped_release release;
   return PyCommunicator{moe_ep::Communicator::from_mpi(c, options)};
 }
@@ -528,12 +529,14 @@ nb::object dispatch_v2(const InArray& x, const InArray& expert_ids, const PyComm
                        int64_t zero_expert_num, int64_t copy_expert_num, int64_t const_expert_num,
                        const std::string& transport, bool exact_size,
                        const moe_ep::DispatchHandle* handle, const std::string& handle_error,
-                       const std::string& caller_error_kind, bool async_op) {
+                       const std::string& caller_error_kind, bool async_op,
+                       const std::optional<std::vector<std::optional<OutArray>>>& out) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
                  zero_expert_num, copy_expert_num, const_expert_num, transport, exact_size});
   moe_ep::DispatchInputs in;
+  moe_ep::DispatchBuffers buffers;
   // A tensor the binding cannot take goes into the collective as this rank's argument error, so
   // the peers raise RemoteError at once instead of waiting for this rank until their deadline.
   try {
@@ -544,10 +547,31 @@ nb::object dispatch_v2(const InArray& x, const InArray& expert_ids, const PyComm
     in.expert_scales = view_of(expert_scales, "expert_scales");
     in.elastic_info = view_of(elastic_info, "elastic_info");
     if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
+    if (out) {
+      // DispatchBuffers (dispatch.h), in DispatchOutputs' order; the op checks each view.
+      std::optional<TensorView>* slots[] = {
+          &buffers.expand_x,          &buffers.dynamic_scales, &buffers.assist_info_for_combine,
+          &buffers.expert_token_nums, &buffers.ep_recv_counts, &buffers.tp_recv_counts,
+          &buffers.expand_scales};
+      static const char* const names[] = {
+          "out.expand_x",          "out.dynamic_scales", "out.assist_info_for_combine",
+          "out.expert_token_nums", "out.ep_recv_counts", "out.tp_recv_counts",
+          "out.expand_scales"};
+      if (out->size() != 7)
+        throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                            "out holds " + std::to_string(out->size()) + " tensors, not 7");
+      for (std::size_t i = 0; i < 7; ++i)
+        if ((*out)[i]) *slots[i] = view_of(*(*out)[i], names[i]);
+      in.out = &buffers;
+    }
   } catch (const moe_ep::Error& e) {
     in = moe_ep::DispatchInputs{};
     in.caller_error = moe_ep::Error(e.kind(), std::string("dispatch_v2: ") + e.what());
   }
+  // The buffers must outlive the op, which a started one does not wait for.
+  if (async_op && out && !in.caller_error)
+    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kUnsupported,
+                                    "dispatch_v2: out= with async_op=True is unsupported");
   in.quant_mode = quant_mode;
   in.expert_token_nums_type = expert_token_nums_type;
   in.handle = handle;
@@ -566,22 +590,20 @@ nb::object dispatch_v2(const InArray& x, const InArray& expert_ids, const PyComm
   return dispatch_tuple(std::move(r));
 }
 
-nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
-                      const OptIn& assist_info_for_combine, const OptIn& ep_send_counts,
-                      const InArray& expert_scales, const PyCommunicator& group_ep,
-                      int64_t ep_world_size, int64_t ep_rank_id, int64_t moe_expert_num,
-                      const OptIn& tp_send_counts, const OptIn& x_active_mask,
-                      const OptIn& expand_scales, const OptIn& shared_expert_x,
-                      const OptIn& elastic_info, const OptIn& ori_x,
-                      const OptIn& const_expert_alpha_1, const OptIn& const_expert_alpha_2,
-                      const OptIn& const_expert_v, const std::optional<OutArray>& performance_info,
-                      std::optional<PyCommunicator> group_tp, int64_t tp_world_size,
-                      int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
-                      int64_t shared_expert_rank_num, int64_t global_bs, int64_t comm_quant_mode,
-                      const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
-                      int64_t const_expert_num, const std::string& transport, bool exact_size,
-                      const moe_ep::DispatchHandle* handle, const std::string& handle_error,
-                      const std::string& caller_error_kind, bool async_op) {
+nb::object combine_v2(
+    const InArray& expand_x, const InArray& expert_ids, const OptIn& assist_info_for_combine,
+    const OptIn& ep_send_counts, const InArray& expert_scales, const PyCommunicator& group_ep,
+    int64_t ep_world_size, int64_t ep_rank_id, int64_t moe_expert_num, const OptIn& tp_send_counts,
+    const OptIn& x_active_mask, const OptIn& expand_scales, const OptIn& shared_expert_x,
+    const OptIn& elastic_info, const OptIn& ori_x, const OptIn& const_expert_alpha_1,
+    const OptIn& const_expert_alpha_2, const OptIn& const_expert_v,
+    const std::optional<OutArray>& performance_info, std::optional<PyCommunicator> group_tp,
+    int64_t tp_world_size, int64_t tp_rank_id, int64_t expert_shard_type, int64_t shared_expert_num,
+    int64_t shared_expert_rank_num, int64_t global_bs, int64_t comm_quant_mode,
+    const std::string& comm_alg, int64_t zero_expert_num, int64_t copy_expert_num,
+    int64_t const_expert_num, const std::string& transport, bool exact_size,
+    const moe_ep::DispatchHandle* handle, const std::string& handle_error,
+    const std::string& caller_error_kind, bool async_op, const std::optional<OutArray>& out) {
   const moe_ep::EpConfig cfg = ep_config(
       group_ep, {ep_world_size, ep_rank_id, moe_expert_num, group_tp, tp_world_size, tp_rank_id,
                  expert_shard_type, shared_expert_num, shared_expert_rank_num, global_bs, comm_alg,
@@ -605,10 +627,14 @@ nb::object combine_v2(const InArray& expand_x, const InArray& expert_ids,
     in.const_expert_alpha_2 = view_of(const_expert_alpha_2, "const_expert_alpha_2");
     in.const_expert_v = view_of(const_expert_v, "const_expert_v");
     if (performance_info) in.performance_info = view_of(*performance_info, "performance_info");
+    if (out) in.out = view_of(*out, "out");
   } catch (const moe_ep::Error& e) {
     in = moe_ep::CombineInputs{};
     in.caller_error = moe_ep::Error(e.kind(), std::string("combine_v2: ") + e.what());
   }
+  if (async_op && out && !in.caller_error)
+    in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kUnsupported,
+                                    "combine_v2: out= with async_op=True is unsupported");
   in.comm_quant_mode = comm_quant_mode;
   in.handle = handle;
   if (!handle_error.empty() && !in.caller_error)
@@ -761,19 +787,23 @@ NB_MODULE(_C, m) {
                              "An MPI communicator (duplicated) with moe-ep's settings (deadline, "
                              "shared-memory window size)")
       .def_static("from_fortran", &make_communicator, "fortran_handle"_a,
-                  "timeout_s"_a = nb::none(), "shm_window_bytes"_a = 0,
+                  "timeout_s"_a = nb::none(), "shm_window_bytes"_a = 0, "shm_grow"_a = true,
                   "Collective over the communicator whose Fortran handle is given (mpi4py: "
                   "comm.py2f()). timeout_s: the deadline of every wait (default "
                   "$MOE_EP_TIMEOUT_S, else 300). shm_window_bytes: bytes of this rank's "
                   "shared-memory window segment when the first op creates it (>= 0; 0: twice "
-                  "that op's need, at least 1 MiB; size it with dispatch_workspace). "
-                  "CommOptions, comm.h. Raises InvalidArgumentError for a bad timeout_s or a "
-                  "negative shm_window_bytes (on this rank, before duplicating)")
+                  "that op's need, at least 1 MiB; size it with dispatch_workspace). shm_grow: "
+                  "False makes the window now, with shm_window_bytes (> 0), and no op grows it "
+                  "(a call without room moves its rows by messages). CommOptions, comm.h. "
+                  "Raises InvalidArgumentError for a bad timeout_s, a negative "
+                  "shm_window_bytes, or shm_grow False without one (on this rank, before "
+                  "duplicating), and on every rank when ranks disagree on shm_grow")
       .def_prop_ro("rank", [](const PyCommunicator& c) { return c.comm->rank(); })
       .def_prop_ro("size", [](const PyCommunicator& c) { return c.comm->size(); })
       .def_prop_ro("timeout_s", [](const PyCommunicator& c) { return c.comm->timeout_s(); })
       .def_prop_ro("shm_window_bytes",
-                   [](const PyCommunicator& c) { return c.comm->shm_window_bytes(); });
+                   [](const PyCommunicator& c) { return c.comm->shm_window_bytes(); })
+      .def_prop_ro("shm_grow", [](const PyCommunicator& c) { return c.comm->shm_grow(); });
 
   m.def("_arm_exit_guard", &moe_ep_python::arm_exit_guard,
         "At interpreter exit, before MPI is finalised: after a Timeout or System error, "
@@ -840,8 +870,10 @@ NB_MODULE(_C, m) {
         "global_bs"_a = 0, "expert_token_nums_type"_a = 1, "comm_alg"_a = "",
         "zero_expert_num"_a = 0, "copy_expert_num"_a = 0, "const_expert_num"_a = 0,
         "transport"_a = "", "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
-        "caller_error_kind"_a = "InvalidArgument", "async_op"_a = false,
-        "SPEC §1. async_op: start it and return a PendingDispatch (moe_ep/async.h). Returns "
+        "caller_error_kind"_a = "InvalidArgument", "async_op"_a = false, "out"_a = nb::none(),
+        "SPEC §1. async_op: start it and return a PendingDispatch (moe_ep/async.h). out: 7 "
+        "tensors or None in the order returned (DispatchBuffers, dispatch.h), written in place; "
+        "the outputs returned for them view that memory (the caller keeps it alive). Returns "
         "(expand_x, dynamic_scales or None, assist_info_for_combine, "
         "expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales, handle); exact_size: "
         "EpConfig::exact_size (outputs sized to the rows received, not SPEC §1.4's A); handle: "
@@ -862,9 +894,10 @@ NB_MODULE(_C, m) {
         "global_bs"_a = 0, "comm_quant_mode"_a = 0, "comm_alg"_a = "", "zero_expert_num"_a = 0,
         "copy_expert_num"_a = 0, "const_expert_num"_a = 0, "transport"_a = "",
         "exact_size"_a = false, "handle"_a = nb::none(), "handle_error"_a = "",
-        "caller_error_kind"_a = "InvalidArgument", "async_op"_a = false,
-        "SPEC §2. async_op: start it and return a PendingTensor (moe_ep/async.h). Returns x (BS, "
-        "H). handle: dispatch_v2's DispatchHandle (SPEC §7); then "
+        "caller_error_kind"_a = "InvalidArgument", "async_op"_a = false, "out"_a = nb::none(),
+        "SPEC §2. async_op: start it and return a PendingTensor (moe_ep/async.h). out: the "
+        "caller's (BS, H) tensor, written and viewed by the result (CombineInputs::out). Returns "
+        "x (BS, H). handle: dispatch_v2's DispatchHandle (SPEC §7); then "
         "assist_info_for_combine and ep_send_counts are not read and may be None");
   // The backward ops take the EP arguments by keyword, as the forward ones do.
   m.def(

@@ -1346,6 +1346,133 @@ def transport_keyword(ctx):
 
 
 @case()
+def out_buffers(ctx):
+    """dispatch_v2(..., out=...) and combine_v2(..., out=...) (DispatchBuffers, CombineInputs::out):
+    the results are the caller's tensors (exact_size: their first rows), holding the bits of the
+    same call without out=; an earlier result given as out (its expand_x a window slot) works as
+    well. out= with async_op, with an input that requires grad, or malformed, raises on every rank
+    (through the collective)."""
+    w, rank = ctx.world, ctx.rank
+    spec = Spec(200, bs_all(ctx, 5), k=2, e=2 * w, dtype=torch.bfloat16, h=64)
+    mine = make_inputs(spec, rank)
+    kw = dict(expert_scales=mine.w, global_bs=spec.global_bs)
+
+    def dispatch(**more):
+        return mt.dispatch_v2(mine.x, mine.ids, ctx.comm, moe_expert_num=spec.e, **kw, **more)
+
+    want = dispatch()
+    valid = int(want.ep_recv_counts[-1])
+    fresh = [None if i == 1 else torch.full_like(t, 7) for i, t in enumerate(want)]
+    got = dispatch(out=fresh)
+    again = dispatch(out=want)  # the earlier result's buffers (expand_x: its window slot)
+    exact = dispatch(exact_size=True, out=[None if i == 1 else torch.zeros_like(t)
+                                           for i, t in enumerate(want)])
+    y = run_experts(spec, w, rank, want.expand_x, want.expert_token_nums)
+    ckw = dict(global_bs=spec.global_bs)
+    combined = mt.combine_v2(y, mine.ids, want[2], want[4], mine.w, ctx.comm,
+                             moe_expert_num=spec.e, **ckw)
+    x_out = torch.full_like(combined, 3)
+    into = mt.combine_v2(y, mine.ids, want[2], want[4], mine.w, ctx.comm,
+                         moe_expert_num=spec.e, out=x_out, **ckw)
+    errors = []
+    for call in (lambda: dispatch(out=fresh, async_op=True),
+                 lambda: dispatch(out=fresh[:3]),
+                 lambda: mt.combine_v2(y, mine.ids, want[2], want[4], mine.w, ctx.comm,
+                                       moe_expert_num=spec.e, out=[x_out], **ckw),
+                 lambda: mt.dispatch_v2(mine.x.clone().requires_grad_(), mine.ids, ctx.comm,
+                                        moe_expert_num=spec.e, out=fresh, **kw),
+                 lambda: dispatch(out=[torch.empty(3)] + fresh[1:])):
+        try:
+            call()
+            errors.append(None)
+        except moe_ep.Error as err:
+            errors.append(err)
+    want_errors = [
+        (moe_ep.UnsupportedError, "dispatch_v2: out= with async_op=True is unsupported"),
+        (moe_ep.InvalidArgumentError, "dispatch_v2: out = "),
+        (moe_ep.InvalidArgumentError, "combine_v2: out = "),
+        (moe_ep.UnsupportedError, "dispatch_v2: out= does not support autograd, and x requires "
+                                  "grad"),
+        (moe_ep.InvalidArgumentError, "dispatch_v2: out.expand_x is "),
+    ]
+
+    def same(a, b, rows=None):
+        a, b = (a, b) if rows is None else (a[:rows], b[:rows])
+        return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    def checks():
+        for i, (g, f) in enumerate(zip(got, fresh)):
+            if f is not None:
+                check(g is f, f"output {i} is not the tensor given")
+        check(same(got.expand_x, want.expand_x, valid), "expand_x (valid rows) differs")
+        check(same(got.assist_info_for_combine, want.assist_info_for_combine, 3 * valid),
+              "assist_info_for_combine differs")
+        for i in (3, 4, 5):
+            check(same(got[i], want[i]), f"output {i} differs")
+        check(same(got.expand_scales, want.expand_scales, valid), "expand_scales differs")
+        check(again.expand_x is want.expand_x and same(again.ep_recv_counts, got.ep_recv_counts),
+              "the earlier result as out")
+        check(exact.expand_x.shape[0] == valid and same(exact.expand_x, got.expand_x, valid),
+              f"exact_size into out: {tuple(exact.expand_x.shape)}, valid {valid}")
+        check(into is x_out and same(into, combined), "combine_v2 into out differs")
+        for err, (kind, start) in zip(errors, want_errors):
+            check(type(err) is kind and str(err).startswith(start),
+                  f"raised {err!r}, want {kind.__name__}({start!r}...)")
+
+    agreed(ctx, checks)
+    round_trip(ctx, Spec(201, bs_all(ctx, 3), k=2, e=2 * w))  # the communicator still works
+
+
+@case()
+def shm_grow_option(ctx):
+    """group_id(comm, shm_window_bytes=N, shm_grow=False) (CommOptions::shm_grow, comm.h): the
+    registration makes the window and no op grows it. With room for one output, three round
+    trips whose outputs stay alive are all right (round_trip checks every value; the later ones
+    move their rows by messages). A later shm_grow=True raises naming the registered False;
+    shm_grow=False without a size, and a shm_grow that is not a bool, raise on every rank at once
+    (nothing duplicated)."""
+    w, rank = ctx.world, ctx.rank
+    spec = Spec(190, bs_all(ctx, 6), k=2, e=2 * w, dtype=torch.bfloat16, h=256)
+    ws = workspace_of(ctx, spec)
+    size = ws.shm_slot_bytes if shm_transport() else 1 << 20
+    dup, other = ctx.comm.Dup(), ctx.comm.Dup()
+    errors = []
+    try:
+        gid = mt.group_id(dup, shm_window_bytes=size, shm_grow=False)
+        registered = mt.distributed._groups[gid].shm_grow
+        sub = Ctx(dup, w, rank)
+        live = [round_trip(sub, replace(spec, seed=190 + i))[0].expand_x for i in range(3)]
+        for call in (lambda: mt.group_id(dup, shm_grow=True),
+                     lambda: mt.group_id(other, shm_grow=False),
+                     lambda: mt.group_id(other, shm_window_bytes=size, shm_grow="no")):
+            try:
+                call()
+                errors.append(None)
+            except moe_ep.Error as err:
+                errors.append(err)
+        want = ["group_id: shm_grow = True differs from the False this communicator was "
+                "registered with (release_group it first, on every rank)",
+                "Communicator: shm_grow = false needs shm_window_bytes > 0 (the window is made "
+                "once, with that size; see dispatch_workspace for the bytes a call needs), got 0",
+                "group_id: shm_grow = 'no' must be True, False or None"]
+
+        def checks():
+            check(registered is False, f"registered shm_grow {registered!r}")
+            check(len(live) == 3, "round trips")
+            for err, message in zip(errors, want):
+                check(type(err) is moe_ep.InvalidArgumentError and str(err) == message,
+                      f"raised {err!r}, want InvalidArgumentError({message!r})")
+            check(id(other) not in mt.distributed._by_object, "other was registered")
+
+        agreed(ctx, checks)
+    finally:
+        for c in (dup, other):
+            if id(c) in mt.distributed._by_object:
+                mt.release_group(c)
+            c.Free()
+
+
+@case()
 def shm_window_bytes_option(ctx):
     """group_id(comm, shm_window_bytes=N) (CommOptions::shm_window_bytes, comm.h): the duplicate
     has N; a later different value (of timeout_s too) raises InvalidArgumentError naming it and

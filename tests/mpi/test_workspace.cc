@@ -180,6 +180,111 @@ TEST(Workspace, ReservedWindowHoldsTheLiveOutputsAndACombine) {
   EXPECT_EQ(ctx->capacity(), reserve);
 }
 
+bool same_bytes(const Tensor& a, const Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
+}
+
+// The defined part of two dispatch_v2 outputs is equal: the valid rows of expand_x (the last
+// running count of ep_recv_counts), 3 entries per valid row of assist_info_for_combine, and the
+// counts; rows past the valid ones are unspecified (SPEC §1.4).
+void expect_same_dispatch(const DispatchOutputs& a, const DispatchOutputs& b, int call) {
+  SCOPED_TRACE("call " + std::to_string(call));
+  ASSERT_TRUE(same_bytes(a.ep_recv_counts, b.ep_recv_counts));
+  const int64_t n = a.ep_recv_counts.numel();
+  const int64_t valid = n > 0 ? a.ep_recv_counts.ptr<int32_t>()[n - 1] : 0;
+  const auto row = static_cast<std::size_t>(a.expand_x.nbytes() / a.expand_x.size(0));
+  ASSERT_EQ(a.expand_x.nbytes(), b.expand_x.nbytes());
+  EXPECT_EQ(std::memcmp(a.expand_x.data(), b.expand_x.data(), valid * row), 0);
+  EXPECT_EQ(std::memcmp(a.assist_info_for_combine.data(), b.assist_info_for_combine.data(),
+                        3 * valid * sizeof(int32_t)),
+            0);
+  EXPECT_EQ(std::memcmp(a.expand_scales.data(), b.expand_scales.data(), valid * sizeof(float)), 0);
+  EXPECT_TRUE(same_bytes(a.expert_token_nums, b.expert_token_nums));
+}
+
+// CommOptions::shm_grow = false: from_mpi makes the window (one generation, shm_window_bytes per
+// rank) and no op grows it. With room for one live output, the first dispatch_v2 receives into the
+// window and the next two (the first still held) by messages, as does a combine_v2 (no room to
+// stage its rows); all equal the MPI transport's bits, and the window is the one from_mpi made.
+TEST(Workspace, FixedWindowIsMadeOnceAndNeverGrows) {
+  const int64_t H = 256;
+  DispatchWorkspace w;
+  {
+    auto probe = world_comm();
+    w = dispatch_workspace(make_cfg(*probe, "shm"), kBS, H, kK, DType::kBF16);
+  }
+  const int64_t reserve = w.shm_slot_bytes;
+  CommOptions o;
+  o.shm_window_bytes = reserve;
+  o.shm_grow = false;
+  auto comm = Communicator::from_mpi(MPI_COMM_WORLD, o);
+  auto plain = world_comm();
+  const auto& ctx = detail::CommInternals::shm(*comm);
+  ASSERT_TRUE(ctx) << "from_mpi did not make the window";
+  EXPECT_EQ(ctx->generations(), 1);
+  EXPECT_EQ(ctx->capacity(), reserve);
+  const EpConfig cfg = make_cfg(*comm, "shm"), ref_cfg = make_cfg(*plain, "mpi");
+  const Inputs in = make_inputs(kBS, H, kL * comm->size(), comm->rank());
+  DispatchInputs din;
+  din.x = in.x;
+  din.expert_ids = in.ids;
+  din.expert_scales = in.scales.view();
+  const DispatchOutputs want = dispatch_v2(din, ref_cfg);
+  std::vector<DispatchOutputs> live;
+  for (int c = 0; c < 3; ++c) {
+    live.push_back(dispatch_v2(din, cfg));
+    int gen = -1;
+    int64_t off = -1;
+    const bool in_window = ctx->locate(live[c].expand_x.data(), nbytes(live[c].expand_x), gen, off);
+    EXPECT_EQ(in_window, c == 0) << "call " << c;
+    expect_same_dispatch(live[c], want, c);
+    EXPECT_EQ(ctx->generations(), 1) << "call " << c << " grew the window";
+  }
+  CombineInputs cin;
+  cin.expert_ids = in.ids;
+  cin.assist_info_for_combine = want.assist_info_for_combine;
+  cin.ep_send_counts = want.ep_recv_counts;
+  cin.expert_scales = in.scales;
+  cin.expand_x = want.expand_x;
+  const Tensor ref = combine_v2(cin, ref_cfg);
+  cin.expand_x = live[2].expand_x;  // not in the window: combine_v2 stages its rows there
+  EXPECT_TRUE(same_bytes(combine_v2(cin, cfg), ref));
+  EXPECT_EQ(ctx->generations(), 1);
+  EXPECT_EQ(ctx->capacity(), reserve);
+}
+
+// shm_grow = false needs a size (on this rank, before duplicating), and every rank must pass the
+// same shm_grow (on every rank).
+TEST(Workspace, FixedWindowOptionsAreChecked) {
+  CommOptions o;
+  o.shm_grow = false;
+  try {
+    Communicator::from_mpi(MPI_COMM_SELF, o);
+    ADD_FAILURE() << "no error for shm_grow = false without shm_window_bytes";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_EQ(std::string(e.what()),
+              "Communicator: shm_grow = false needs shm_window_bytes > 0 (the window is made "
+              "once, with that size; see dispatch_workspace for the bytes a call needs), got 0");
+  }
+  int size = 1, rank = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (size == 1) return;
+  o.shm_grow = rank != 0;
+  o.shm_window_bytes = int64_t{1} << 20;
+  try {
+    Communicator::from_mpi(MPI_COMM_WORLD, o);
+    ADD_FAILURE() << "no error for ranks that disagree on shm_grow";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_EQ(std::string(e.what()),
+              std::string("Communicator: ranks disagree on shm_grow (this rank: ") +
+                  (rank != 0 ? "true" : "false") +
+                  "); every rank must pass the same CommOptions::shm_grow");
+  }
+}
+
 int64_t physical_memory() {
   return static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
 }

@@ -98,7 +98,10 @@ def _world():
 
 
 def group_id(
-    comm=None, timeout_s: Optional[float] = None, shm_window_bytes: Optional[int] = None
+    comm=None,
+    timeout_s: Optional[float] = None,
+    shm_window_bytes: Optional[int] = None,
+    shm_grow: Optional[bool] = None,
 ) -> int:
     """The group id of an mpi4py communicator (None: MPI.COMM_WORLD) for the torch custom ops.
 
@@ -121,20 +124,26 @@ def group_id(
     1 MiB). Size it with dispatch_workspace(): n * shm_slot_bytes + shm_stage_bytes holds n
     dispatch_v2 outputs alive at once and a combine_v2, so that no call grows the window (a call
     that needs more still grows it).
+    shm_grow: whether ops may create and grow the window (None or True). False: the window is
+    made now, collectively, with shm_window_bytes (> 0) per rank, and no op grows it: a call
+    without room in a receiver's window moves its rows by messages. Every rank passes the same.
 
     Errors: InvalidArgumentError for an unregistered group id, an object that is not an mpi4py
     communicator, an option that differs from the registered one, a bad timeout_s (or
-    $MOE_EP_TIMEOUT_S) and a shm_window_bytes that is negative or above this machine's physical
-    memory. The last two are checked on this rank
+    $MOE_EP_TIMEOUT_S), a shm_window_bytes that is negative or above this machine's physical
+    memory, and shm_grow False without a shm_window_bytes (on every rank: ranks that disagree on
+    shm_grow). The bad values are checked on this rank
     before the duplication: when every rank passes the same value, every rank raises and none
     is left waiting; a rank that raises alone (or never calls) leaves the others waiting in the
     duplication until their deadline (TimeoutError)."""
+    if shm_grow is not None and not isinstance(shm_grow, bool):
+        raise InvalidArgumentError(f"group_id: shm_grow = {shm_grow!r} must be True, False or None")
     if comm is None:
         comm = _world()
     if isinstance(comm, int):
         if comm not in _groups:
             raise _unregistered("group_id", "comm", comm)
-        _check_options(comm, timeout_s, shm_window_bytes)
+        _check_options(comm, timeout_s, shm_window_bytes, shm_grow)
         return comm
     try:
         handle = comm.py2f()
@@ -146,15 +155,19 @@ def group_id(
     if hit is not None and hit[0] is comm:
         _, old_handle, gid = hit
         if old_handle == handle:
-            if gid not in _query_only or (timeout_s is None and shm_window_bytes is None):
-                _check_options(gid, timeout_s, shm_window_bytes)
+            unset = timeout_s is None and shm_window_bytes is None and shm_grow is None
+            if gid not in _query_only or unset:
+                _check_options(gid, timeout_s, shm_window_bytes, shm_grow)
                 return gid
             # only dispatch_workspace used it: registered again below with these options
             # (collective, like its first registration)
         release_group(gid)  # the object was freed (Free()) and now holds another handle
     # shm_window_bytes < 0 is refused by moe_ep::Communicator::from_mpi (before MPI_Comm_dup)
     g = _C.Communicator.from_fortran(
-        handle, timeout_s, 0 if shm_window_bytes is None else shm_window_bytes
+        handle,
+        timeout_s,
+        0 if shm_window_bytes is None else shm_window_bytes,
+        True if shm_grow is None else bool(shm_grow),
     )
     gid = next(_next_id)
     _groups[gid] = g
@@ -163,18 +176,24 @@ def group_id(
     return gid
 
 
-def _check_options(gid: int, timeout_s: Optional[float], shm_window_bytes: Optional[int]) -> None:
+def _check_options(
+    gid: int,
+    timeout_s: Optional[float],
+    shm_window_bytes: Optional[int],
+    shm_grow: Optional[bool] = None,
+) -> None:
     """A registered communicator's options stay those of its first group_id call."""
-    if timeout_s is None and shm_window_bytes is None:
+    if timeout_s is None and shm_window_bytes is None and shm_grow is None:
         return  # no property reads: _resolve's lookups stay plain Python for torch.compile
     g = _groups[gid]
     for name, value, have, unit in (
-        ("timeout_s", timeout_s, g.timeout_s, "s"),
-        ("shm_window_bytes", shm_window_bytes, g.shm_window_bytes, "bytes"),
+        ("timeout_s", timeout_s, g.timeout_s, " s"),
+        ("shm_window_bytes", shm_window_bytes, g.shm_window_bytes, " bytes"),
+        ("shm_grow", shm_grow, g.shm_grow, ""),
     ):
         if value is not None and value != have:
             raise InvalidArgumentError(
-                f"group_id: {name} = {value} differs from the {have} {unit} this "
+                f"group_id: {name} = {value} differs from the {have}{unit} this "
                 "communicator was registered with (release_group it first, on every rank)"
             )
 
@@ -921,6 +940,7 @@ def dispatch_v2(
     *,
     group_tp=None,
     async_op: bool = False,
+    out=None,
     **kwargs,
 ):
     """SPEC §1: moves each token to the ranks that host its experts.
@@ -960,6 +980,16 @@ def dispatch_v2(
     (MPI_THREAD_MULTIPLE; UnsupportedError otherwise), tp_world_size 0 or 1, and no
     torch.compile (UnsupportedError).
 
+    out: caller-allocated outputs (DispatchBuffers, include/moe_ep/dispatch.h), so that a serving
+    loop allocates none per call: a DispatchResult, or a sequence of 7 tensors or None in its
+    order (None: allocated as usual). Each must be contiguous, of the dtype and shape this call
+    returns for it (dispatch_workspace gives the sizes; with exact_size, at least the rows
+    written); the result then holds those tensors (with exact_size, views of their first rows).
+    Keeping an earlier result as `out` (its expand_x a shared-memory slot still alive) lets the
+    peers on this machine write into it in place. Eager and without autograd only: under
+    torch.compile, with async_op=True, or with x requiring grad, UnsupportedError. A wrong shape,
+    dtype or layout: InvalidArgumentError naming out.<name> (on every rank at once).
+
     Returns DispatchResult (expand_x, dynamic_scales ((0,) unless quant_mode 2),
     assist_info_for_combine, expert_token_nums, ep_recv_counts, tp_recv_counts, expand_scales;
     SPEC §1.4), which also carries .handle, the plan of this call (SPEC §7). Only the first
@@ -976,6 +1006,10 @@ def dispatch_v2(
     tp = _front_checks("dispatch_v2", _dispatch_v2_impl, gid, group_tp, dict(
         x=x, expert_ids=expert_ids, ep_world_size=ep_world_size, ep_rank_id=ep_rank_id,
         moe_expert_num=moe_expert_num, **kwargs))
+    if out is not None:
+        return _dispatch_v2_into(out, async_op, dict(
+            x=x, expert_ids=expert_ids, group_ep=gid, ep_world_size=ep_world_size,
+            ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, group_tp=tp, **kwargs))
     if async_op:
         from moe_ep.torch import _async
 
@@ -1013,6 +1047,7 @@ def combine_v2(
     *,
     group_tp=None,
     async_op: bool = False,
+    out: Optional[Tensor] = None,
     **kwargs,
 ):
     """SPEC §2: brings the expert outputs back as the weighted sum of SPEC §2.3.
@@ -1035,6 +1070,8 @@ def combine_v2(
     assist_info_for_combine and ep_send_counts are required.
     async_op (default False): True starts the op and returns a CombineWork at once, whose
     .wait() gives x (or raises the op's error), as dispatch_v2's async_op.
+    out: the caller's contiguous (BS, H) tensor of expand_x's dtype, written and returned
+    (CombineInputs::out); eager and without autograd only, as dispatch_v2's out.
     """
     gid, size, rank = _resolve(group_ep, "combine_v2", "group_ep")
     _check_async_op("combine_v2", async_op, gid)
@@ -1044,6 +1081,12 @@ def combine_v2(
         expand_x=expand_x, expert_ids=expert_ids, assist_info_for_combine=assist_info_for_combine,
         ep_send_counts=ep_send_counts, expert_scales=expert_scales, ep_world_size=ep_world_size,
         ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, **kwargs))
+    if out is not None:
+        return _combine_v2_into(out, async_op, dict(
+            expand_x=expand_x, expert_ids=expert_ids,
+            assist_info_for_combine=assist_info_for_combine, ep_send_counts=ep_send_counts,
+            expert_scales=expert_scales, group_ep=gid, ep_world_size=ep_world_size,
+            ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, group_tp=tp, **kwargs))
     if async_op:
         from moe_ep.torch import _async
 
@@ -1066,6 +1109,83 @@ def combine_v2(
             group_tp=tp,
             **kwargs,
         )
+
+
+_DISPATCH_OUTPUTS = ("expand_x", "dynamic_scales", "assist_info_for_combine", "expert_token_nums",
+                     "ep_recv_counts", "tp_recv_counts", "expand_scales")
+
+
+def _out_error(op: str, out, async_op, values: Dict[str, object]) -> Optional[Error]:
+    """What makes an out= call unsupported or malformed, or None."""
+    if async_op:
+        return UnsupportedError(f"{op}: out= with async_op=True is unsupported")
+    if op == "dispatch_v2":
+        if not isinstance(out, (tuple, list)) or len(out) != 7 or not all(
+                t is None or isinstance(t, Tensor) for t in out):
+            return InvalidArgumentError(
+                f"dispatch_v2: out = {_args.show(out)} must be a DispatchResult or a sequence of "
+                f"7 tensors or None ({', '.join(_DISPATCH_OUTPUTS)})")
+    elif not isinstance(out, Tensor):
+        return InvalidArgumentError(f"combine_v2: out = {_args.show(out)} must be a tensor")
+    given = zip(_DISPATCH_OUTPUTS, out) if op == "dispatch_v2" else [("", out)]
+    for name, t in given:
+        if t is not None and t.requires_grad:
+            return InvalidArgumentError(
+                f"{op}: out{'.' + name if name else ''} requires grad; out= tensors are written "
+                "in place (pass ones that do not)")
+    if torch.is_grad_enabled():
+        for name in _GRAD_INPUTS[op][1]:
+            t = values.get(name)
+            if isinstance(t, Tensor) and t.requires_grad:
+                return UnsupportedError(
+                    f"{op}: out= does not support autograd, and {name} requires grad (call it "
+                    "under torch.no_grad(), or without out=)")
+    return None
+
+
+def _into(given: Optional[Tensor], made) -> Tensor:
+    """The result for one output the caller gave: that tensor, or (exact_size) its first rows."""
+    made = tt(made)
+    if tuple(given.shape) == tuple(made.shape):
+        return given
+    return given[: made.shape[0]]
+
+
+def _into_args(op: str, out, async_op, values: Dict[str, object]) -> Dict[str, object]:
+    """The binding's arguments of an out= call (which bypasses the torch dispatcher), after its
+    checks (raised through the collective)."""
+    if torch.compiler.is_compiling():
+        raise UnsupportedError(f"{op}: out= is unsupported under torch.compile")
+    err = _out_error(op, out, async_op, values)
+    if err is not None:
+        _raise_in_collective(op, err, values["group_ep"], values["group_tp"],
+                             values.get("tp_world_size"))
+    handle = values.pop("handle", None)
+    args = _binding_args(op, values)
+    args["handle"], args["handle_error"] = _handle_of(op, handle)
+    return args
+
+
+def _dispatch_v2_into(out, async_op, values: Dict[str, object]) -> "DispatchResult":
+    """dispatch_v2(..., out=...): the binding with DispatchBuffers."""
+    args = _into_args("dispatch_v2", out, async_op, values)
+    buffers = list(out)
+    if values.get("quant_mode", 0) != 2 and buffers[1] is not None and buffers[1].numel() == 0:
+        buffers[1] = None  # an earlier result's dynamic_scales placeholder: nothing to write
+    made = _C.dispatch_v2(**args, out=buffers)  # written in place: the tensors themselves
+    outs = [
+        _into(given, m) if given is not None and m is not None
+        else (torch.empty((0,), dtype=torch.float32) if m is None else tt(m))
+        for given, m in zip(out, made[:7])
+    ]
+    result = DispatchResult(*outs)
+    result.handle = _handle_tensor(made[7])
+    return result
+
+
+def _combine_v2_into(out, async_op, values: Dict[str, object]) -> Tensor:
+    """combine_v2(..., out=...): the binding with CombineInputs::out."""
+    return _into(out, _C.combine_v2(**_into_args("combine_v2", out, async_op, values), out=out))
 
 
 def _check_async_op(op: str, async_op, gid: int) -> None:

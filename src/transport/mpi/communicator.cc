@@ -22,6 +22,7 @@
 #include "transport/exchange.h"
 #include "transport/mpi/check.h"
 #include "transport/mpi/link.h"
+#include "transport/shm/context.h"
 #include "transport/windows.h"
 
 namespace moe_ep::detail {
@@ -146,6 +147,33 @@ void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
   }
 }
 
+// CommOptions::shm_grow: every rank must pass the same (an allreduce; the duplication just
+// proved every rank is here); with false, the window is made now, once (open_windows and one
+// generation, collective over the machine), and marked fixed.
+void apply_shm_grow(const Communicator& comm, const CommOptions& options) {
+  const int mine = options.shm_grow ? 1 : 0;
+  int lo = mine, hi = mine;
+  if (comm.size() > 1) {
+    const int in[2] = {mine, -mine};
+    int out[2] = {0, 0};
+    detail::check_mpi(MPI_Allreduce(in, out, 2, MPI_INT, MPI_MIN, comm.mpi_comm()), "Communicator",
+                      "MPI_Allreduce");
+    lo = out[0];
+    hi = -out[1];
+  }
+  if (lo != hi)
+    detail::invalid("Communicator: ranks disagree on shm_grow (this rank: ",
+                    options.shm_grow ? "true" : "false",
+                    "); every rank must pass the same CommOptions::shm_grow");
+  if (options.shm_grow) return;
+  const char* op = "Communicator";
+  auto ctx = std::static_pointer_cast<detail::ShmContext>(
+      detail::open_windows(comm, op, detail::env_shm_node_ranks(op)));
+  ctx->grow(options.shm_window_bytes, op, options.shm_window_bytes);
+  ctx->fix();
+  detail::CommInternals::shm(comm) = std::move(ctx);
+}
+
 }  // namespace
 
 std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOptions& options) {
@@ -153,6 +181,11 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
   if (options.shm_window_bytes < 0)
     detail::invalid("Communicator: shm_window_bytes = ", options.shm_window_bytes,
                     " must be >= 0 (0: sized by the first op)");
+  if (!options.shm_grow && options.shm_window_bytes == 0)
+    detail::invalid(
+        "Communicator: shm_grow = false needs shm_window_bytes > 0 (the window is "
+        "made once, with that size; see dispatch_workspace for the bytes a call "
+        "needs), got 0");
   // A rank's window segment is memory of this machine: more than all of it cannot be had, and
   // MPI_Win_allocate_shared would fail much later with an error code naming neither.
   if (const int64_t physical = physical_memory_bytes();
@@ -182,7 +215,9 @@ std::shared_ptr<Communicator> Communicator::from_mpi(MPI_Comm comm, const CommOp
   MPI_Comm_size(dup, &size);
   std::shared_ptr<Communicator> made(
       new Communicator(dup, rank, size, timeout, options.shm_window_bytes));
+  made->shm_grow_ = options.shm_grow;
   note_this_machine(dup);
+  apply_shm_grow(*made, options);
   return made;
 }
 

@@ -185,6 +185,7 @@ Exchange::State::~State() {
     MPI_Request_free(&reqs_[i]);
   }
   if (abandoned) bury(keep_);
+  if (types_.empty()) return;
   int finalized = 1;
   MPI_Finalized(&finalized);
   for (MPI_Datatype& t : types_)

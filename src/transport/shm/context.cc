@@ -93,6 +93,10 @@ int64_t ShmContext::capacity() const {
 }
 
 void ShmContext::grow(int64_t own_bytes, const char* op, int64_t shm_window_bytes) {
+  if (fixed_)
+    fail(ErrorKind::kInternal, op,
+         ": the shared-memory window was made with shm_grow = false "
+         "and must not grow (please report this bug)");
   auto w = std::make_shared<ShmWindow>();
   w->gen = static_cast<int>(windows_.size());
   w->me = node_rank_;
@@ -221,6 +225,7 @@ std::optional<ShmSlot> ShmContext::adopt(const void* p, int64_t bytes) const {
 }
 
 bool ShmContext::should_grow(int64_t bytes) const {
+  if (fixed_) return false;
   return capacity() < bytes || mapped() < kFullGrowthFactor * largest_request_;
 }
 

@@ -62,11 +62,15 @@ class ShmContext final : public Windows {
   char* peer_ptr(int gen, int group_rank, int64_t offset, int64_t bytes) const override;
   // std::atomic_thread_fence + MPI_Win_sync of every generation.
   void sync() const override;
+  // CommOptions::shm_grow false: after the one grow() of from_mpi, should_grow is false and
+  // grow() is a bug (Error(kInternal)).
+  void fix() { fixed_ = true; }
 
  private:
   ShmContext() = default;
   MPI_Comm node_ = MPI_COMM_NULL;
   int node_rank_ = 0;
+  bool fixed_ = false;
   int64_t largest_request_ = 0;
   int64_t slots_allocated_ = 0;
   std::vector<int> group_to_node_;
