@@ -24,7 +24,8 @@ moe_ep_install_deps() {
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
   fi
   # Taken by CMake when a build directory is first configured (an existing one keeps its choice).
-  export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache
+  export CMAKE_C_COMPILER_LAUNCHER=${CMAKE_C_COMPILER_LAUNCHER:-ccache}
+  export CMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER:-ccache}
   export CCACHE_DIR=${CCACHE_DIR:-$MOE_EP_ROOT/build-ccache}
 }
 

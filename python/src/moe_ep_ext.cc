@@ -568,7 +568,8 @@ nb::object dispatch_v2(const InArray& x, const InArray& expert_ids, const PyComm
     in = moe_ep::DispatchInputs{};
     in.caller_error = moe_ep::Error(e.kind(), std::string("dispatch_v2: ") + e.what());
   }
-  // The buffers must outlive the op, which a started one does not wait for.
+  // The buffers must outlive the op, which a started one does not wait for (the Python front
+  // refuses this first; this guards direct _C callers).
   if (async_op && out && !in.caller_error)
     in.caller_error = moe_ep::Error(moe_ep::ErrorKind::kUnsupported,
                                     "dispatch_v2: out= with async_op=True is unsupported");

@@ -41,16 +41,16 @@ class Exchange {
   // returns. A receive may be posted larger than what arrives (received_bytes says how much).
   void isend(const void* buf, int64_t bytes, int peer, int tag);
   void irecv(void* buf, int64_t bytes, int peer, int tag);
-  // `count` objects of a trivially copyable T, as bytes.
+  // `count` objects of a trivially copyable T (count <= INT_MAX; the bytes may pass it).
   template <class T>
   void isend_n(const T* items, int64_t count, int peer, int tag) {
     static_assert(std::is_trivially_copyable_v<T>);
-    isend(items, count * static_cast<int64_t>(sizeof(T)), peer, tag);
+    isend_rows(items, count, static_cast<int64_t>(sizeof(T)), peer, tag);
   }
   template <class T>
   void irecv_n(T* items, int64_t count, int peer, int tag) {
     static_assert(std::is_trivially_copyable_v<T>);
-    irecv(items, count * static_cast<int64_t>(sizeof(T)), peer, tag);
+    irecv_rows(items, count, static_cast<int64_t>(sizeof(T)), peer, tag);
   }
   // One contiguous block of `rows` rows of `row_bytes` bytes each (both <= INT_MAX; the block may
   // pass INT_MAX bytes): the row blocks of the ops.

@@ -79,6 +79,9 @@ class Windows {
   // Memory barrier for the windows: after this rank's stores, before a message that publishes
   // them; after a message that announces a peer's stores, before loading them.
   virtual void sync() const = 0;
+  // CommOptions::shm_grow false, after the one grow() of from_mpi: should_grow is false from
+  // then on, and grow() a bug (Error(kInternal)).
+  virtual void fix() = 0;
 };
 
 // Collective over `comm` (every rank in the same op, after the header agreement): finds the ranks

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -282,6 +283,38 @@ TEST(Workspace, FixedWindowOptionsAreChecked) {
               std::string("Communicator: ranks disagree on shm_grow (this rank: ") +
                   (rank != 0 ? "true" : "false") +
                   "); every rank must pass the same CommOptions::shm_grow");
+  }  // With shm_grow false on every rank, $MOE_EP_SHM_NODE_RANKS must agree too (the window calls
+  // that follow are collective): rank 0 sees another value than the others, then a malformed one.
+  // Every rank raises; none is left in a collective. The variable is restored (some ctest runs
+  // set it for the whole binary).
+  const char* set = std::getenv("MOE_EP_SHM_NODE_RANKS");
+  const std::string original = set ? set : "";
+  const std::string others = original.empty() ? "0" : original;
+  const std::string differs = others == "1" ? "3" : "1";
+  o.shm_grow = false;
+  for (const std::string& zero_sees : {differs, std::string("x")}) {
+    if (rank == 0) setenv("MOE_EP_SHM_NODE_RANKS", zero_sees.c_str(), 1);
+    try {
+      Communicator::from_mpi(MPI_COMM_WORLD, o);
+      ADD_FAILURE() << "no error for $MOE_EP_SHM_NODE_RANKS " << zero_sees << " on rank 0 only";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+      const std::string what = e.what();
+      if (rank == 0 && zero_sees == "x") {
+        EXPECT_NE(what.find("MOE_EP_SHM_NODE_RANKS"), std::string::npos) << what;
+      } else {
+        EXPECT_EQ(what,
+                  "Communicator: with shm_grow = false every rank must see the same "
+                  "$MOE_EP_SHM_NODE_RANKS; this rank's is " +
+                      (rank == 0 ? zero_sees : others) + ", another's differs (or is malformed)");
+      }
+    }
+    if (rank == 0) {
+      if (original.empty())
+        unsetenv("MOE_EP_SHM_NODE_RANKS");
+      else
+        setenv("MOE_EP_SHM_NODE_RANKS", original.c_str(), 1);
+    }
   }
 }
 

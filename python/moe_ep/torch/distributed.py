@@ -1144,7 +1144,10 @@ def _out_error(op: str, out, async_op, values: Dict[str, object]) -> Optional[Er
 
 
 def _into(given: Optional[Tensor], made) -> Tensor:
-    """The result for one output the caller gave: that tensor, or (exact_size) its first rows."""
+    """The result for one output the caller gave: that tensor, or (exact_size) its first rows.
+    Written outside the torch dispatcher, so its version counter is bumped here: autograd then
+    refuses a backward through an earlier use of it, as after any in-place write."""
+    torch.autograd.graph.increment_version(given)
     made = tt(made)
     if tuple(given.shape) == tuple(made.shape):
         return given

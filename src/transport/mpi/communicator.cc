@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -22,7 +23,6 @@
 #include "transport/exchange.h"
 #include "transport/mpi/check.h"
 #include "transport/mpi/link.h"
-#include "transport/shm/context.h"
 #include "transport/windows.h"
 
 namespace moe_ep::detail {
@@ -147,31 +147,42 @@ void duplicate(MPI_Comm comm, double timeout_s, MPI_Comm* dup) {
   }
 }
 
-// CommOptions::shm_grow: every rank must pass the same (an allreduce; the duplication just
-// proved every rank is here); with false, the window is made now, once (open_windows and one
-// generation, collective over the machine), and marked fixed.
+// CommOptions::shm_grow: every rank must pass the same, and, with false, the same
+// $MOE_EP_SHM_NODE_RANKS (one allreduce of both; the duplication just proved every rank is
+// here), so that either every rank raises or every rank goes on into the collective window
+// calls. With false, the window is made now, once (open_windows and one generation, collective
+// over the machine), and fixed.
 void apply_shm_grow(const Communicator& comm, const CommOptions& options) {
-  const int mine = options.shm_grow ? 1 : 0;
-  int lo = mine, hi = mine;
-  if (comm.size() > 1) {
-    const int in[2] = {mine, -mine};
-    int out[2] = {0, 0};
-    detail::check_mpi(MPI_Allreduce(in, out, 2, MPI_INT, MPI_MIN, comm.mpi_comm()), "Communicator",
+  const char* op = "Communicator";
+  int node_ranks = 0;  // -1: this rank's $MOE_EP_SHM_NODE_RANKS is malformed (raised below)
+  std::optional<Error> env_error;
+  if (!options.shm_grow) try {
+      node_ranks = detail::env_shm_node_ranks(op);
+    } catch (const Error& e) {
+      env_error = e;
+      node_ranks = -1;
+    }
+  const int grow = options.shm_grow ? 1 : 0;
+  int in[4] = {grow, -grow, node_ranks, -node_ranks},
+      out[4] = {grow, -grow, node_ranks, -node_ranks};
+  if (comm.size() > 1)
+    detail::check_mpi(MPI_Allreduce(in, out, 4, MPI_INT, MPI_MIN, comm.mpi_comm()), op,
                       "MPI_Allreduce");
-    lo = out[0];
-    hi = -out[1];
-  }
-  if (lo != hi)
+  if (out[0] != -out[1])
     detail::invalid("Communicator: ranks disagree on shm_grow (this rank: ",
                     options.shm_grow ? "true" : "false",
                     "); every rank must pass the same CommOptions::shm_grow");
   if (options.shm_grow) return;
-  const char* op = "Communicator";
-  auto ctx = std::static_pointer_cast<detail::ShmContext>(
-      detail::open_windows(comm, op, detail::env_shm_node_ranks(op)));
-  ctx->grow(options.shm_window_bytes, op, options.shm_window_bytes);
-  ctx->fix();
-  detail::CommInternals::shm(comm) = std::move(ctx);
+  if (env_error) throw *env_error;
+  if (out[2] != -out[3])
+    detail::invalid(
+        "Communicator: with shm_grow = false every rank must see the same "
+        "$MOE_EP_SHM_NODE_RANKS; this rank's is ",
+        node_ranks, ", another's differs (or is malformed)");
+  std::shared_ptr<detail::Windows> windows = detail::open_windows(comm, op, node_ranks);
+  windows->grow(options.shm_window_bytes, op, options.shm_window_bytes);
+  windows->fix();
+  detail::CommInternals::shm(comm) = std::move(windows);
 }
 
 }  // namespace

@@ -65,6 +65,7 @@ struct Exchange::State {
     int peer;
     bool recv;
     int64_t done_us;    // after wait(): microseconds from its start to this request's completion
+    MPI_Datatype type;  // what it was posted with
     MPI_Status status;  // after wait()
   };
   const Communicator& comm_;
@@ -80,16 +81,14 @@ struct Exchange::State {
   std::pmr::vector<MPI_Datatype> types_{&pool_};
 };
 
-static_assert(sizeof(Exchange::State) <= 4864 &&
-                  alignof(Exchange::State) <= alignof(std::max_align_t),
-              "Exchange::kStateBytes is too small for its State");
-
 Exchange::State& Exchange::state() { return *std::launder(reinterpret_cast<State*>(storage_)); }
 const Exchange::State& Exchange::state() const {
   return *std::launder(reinterpret_cast<const State*>(storage_));
 }
 
 Exchange::Exchange(const Communicator& comm, const char* op, const char* phase) {
+  static_assert(sizeof(State) <= kStateBytes && alignof(State) <= alignof(std::max_align_t),
+                "Exchange::kStateBytes is too small for its State");
   new (storage_) State(comm, op, phase);
 }
 Exchange::~Exchange() { state().~State(); }
@@ -135,11 +134,12 @@ int Exchange::receives_from(int peer) const {
 
 int64_t Exchange::received_bytes(int i) const {
   const State& s = state();
+  int left = i;
   for (const State::Posted& p : s.posted_)
-    if (p.recv && i-- == 0) {
-      MPI_Count bytes = 0;
-      check_mpi(MPI_Get_elements_x(&p.status, MPI_BYTE, &bytes), s.op_, "MPI_Get_elements_x");
-      return static_cast<int64_t>(bytes);
+    if (p.recv && left-- == 0) {
+      MPI_Count elements = 0;  // basic elements of its datatype: bytes (every type is of bytes)
+      check_mpi(MPI_Get_elements_x(&p.status, p.type, &elements), s.op_, "MPI_Get_elements_x");
+      return static_cast<int64_t>(elements);
     }
   fail(ErrorKind::kInternal, s.op_, ": no receive ", i, " in phase '", s.phase_, "'");
 }
@@ -223,7 +223,7 @@ void Exchange::State::post(bool recv, void* buf, int count, MPI_Datatype type, i
         int64_t{count} * size;
   }
   reqs_.push_back(r);
-  posted_.push_back({peer, recv, 0, {}});
+  posted_.push_back({peer, recv, 0, type, {}});
 }
 
 void Exchange::State::wait(const std::function<void(int peer)>& on_received) {

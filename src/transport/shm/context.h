@@ -62,9 +62,7 @@ class ShmContext final : public Windows {
   char* peer_ptr(int gen, int group_rank, int64_t offset, int64_t bytes) const override;
   // std::atomic_thread_fence + MPI_Win_sync of every generation.
   void sync() const override;
-  // CommOptions::shm_grow false: after the one grow() of from_mpi, should_grow is false and
-  // grow() is a bug (Error(kInternal)).
-  void fix() { fixed_ = true; }
+  void fix() override { fixed_ = true; }
 
  private:
   ShmContext() = default;
