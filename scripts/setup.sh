@@ -24,6 +24,9 @@ moe_ep_install_deps() {
     $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
   fi
   # Taken by CMake when a build directory is first configured (an existing one keeps its choice).
+  # The compiler by one name: ccache keys on it, and CMake would pick c++ where the Python
+  # package's build picks g++ (the same compiler).
+  export CC=${CC:-gcc} CXX=${CXX:-g++}
   export CMAKE_C_COMPILER_LAUNCHER=${CMAKE_C_COMPILER_LAUNCHER:-ccache}
   export CMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER:-ccache}
   export CCACHE_DIR=${CCACHE_DIR:-$MOE_EP_ROOT/build-ccache}
