@@ -1174,7 +1174,7 @@ def _dispatch_v2_into(out, async_op, values: Dict[str, object]) -> "DispatchResu
     args = _into_args("dispatch_v2", out, async_op, values)
     buffers = list(out)
     if values.get("quant_mode", 0) != 2 and buffers[1] is not None and buffers[1].numel() == 0:
-        buffers[1] = None  # an earlier result's dynamic_scales placeholder: nothing to write
+        buffers[1] = None  # an earlier result's empty dynamic_scales: quant_mode 0 writes none
     made = _C.dispatch_v2(**args, out=buffers)  # written in place: the tensors themselves
     outs = [
         _into(given, m) if given is not None and m is not None
