@@ -336,10 +336,11 @@ bool agree(Combine& c) {
   c.where.assign(c.W, Where{});
   c.provide.assign(c.W, 0);
   c.read.assign(c.W, 0);
-  c.G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
-  if (c.plan && c.plan->G != c.G)  // $MOE_EP_SHM_NODE_RANKS changed since (same on all ranks)
+  const int G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
+  c.route = G > 0 ? relay_combine(G, c.me) : fullmesh_combine();
+  if (c.plan && c.plan->G != G)  // $MOE_EP_SHM_NODE_RANKS changed since (same on all ranks)
     invalid(c.op, ": handle: its dispatch_v2 ran on nodes of ", c.plan->G,
-            " ranks (0: one node), this call on nodes of ", c.G,
+            " ranks (0: one node), this call on nodes of ", G,
             " ($MOE_EP_SHM_NODE_RANKS changed); combine with the tensors instead");
   if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
   MOE_EP_CHECK(c.shm_want);
@@ -371,7 +372,7 @@ void layout_back(Combine& c) {
   std::vector<std::shared_ptr<std::vector<int64_t>>> got(W);
   Exchange ex(c.comm, c.op, "layout back");
   for (int d = 0; d < W; ++d) {
-    if (d == me || c.relayed(d)) continue;  // a relayed owner's rows go to the relay
+    if (d == me || !c.route->direct(d)) continue;  // the route moves its rows
     auto mine = std::make_shared<std::vector<int64_t>>(2 * L);
     for (int l = 0; l < L; ++l) {
       (*mine)[l] = c.blocks->block_offset[int64_t{l} * W + d];
@@ -388,7 +389,7 @@ void layout_back(Combine& c) {
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
   for (int d = 0; d < W; ++d) {
-    if (d == me || c.relayed(d)) continue;
+    if (d == me || !c.route->direct(d)) continue;
     const int64_t ld = c.sh.pl.local_experts(d);
     c.first_row[d].assign(got[d]->begin(), got[d]->begin() + ld);
     c.rows_of[d].assign(got[d]->begin() + ld, got[d]->end());
@@ -411,7 +412,7 @@ void plan_layout(Combine& c) {
   c.agrees.assign(W, 1);
   for (int d = 0; d < W; ++d) {
     const int64_t ld = c.sh.pl.local_experts(d), base = c.sh.pl.block_base(d);
-    if (c.relayed(d)) {  // its rows reach this rank as its node's partial sums
+    if (!c.route->direct(d)) {  // the route moves its rows
       c.rows_of[d].assign(static_cast<std::size_t>(ld), 0);
       continue;
     }
@@ -524,7 +525,7 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
                                : nullptr;
   bool any = false;
   for (int s = 0; s < c.W; ++s)
-    any |= s != c.me && !c.provide[s] && !c.relayed(s) && c.blocks->source_rows[s] > 0;
+    any |= s != c.me && !c.provide[s] && c.route->direct(s) && c.blocks->source_rows[s] > 0;
   if (direct) base = static_cast<const char*>(c.rows_src().data);
   if (!base && any) {
     auto packed = std::make_shared<Tensor>(Tensor::empty(c.sh.dtype, {c.blocks->valid, c.sh.H}));
@@ -542,7 +543,7 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
   for (int s = 0; s < c.W; ++s) {
     if (s == c.me) continue;
     const Link& to = *messages[c.peers()[s]];
-    if (c.relayed(s)) continue;  // its rows go to its relay on this node
+    if (!c.route->direct(s)) continue;  // the route moves its rows
     if (!c.provide[s] && c.blocks->source_rows[s] > 0) {
       auto scales = std::make_shared<std::vector<float>>();
       for (int l = 0; l < c.L; ++l) {
@@ -574,7 +575,7 @@ void locate_rows(Combine& c, const RowsBack& rx) {
   c.yrow.assign(static_cast<std::size_t>(sh.BS * sh.KS), nullptr);
   if (c.cq) c.yscale.assign(static_cast<std::size_t>(sh.BS * sh.KS), 0.0f);
   for (int d = 0; d < c.W; ++d) {
-    if (c.relayed(d)) continue;  // in its node's partial sums
+    if (!c.route->direct(d)) continue;  // the route moves its rows
     const int64_t first = c.back->rank_offset[d];
     const int64_t n = c.back->rank_offset[d + 1] - first;
     std::shared_ptr<std::vector<BackMeta>> own;
@@ -662,34 +663,45 @@ void move_rows(Combine& c) {
   c.y_keep = rx.y;
 }
 
-// Steps 5 and, across nodes, the relays' phases (relay_combine.cc). A mismatch of this rank's
-// own rows (its expert_ids are not those of the dispatch) is raised after the relay phases, in
-// which it still serves the other ranks, and after its "done" (which the readers of its rows on
-// this node send only at their end).
-void move_all_rows(Combine& c) {
+// Step 5: the direct rows, then the route's phases. A mismatch of this rank's own rows (its
+// expert_ids are not those of the dispatch) is raised after the route's phases when the route
+// still serves the other ranks there (CombineRoute::serves_others), and after its "done" (which
+// the readers of its rows on this machine send only at their end).
+void move_all_rows(Combine& c, CombineSum& sum) {
   std::optional<Error> source_error;
   try {
     move_rows(c);
   } catch (const Error& e) {
-    if (c.G == 0 || e.kind() != ErrorKind::kInvalidArgument) {
+    if (!c.route->serves_others() || e.kind() != ErrorKind::kInvalidArgument) {
       abandon(c, e);
       throw;
     }
     source_error = e;
-    c.meanwhile = nullptr;  // its rows are not located
   }
-  if (c.G > 0) try {
-      relay_partials(c);
-    } catch (const Error& e) {
-      abandon(c, e);
-      if (!source_error || e.kind() != ErrorKind::kInvalidArgument) throw;
-    }
+  try {
+    c.route->move_rows(c, sum, !source_error);  // with source_error, its rows are not located
+  } catch (const Error& e) {
+    abandon(c, e);
+    if (!source_error || e.kind() != ErrorKind::kInvalidArgument) throw;
+  }
   if (!source_error) return;
   abandon(c, *source_error);
   throw *source_error;
 }
 
+// Fullmesh: every rank reached directly; nothing beyond the steps above.
+class FullmeshCombine final : public CombineRoute {
+ public:
+  int ranks_per_node() const override { return 0; }
+  bool direct(int) const override { return true; }
+  bool serves_others() const override { return false; }
+  void move_rows(Combine&, CombineSum&, bool) override {}
+  void sum(const CombineSum& sum) override { combine_sum(sum); }
+};
+
 }  // namespace
+
+std::unique_ptr<CombineRoute> fullmesh_combine() { return std::make_unique<FullmeshCombine>(); }
 
 }  // namespace moe_ep::detail
 
@@ -724,39 +736,10 @@ Tensor run_combine(const CombineInputs& in, const EpConfig& cfg, const char* op,
   sum.copy = unit_terms ? 0 : cfg.copy_expert_num;
   sum.consts = unit_terms ? 0 : cfg.const_expert_num;
   sum.out = c.out.ptr<char>();
-  NodePartials np;
-  std::vector<float> own;  // hierarchy: this node's partials, while the others' travel
-  if (c.G > 0) {
-    np.G = c.G;
-    np.node = c.me / c.G;
-    np.int8 = c.cq;
-    np.rank = c.me;
-    c.meanwhile = [&](const std::function<void()>& progress) {
-      sum.yrow = c.yrow.data();
-      sum.yscale = c.cq ? c.yscale.data() : nullptr;
-      const int64_t H = c.sh.H,
-                    slice = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(H, 1));
-      own.resize(static_cast<std::size_t>(c.sh.BS * H));
-      for (int64_t i = 0; i < c.sh.BS; i += slice) {
-        own_node_partials(sum, np, i, std::min(c.sh.BS, i + slice), own.data());
-        progress();
-      }
-      np.own = own.data();
-    };
-  }
-  move_all_rows(c);
+  move_all_rows(c, sum);
   sum.yrow = c.yrow.data();
   sum.yscale = c.cq ? c.yscale.data() : nullptr;
-  if (c.G > 0) {
-    for (int n = 0; n < c.W / c.G; ++n) {
-      np.tokens.push_back(&c.node_tokens[n]);
-      np.rows.push_back(c.partials[n] ? c.partials[n]->ptr<char>() : nullptr);
-      np.scales.push_back(c.partial_scales[n] ? c.partial_scales[n]->data() : nullptr);
-    }
-    combine_sum_nodes(sum, np);
-  } else {
-    combine_sum(sum);
-  }
+  c.route->sum(sum);
   finish_reading(c);
   return c.out;
 }

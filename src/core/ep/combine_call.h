@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -27,6 +26,9 @@ struct BackMeta {
   int32_t slot;
   int32_t expert;
 };
+
+class CombineRoute;
+struct CombineSum;
 
 // One combine_v2 call: its arguments and what each step leaves for the next.
 struct Combine {
@@ -82,21 +84,8 @@ struct Combine {
   std::vector<const char*> yrow;
   std::vector<float> yscale;
 
-  // comm_alg "hierarchy" across nodes (relay_combine.cc): the ranks per node (0: the fullmesh
-  // route). The rows of a token of another node go to its relay on this node, and back come the
-  // relays' partial sums (SPEC §3).
-  int G = 0;
-  bool relayed(int d) const { return G > 0 && d / G != me / G; }
-  int relay_on(int n) const { return n * G + me % G; }      // this rank's relay on node n
-  int relay_of(int s) const { return me / G * G + s % G; }  // source s's relay on this node
-  // Per node: this rank's tokens with a term there (increasing; empty for its own node), and the
-  // node's partial sums of them: fp32 rows, or int8 rows and their scales (comm_quant_mode 2).
-  std::vector<std::vector<int32_t>> node_tokens;
-  std::vector<std::shared_ptr<Tensor>> partials;
-  std::vector<std::shared_ptr<std::vector<float>>> partial_scales;
-  // Run while the partials are on the wire (this node's own partials), given a function that
-  // lets MPI progress between its slices; empty: nothing.
-  std::function<void(const std::function<void()>& progress)> meanwhile;
+  // How rows reach ranks (chosen in agree): fullmesh, or the relays of comm_alg "hierarchy".
+  std::unique_ptr<CombineRoute> route;
 
   Combine(const CombineInputs& i, const EpConfig& c, const Communicator& m)
       : in(i), cfg(c), comm(m), world(whole_world(m)) {}
@@ -106,10 +95,32 @@ struct Combine {
   int64_t src_stride() const { return rows_src().strides[0] * int64_t(dtype_size(sh.dtype)); }
 };
 
-// comm_alg "hierarchy" across nodes (relay_combine.cc, SPEC §3): the partial sums of this rank's
-// tokens from the relays of the other nodes, each relay's rows of the owners of its node summed per
-// (token, node) in phases "relay weights", "relay rows" and "relay partials". Fills c.partials.
-void relay_partials(Combine& c);
+// How a combine's rows reach their sources: its route. The steps of combine.cc move the rows
+// between this rank and the ranks the route reaches directly; the route moves the rest and sums.
+// Fullmesh (combine.cc) reaches every rank directly; the relays of comm_alg "hierarchy" across
+// nodes (relay_combine.cc, SPEC §3) reach the ranks of this node directly, and the rows of a
+// token of another node go to its relay on this node, which sends back per (token, node) partial
+// sums.
+class CombineRoute {
+ public:
+  virtual ~CombineRoute() = default;
+  // The ranks per node it routes for (0: fullmesh); a handle is replayed only on the same nodes.
+  virtual int ranks_per_node() const = 0;
+  // Whether rows travel straight between this rank and rank d, both ways.
+  virtual bool direct(int d) const = 0;
+  // Whether this rank still serves the other ranks' rows after its own rows failed their check
+  // (an InvalidArgument of the direct steps, raised after the route's phases).
+  virtual bool serves_others() const = 0;
+  // Step 5, after the direct rows: the route's own phases. `sum` is this call's sum, which it may
+  // run on this rank's located rows (`located`) while its transfers travel.
+  virtual void move_rows(Combine& c, CombineSum& sum, bool located) = 0;
+  // Step 6: out from the located rows (sum.yrow) and whatever the route moved.
+  virtual void sum(const CombineSum& sum) = 0;
+};
+
+// The routes: fullmesh (combine.cc) and the relays across nodes of G ranks (relay_combine.cc).
+std::unique_ptr<CombineRoute> fullmesh_combine();
+std::unique_ptr<CombineRoute> relay_combine(int G, int me);
 
 // combine_v2's route run by `op` (its name in errors) with header op code `code` (kOpCombine, or
 // kOpDispatchBackward with unit_terms: every weight 1, special experts adding nothing).

@@ -324,16 +324,17 @@ bool agree(Dispatch& c) {
   check_quant_modes(c.op, c.headers, c.world.peers, "quant_mode");
   c.W = to_int(c.sh.W), c.L = to_int(c.sh.L), c.me = to_int(c.sh.rank);
   c.where.assign(c.W, Where{});
-  c.G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
-  for (int q = 1; c.G > 0 && q < c.W; ++q)
+  const int G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
+  c.route = G > 0 ? relay_dispatch(G, c.me) : fullmesh_dispatch();
+  for (int q = 1; G > 0 && q < c.W; ++q)
     if (c.headers[q].smooth_hash != c.headers[0].smooth_hash)
       invalid(c.op, ": scales (smoothing factors) differ between rank ", c.peers()[0], " and rank ",
               c.peers()[q],
               ": with comm_alg = \"hierarchy\" every rank must pass the same (a relay "
               "quantises the copies it makes with its own)");
-  if (c.cached && c.cached->G != c.G)  // $MOE_EP_SHM_NODE_RANKS changed since (same on all ranks)
+  if (c.cached && c.cached->G != G)  // $MOE_EP_SHM_NODE_RANKS changed since (same on all ranks)
     invalid(c.op, ": handle: its dispatch_v2 ran on nodes of ", c.cached->G,
-            " ranks (0: one node), this call on nodes of ", c.G,
+            " ranks (0: one node), this call on nodes of ", G,
             " ($MOE_EP_SHM_NODE_RANKS changed); dispatch without the handle");
   if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
   MOE_EP_CHECK(c.shm_want);
@@ -360,7 +361,8 @@ void plan_merges(Dispatch& c) {
   for (int d = 0; d < c.W; ++d) {
     const int64_t first = p.send.rank_offset[d], n = p.send.rank_offset[d + 1] - first;
     c.distinct_count[d] = static_cast<int32_t>(n);
-    if (!p.may_merge || d == c.me || (c.shm && c.shm->node_of(c.peers()[d]) >= 0) || c.relayed(d))
+    if (!p.may_merge || d == c.me || (c.shm && c.shm->node_of(c.peers()[d]) >= 0) ||
+        !c.route->direct(d))
       continue;
     std::vector<int64_t>& u = p.distinct[d];
     for (int64_t j = first; j < first + n; ++j) {
@@ -453,22 +455,15 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
   EpPlan& p = *c.plan;
   const int W = c.W, L = c.L;
   auto counts_out = std::make_shared<std::vector<int32_t>>();
-  // A source's message: L counts, then its distinct tokens; with relays (comm_alg "hierarchy")
-  // then the tokens and copies it relays through the destination (0, 0 unless it is its relay).
-  const int extra = c.G > 0 ? 3 : 1;
+  // A source's message: L counts, then its distinct tokens, then the route's entries.
+  const int extra = 1 + c.route->count_entries();
   const int64_t per = int64_t{L} + extra;
   auto counts_in = std::make_shared<std::vector<int32_t>>(W * per, 0);
   for (int d = 0; d < W; ++d) {
     const auto* n = p.send.counts.data() + c.sh.pl.block_base(d);
     counts_out->insert(counts_out->end(), n, n + c.sh.pl.local_experts(d));
     counts_out->push_back(c.distinct_count[d]);
-    if (c.G == 0) continue;
-    const int node = d / c.G;
-    const bool relay = d != c.me && c.relayed(d) && d == c.relay_on(node);
-    counts_out->push_back(relay ? static_cast<int32_t>(p.node_tokens[node].size()) : 0);
-    counts_out->push_back(relay ? static_cast<int32_t>(p.send.rank_offset[(node + 1) * c.G] -
-                                                       p.send.rank_offset[node * c.G])
-                                : 0);
+    c.route->put_counts(c, d, *counts_out);
   }
   {
     Exchange ex(c.comm, c.op, "counts");
@@ -488,38 +483,25 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
   for (int q = 0; q < W; ++q) {
     std::copy_n(counts_in->data() + q * per, L, from_source.data() + int64_t{q} * L);
     p.distinct_from[q] = (*counts_in)[q * per + L];
-  }
-  if (c.G == 0) return;
-  p.relay_tokens.assign(W, 0);
-  p.relay_entries.assign(W, 0);
-  for (int q = 0; q < W; ++q) {
-    p.relay_tokens[q] = (*counts_in)[q * per + L + 1];
-    p.relay_entries[q] = (*counts_in)[q * per + L + 2];
-    if (p.relay_tokens[q] < 0 || p.relay_entries[q] < p.relay_tokens[q] ||
-        (p.relay_tokens[q] > 0 && !(c.relayed(q) && c.relay_of(q) == c.me)))
-      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[q], " relays ", p.relay_tokens[q],
-           " tokens (", p.relay_entries[q], " copies) through rank ", c.comm.rank(),
-           " (please report this bug)");
+    c.route->take_counts(c, q, counts_in->data() + q * per + L + 1);
   }
 }
 
 // Step 3c across machines, shared memory: each receiver on this machine tells each sender on it
-// where, in its expand_x, that sender's block of each local expert starts (phase "shm offsets");
-// with relays (comm_alg "hierarchy"), then where the blocks of each source the sender relays
-// start: one run of L entries per node m, for the source of node m with the sender's local index
-// (the sender itself on this node).
+// where, in its expand_x, that sender's block of each local expert starts (phase "shm offsets"),
+// and where the blocks of the sources the route has the sender write start: one run of L entries
+// per source (DispatchRoute::block_runs).
 void send_block_rows(Dispatch& c) {
   EpPlan& p = *c.plan;
-  const int W = c.W, L = c.L, N = c.G > 0 ? W / c.G : 1, node = c.G > 0 ? c.me / c.G : 0;
+  const int W = c.W, L = c.L, N = c.route->block_runs(W), own = c.route->own_run();
   p.block_row.assign(W, {});
-  if (c.G > 0) p.relay_block_row.assign(W, {});
   Exchange ex(c.comm, c.op, "shm offsets");
   std::vector<std::shared_ptr<std::vector<int64_t>>> in_rows(W), out_rows(W);
   for (int q = 0; q < W; ++q) {
     if (c.shm->node_of(c.peers()[q]) < 0 || q == c.me) continue;
     out_rows[q] = std::make_shared<std::vector<int64_t>>(int64_t{N} * L);
     for (int m = 0; m < N; ++m) {
-      const int s = c.G > 0 ? m * c.G + q % c.G : q;
+      const int s = c.route->block_source(m, q);
       for (int l = 0; l < L; ++l) (*out_rows[q])[m * L + l] = p.recv.block_offset[l * W + s];
     }
     const int64_t lq = c.sh.pl.local_experts(q);
@@ -534,8 +516,8 @@ void send_block_rows(Dispatch& c) {
   for (int q = 0; q < W; ++q) {
     if (!in_rows[q]) continue;
     const int64_t lq = c.sh.pl.local_experts(q);
-    p.block_row[q].assign(in_rows[q]->begin() + node * lq, in_rows[q]->begin() + (node + 1) * lq);
-    if (c.G > 0) p.relay_block_row[q] = std::move(*in_rows[q]);
+    p.block_row[q].assign(in_rows[q]->begin() + own * lq, in_rows[q]->begin() + (own + 1) * lq);
+    c.route->keep_block_rows(p, q, std::move(*in_rows[q]));
   }
 }
 
@@ -548,7 +530,7 @@ void plan_receives(Dispatch& c) {
   EpPlan& p = *c.plan;
   c.p = &p;
   plan_merges(c);
-  if (c.G > 0) plan_relay_sends(c);
+  c.route->plan_sends(c);
   const bool one_node =
       c.shm != nullptr && std::all_of(c.peers().begin(), c.peers().end(),
                                       [&](int r) { return c.shm->node_of(r) >= 0; });
@@ -598,10 +580,12 @@ void choose_links(Dispatch& c) {
   for (int d = 0; d < c.W; ++d) {
     const int g = c.peers()[d];
     const bool window = c.shm && c.shm->node_of(g) >= 0;
+    if (!c.route->direct(d)) {  // the route moves its rows
+      c.window_from[d] = c.slot.has_value() && c.route->lands_in_window(d);
+      continue;
+    }
     if (window) c.window_from[d] = c.slot.has_value() && d != c.me;
-    // A relayed source: its relay on this node writes its rows into this rank's window.
-    if (c.relayed(d)) c.window_from[d] = c.slot.has_value() && c.relay_of(d) != c.me;
-    if (d == c.me || c.relayed(d)) continue;  // a relayed rank: through its relay (SPEC §3)
+    if (d == c.me) continue;
     c.to[d] = window && c.where[d].gen >= 0 ? c.shm->link(g) : messages[g].get();
     c.any_message_to |= !c.to[d]->addressable();
   }
@@ -710,7 +694,7 @@ void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const auto& messages = message_links(c.comm);
   const RecvPlan& recv = c.recv();
   for (int s = 0; s < c.W; ++s) {
-    if (s == c.me || c.relayed(s)) continue;  // own rows copied into place; relayed: below
+    if (s == c.me || !c.route->direct(s)) continue;  // own rows copied into place
     const Link& from = *messages[c.peers()[s]];
     if (c.window_from[s]) {
       c.shm->link(c.peers()[s])->expect_announce(ex, rx.announced->data() + s, kTagMeta);
@@ -794,7 +778,7 @@ void store_in_place(Dispatch& c, Quantiser& qz) {
   const int64_t rb = c.out_row_bytes;
   std::vector<RowCopy> copies;
   for (int d = 0; d < c.W; ++d) {
-    if ((c.to[d] && !c.to[d]->addressable()) || c.relayed(d)) continue;
+    if ((c.to[d] && !c.to[d]->addressable()) || !c.route->direct(d)) continue;
     int64_t j = send.rank_offset[d];
     for (int64_t l = 0; l < c.sh.pl.local_experts(d); ++l) {
       const int64_t n = send.counts[c.sh.pl.block_base(d) + l];
@@ -829,7 +813,7 @@ void send_metadata(Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const SendPlan& send = c.send();
   const EpShape& sh = c.sh;
   for (int d = 0; d < c.W; ++d) {
-    if (c.relayed(d)) continue;  // its relay sends the copies' metadata
+    if (!c.route->direct(d)) continue;  // the route sends its metadata
     const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
     rx.meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
     ex.keep_alive(rx.meta_out[d]);
@@ -920,28 +904,6 @@ void fill_row_info(Dispatch& c, const RowsPhase& rx, int s) {
   }
 }
 
-// The rows rank s announced it wrote into this rank's window (`what`: whose) against the counts.
-void check_announced(const Dispatch& c, int s, int64_t announced, int64_t counted,
-                     const char* what) {
-  if (announced != counted)
-    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " announced ", announced, what,
-         " rows in shared memory, the counts said ", counted, " (please report this bug)");
-}
-
-// Each relay of this node announces the rows it wrote into this rank's window for the sources it
-// relays (post_relayed_receives); they are visible after its announcement.
-void check_relay_announced(const Dispatch& c, const RowsPhase& rx) {
-  if (!c.slot) return;
-  std::vector<int64_t> counted(static_cast<std::size_t>(c.W), 0);
-  for (int s = 0; s < c.W; ++s)
-    if (c.window_from[s] && c.relayed(s)) counted[c.relay_of(s)] += c.recv().source_rows[s];
-  for (int q = c.me / c.G * c.G; q < (c.me / c.G + 1) * c.G; ++q) {
-    if (q == c.me) continue;
-    c.shm->link(c.peers()[q])->acquire();
-    check_announced(c, q, (*rx.announced)[2 * c.W + q], counted[q], " relayed");
-  }
-}
-
 // Per-source completion (an asynchronous dispatch, fullmesh, rows landing in expand_x itself):
 // each source's rows are finished (announced window rows checked, merged rows spread, row info
 // filled) as soon as its last receive completes, and handed to the caller (PendingDispatch::
@@ -985,31 +947,30 @@ void move_rows(Dispatch& c) {
   choose_links(c);
   Quantiser qz(c);
   if (c.quant) quantise_for_messages(c, qz);
-  // Across nodes (comm_alg "hierarchy"): first each relay gets the tokens it copies to its node.
-  const std::shared_ptr<RelayIn> relay = c.G > 0 ? exchange_relay(c) : nullptr;
+  c.route->before_rows(c);
   Exchange ex(c.comm, c.op, "rows");
   ex.keep_alive(std::make_shared<Tensor>(c.out.expand_x));
   if (c.qsend) ex.keep_alive(c.qsend);
   RowsPhase rx(c);
   ex.keep_alive(rx.announced);
   post_receives(c, ex, rx);
-  if (relay) post_relayed_receives(c, ex, rx);
+  c.route->post_receives(c, ex, rx);
   post_sends(c, ex, rx);
-  if (relay) relay_copies(c, ex, rx, *relay);
+  c.route->post_sends(c, ex, rx);
   store_in_place(c, qz);
   send_metadata(c, ex, rx);
-  if (c.async && c.G == 0 && !c.copy_to) {
+  if (c.async && c.route->lands_per_source() && !c.copy_to) {
     land_each_source(c, ex, rx);
     return;
   }
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
   for (int s = 0; s < c.W; ++s) {
-    if (!c.window_from[s] || c.relayed(s)) continue;
+    if (!c.window_from[s] || !c.route->direct(s)) continue;
     c.shm->link(c.peers()[s])->acquire();  // the peer's rows and metadata, announced, are visible
     check_announced(c, s, (*rx.announced)[s], c.recv().source_rows[s], "");
   }
-  if (relay) check_relay_announced(c, rx);
+  c.route->check_landed(c, rx);
   for (int s = 0; s < c.W; ++s) {
     if (rx.merged_in[s]) spread_merged(c, rx, s);
     fill_row_info(c, rx, s);
@@ -1052,12 +1013,46 @@ void finish(Dispatch& c) {
     p.tp_peer_rows = c.out.tp_recv_counts.ptr<int32_t>()[1 - c.cfg.tp_rank_id];
   p.transport = c.headers[0].transport;
   p.sh = c.sh;
-  p.G = c.G;
+  p.G = c.route->ranks_per_node();
   keep_routing(p, c.in.expert_ids, c.in.x_active_mask ? &*c.in.x_active_mask : nullptr);
   c.out.handle = HandleInternals::make(c.plan);
 }
 
 }  // namespace
+
+void check_announced(const Dispatch& c, int s, int64_t announced, int64_t counted,
+                     const char* what) {
+  if (announced != counted)
+    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " announced ", announced, what,
+         " rows in shared memory, the counts said ", counted, " (please report this bug)");
+}
+
+namespace {
+
+// Fullmesh: every rank reached directly; nothing beyond the steps above.
+class FullmeshDispatch final : public DispatchRoute {
+ public:
+  int ranks_per_node() const override { return 0; }
+  bool direct(int) const override { return true; }
+  void plan_sends(Dispatch&) const override {}
+  int count_entries() const override { return 0; }
+  void put_counts(const Dispatch&, int, std::vector<int32_t>&) const override {}
+  void take_counts(Dispatch&, int, const int32_t*) const override {}
+  int block_runs(int) const override { return 1; }
+  int block_source(int, int q) const override { return q; }
+  int own_run() const override { return 0; }
+  void keep_block_rows(EpPlan&, int, std::vector<int64_t>&&) const override {}
+  bool lands_in_window(int) const override { return false; }
+  void before_rows(Dispatch&) override {}
+  void post_receives(Dispatch&, Exchange&, RowsPhase&) const override {}
+  void post_sends(Dispatch&, Exchange&, RowsPhase&) const override {}
+  void check_landed(const Dispatch&, const RowsPhase&) const override {}
+  bool lands_per_source() const override { return true; }
+};
+
+}  // namespace
+
+std::unique_ptr<DispatchRoute> fullmesh_dispatch() { return std::make_unique<FullmeshDispatch>(); }
 
 }  // namespace moe_ep::detail
 

@@ -23,6 +23,7 @@
 namespace moe_ep::detail {
 
 class AsyncState;
+class DispatchRoute;
 
 // One dispatch_v2 call: its arguments and what each step leaves for the next.
 struct Dispatch {
@@ -63,12 +64,8 @@ struct Dispatch {
   Windows* shm = nullptr;
   int W = 0, L = 0, me = 0;
   std::vector<Where> where;  // per world rank: its slot (this machine only)
-  // comm_alg "hierarchy" across nodes: the ranks per node (0: the fullmesh route, also on one
-  // node). Rows for a rank of another node go through this rank's relay there (SPEC §3).
-  int G = 0;
-  bool relayed(int d) const { return G > 0 && d / G != me / G; }
-  int relay_on(int n) const { return n * G + me % G; }      // this rank's relay on node n
-  int relay_of(int s) const { return me / G * G + s % G; }  // source s's relay on this node
+  // How rows reach ranks (chosen in agree): fullmesh, or the relays of comm_alg "hierarchy".
+  std::unique_ptr<DispatchRoute> route;
   // 3. counts (or the cached plan)
   const EpPlan* p = nullptr;            // plan or cached
   std::vector<int32_t> distinct_count;  // new plan: per destination, the rows on the wire
@@ -114,18 +111,56 @@ struct RowsPhase {
   std::shared_ptr<std::vector<int64_t>> announced;
 };
 
-// comm_alg "hierarchy" across nodes (relay_dispatch.cc, SPEC §3).
-// Step 3, each source: per remote node, its tokens bound there (EpPlan::node_tokens) and how many
-// tokens and copies it relays through each relay (the counts message's two last entries).
-void plan_relay_sends(Dispatch& c);
-// Step 4a, phase "relay": every source sends each of its relays (one per remote node) the tokens
-// bound to that node once, with the routing of every copy; every relay receives them.
-struct RelayIn;
-std::shared_ptr<RelayIn> exchange_relay(Dispatch& c);
-// Step 4b, in phase "rows": the relay's copies to the ranks of its node (its own straight into its
-// expand_x), and each rank's receives of the rows relayed to it.
-void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx);
-void relay_copies(Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in);
+// How a dispatch's rows reach their ranks: its route. The steps of dispatch.cc move the rows
+// between this rank and the ranks the route reaches directly; the route moves the rest, with a
+// call at each step. Fullmesh (dispatch.cc) reaches every rank directly and adds nothing; the
+// relays of comm_alg "hierarchy" across nodes (relay_dispatch.cc, SPEC §3) reach the ranks of
+// this node directly and every other one through a relay on its node.
+class DispatchRoute {
+ public:
+  virtual ~DispatchRoute() = default;
+  // The ranks per node it routes for (0: fullmesh), kept in the plan: a handle is replayed only
+  // on the same nodes.
+  virtual int ranks_per_node() const = 0;
+  // Whether rows travel straight between this rank and rank d, both ways.
+  virtual bool direct(int d) const = 0;
+  // Step 3a, a new plan: what the route moves besides the direct rows.
+  virtual void plan_sends(Dispatch& c) const = 0;
+  // Step 3b across machines: the entries it adds to the counts message for each destination
+  // (after the local experts' counts and the distinct tokens); put for destination d, taken from
+  // source q's message.
+  virtual int count_entries() const = 0;
+  virtual void put_counts(const Dispatch& c, int d, std::vector<int32_t>& out) const = 0;
+  virtual void take_counts(Dispatch& c, int q, const int32_t* entries) const = 0;
+  // Step 3c, shared memory across machines: a peer q on this machine learns where the blocks of
+  // `block_runs()` sources start in this rank's expand_x, run m for source block_source(m, q);
+  // this rank's own blocks in q's expand_x are run own_run() of what q sends, and keep_block_rows
+  // keeps all of them.
+  virtual int block_runs(int W) const = 0;
+  virtual int block_source(int m, int q) const = 0;
+  virtual int own_run() const = 0;
+  virtual void keep_block_rows(EpPlan& p, int q, std::vector<int64_t>&& runs) const = 0;
+  // Step 4, a source s it does not reach directly: whether a peer writes s's rows into this
+  // rank's window (given that this rank has a slot).
+  virtual bool lands_in_window(int s) const = 0;
+  // Step 4a, before phase "rows": what must arrive first (a relay's tokens).
+  virtual void before_rows(Dispatch& c) = 0;
+  // In phase "rows": the receives and the sends of the rows it moves, then, after the wait, the
+  // check of what it announced into the windows.
+  virtual void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) const = 0;
+  virtual void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) const = 0;
+  virtual void check_landed(const Dispatch& c, const RowsPhase& rx) const = 0;
+  // Whether each source's rows may be handed over as they land (an asynchronous dispatch).
+  virtual bool lands_per_source() const = 0;
+};
+
+// The routes: fullmesh (dispatch.cc) and the relays across nodes of G ranks (relay_dispatch.cc).
+std::unique_ptr<DispatchRoute> fullmesh_dispatch();
+std::unique_ptr<DispatchRoute> relay_dispatch(int G, int me);
+
+// The rows rank s announced it wrote into this rank's window (`what`: whose) against the counts.
+void check_announced(const Dispatch& c, int s, int64_t announced, int64_t counted,
+                     const char* what);
 
 // dispatch_v2's route run by `op` (its name in errors) with header op code `code` (kOpDispatch,
 // or kOpCombineBackward, whose grad_out travels it). async: an asynchronous dispatch's state, to

@@ -15,6 +15,7 @@
 // The source adds them in node order (combine_sum_nodes).
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -25,6 +26,7 @@
 #include "base/threads.h"
 #include "core/ep/combine_call.h"
 #include "core/ep/combine_sum.h"
+#include "core/ep/route.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
 #include "transport/communicator.h"
@@ -51,6 +53,7 @@ constexpr int32_t kNone = INT32_MIN;
 
 // The relay's state across the three phases.
 struct Relay {
+  Nodes nd;
   int N = 0, node = 0;
   // As a source: per node, its entries there (empty for its own node).
   std::vector<std::shared_ptr<std::vector<RelayEntry>>> out_weights;
@@ -67,6 +70,15 @@ struct Relay {
   std::vector<std::shared_ptr<Tensor>> rows;
   std::vector<std::shared_ptr<std::vector<float>>> scales;
   std::vector<std::shared_ptr<std::vector<BackMeta>>> meta;
+  // As a source, per node: its tokens with a term there (increasing; empty for its own node),
+  // and the node's partial sums of them: fp32 rows, or int8 rows and their scales
+  // (comm_quant_mode 2).
+  std::vector<std::vector<int32_t>> node_tokens;
+  std::vector<std::shared_ptr<Tensor>> partials;
+  std::vector<std::shared_ptr<std::vector<float>>> partial_scales;
+  // Run while the partials are on the wire (this node's own partials), given a function that
+  // lets MPI progress between its slices; empty: nothing.
+  std::function<void(const std::function<void()>& progress)> meanwhile;
 };
 
 const char* own_row(const Combine& c, int64_t j) {
@@ -74,14 +86,14 @@ const char* own_row(const Combine& c, int64_t j) {
 }
 
 // Phase "relay weights", a source's part: its entries on node n in flat order.
-std::shared_ptr<std::vector<RelayEntry>> entries_on(Combine& c, int n) {
+std::shared_ptr<std::vector<RelayEntry>> entries_on(const Combine& c, Relay& r, int n) {
   const SendPlan& back = *c.back;
   const EpShape& sh = c.sh;
-  std::vector<int64_t> flats(back.order.begin() + back.rank_offset[n * c.G],
-                             back.order.begin() + back.rank_offset[(n + 1) * c.G]);
+  std::vector<int64_t> flats(back.order.begin() + back.rank_offset[n * r.nd.G],
+                             back.order.begin() + back.rank_offset[(n + 1) * r.nd.G]);
   std::sort(flats.begin(), flats.end());
   auto out = std::make_shared<std::vector<RelayEntry>>();
-  std::vector<int32_t>& tokens = c.node_tokens[n];
+  std::vector<int32_t>& tokens = r.node_tokens[n];
   for (const int64_t flat : flats) {
     const int64_t i = flat / sh.KS, k = flat % sh.KS;
     const int64_t e = k < sh.K ? index_at(c.in.expert_ids, i, k) : -1 - (k - sh.K);
@@ -95,13 +107,14 @@ std::shared_ptr<std::vector<RelayEntry>> entries_on(Combine& c, int n) {
 
 // Where the blocks this rank holds for the sources relay `g` of its node serves lie
 // (Relay::layout).
-std::shared_ptr<std::vector<int64_t>> layout_for_relay(const Combine& c, int g, int N) {
+std::shared_ptr<std::vector<int64_t>> layout_for_relay(const Combine& c, const Relay& r, int g,
+                                                       int N) {
   const int64_t L = c.L;
   auto v = std::make_shared<std::vector<int64_t>>(static_cast<std::size_t>(2 * N * L), 0);
   for (int m = 0; m < N; ++m) {
-    if (m == c.me / c.G) continue;
+    if (m == r.node) continue;
     for (int64_t l = 0; l < L; ++l) {
-      const int64_t b = l * c.W + m * c.G + g;
+      const int64_t b = l * c.W + m * r.nd.G + g;
       (*v)[m * L + l] = c.blocks->block_offset[b];
       (*v)[(N + m) * L + l] = c.blocks->block_rows[b];
     }
@@ -111,7 +124,7 @@ std::shared_ptr<std::vector<int64_t>> layout_for_relay(const Combine& c, int g, 
 
 // The owner of local index g: its rows per source node, and their rows in its expand_x.
 void read_layout(const Combine& c, Relay& r, int g) {
-  const int d = r.node * c.G + g;
+  const int d = r.node * r.nd.G + g;
   const int64_t ld = c.sh.pl.local_experts(d);
   const std::vector<int64_t>& v = *r.layout[g];
   r.counts[g].assign(static_cast<std::size_t>(r.N), 0);
@@ -136,7 +149,7 @@ void exchange_weights(Combine& c, Relay& r) {
   std::vector<int> recv_index(static_cast<std::size_t>(c.W), -1);
   int posted = 0;
   for (int s = 0; s < c.W; ++s) {  // as a relay: the weights of every source it serves
-    if (!c.relayed(s) || c.relay_of(s) != c.me) continue;
+    if (!r.nd.relayed(s) || r.nd.relay_of(s) != c.me) continue;
     r.weights[s] = std::make_shared<std::vector<RelayEntry>>(
         static_cast<std::size_t>(c.headers[s].BS * c.sh.KS));  // at most; the message says
     ex.keep_alive(r.weights[s]);
@@ -145,10 +158,10 @@ void exchange_weights(Combine& c, Relay& r) {
                                       kTagRelayWeights);
     recv_index[s] = posted++;
   }
-  for (int g = 0; g < c.G; ++g) {  // as a relay: each owner's layout; as an owner: its own
-    const int d = r.node * c.G + g;
+  for (int g = 0; g < r.nd.G; ++g) {  // as a relay: each owner's layout; as an owner: its own
+    const int d = r.node * r.nd.G + g;
     if (d == c.me) {
-      r.layout[g] = layout_for_relay(c, c.me % c.G, r.N);
+      r.layout[g] = layout_for_relay(c, r, c.me % r.nd.G, r.N);
       continue;
     }
     const int n = to_int(2 * r.N * c.sh.pl.local_experts(d));
@@ -156,17 +169,17 @@ void exchange_weights(Combine& c, Relay& r) {
     ex.keep_alive(r.layout[g]);
     messages[c.peers()[d]]->expect(ex, r.layout[g]->data(), n, kTagRelayCounts);
     ++posted;
-    auto mine = layout_for_relay(c, g, r.N);
+    auto mine = layout_for_relay(c, r, g, r.N);
     ex.keep_alive(mine);
     messages[c.peers()[d]]->post(ex, mine->data(), 2 * r.N * c.L, kTagRelayCounts);
   }
   for (int n = 0; n < r.N; ++n) {  // as a source
     if (n == r.node) continue;
-    r.out_weights[n] = entries_on(c, n);
+    r.out_weights[n] = entries_on(c, r, n);
     ex.keep_alive(r.out_weights[n]);
-    messages[c.peers()[c.relay_on(n)]]->put_block(ex, r.out_weights[n]->data(),
-                                                  static_cast<int64_t>(r.out_weights[n]->size()),
-                                                  entry, kTagRelayWeights);
+    messages[c.peers()[r.nd.relay_on(n)]]->put_block(ex, r.out_weights[n]->data(),
+                                                     static_cast<int64_t>(r.out_weights[n]->size()),
+                                                     entry, kTagRelayWeights);
   }
   ex.wait();
   for (int s = 0; s < c.W; ++s) {
@@ -175,7 +188,7 @@ void exchange_weights(Combine& c, Relay& r) {
     MOE_EP_CHECK(bytes % entry == 0);
     r.weights[s]->resize(static_cast<std::size_t>(bytes / entry));
   }
-  for (int g = 0; g < c.G; ++g) read_layout(c, r, g);
+  for (int g = 0; g < r.nd.G; ++g) read_layout(c, r, g);
 }
 
 // Phase "relay rows", an owner's part for relay g: how many rows it holds for g's sources; in
@@ -187,7 +200,7 @@ int64_t pack_for_relay(const Combine& c, int g, const Relay& r, bool rows_too,
                        std::shared_ptr<std::vector<BackMeta>>& meta) {
   int64_t total = 0;
   for (int m = 0; m < r.N; ++m)
-    if (m != r.node) total += c.blocks->source_rows[m * c.G + g];
+    if (m != r.node) total += c.blocks->source_rows[m * r.nd.G + g];
   if (rows_too) rows = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {total * c.wire_row}));
   if (rows_too && c.cq) scales = std::make_shared<std::vector<float>>();
   if (!c.plan) meta = std::make_shared<std::vector<BackMeta>>();
@@ -195,7 +208,7 @@ int64_t pack_for_relay(const Combine& c, int g, const Relay& r, bool rows_too,
   const TensorView& ai = c.in.assist_info_for_combine;
   for (int m = 0; m < r.N; ++m) {
     if (m == r.node) continue;
-    const int s = m * c.G + g;
+    const int s = m * r.nd.G + g;
     for (int l = 0; l < c.L; ++l) {
       const int64_t b = int64_t{l} * c.W + s;
       for (int64_t j = c.blocks->block_offset[b];
@@ -218,8 +231,8 @@ void exchange_rows(Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
   const int64_t row_bytes = c.wire_row, meta_bytes = sizeof(BackMeta);
   Exchange ex(c.comm, c.op, "relay rows");
-  for (int g = 0; g < c.G; ++g) {
-    const int d = r.node * c.G + g;
+  for (int g = 0; g < r.nd.G; ++g) {
+    const int d = r.node * r.nd.G + g;
     const bool in_place = d == c.me || c.read[d];  // as a relay: where owner d's rows lie
     std::shared_ptr<Tensor> rows;                  // as an owner: what it sends relay g
     std::shared_ptr<std::vector<float>> scales;
@@ -271,7 +284,7 @@ struct OwnerRows {
   Traffic& traffic;
   const char* row(int g, int64_t j) const {
     if (r.rows[g]) return r.rows[g]->ptr<char>() + j * c.wire_row;
-    const int d = r.node * c.G + g;
+    const int d = r.node * r.nd.G + g;
     const int64_t at = r.at[g][j];
     if (d == c.me) return own_row(c, at);
     const Where& w = c.where[d];
@@ -282,7 +295,7 @@ struct OwnerRows {
   float scale(int g, int64_t j) const {
     if (!c.cq) return 0.0f;
     if (r.scales[g]) return (*r.scales[g])[j];
-    const int d = r.node * c.G + g;
+    const int d = r.node * r.nd.G + g;
     const int64_t at = r.at[g][j];
     if (d == c.me) return c.qscales[at];
     float v;
@@ -298,7 +311,7 @@ struct OwnerRows {
 // (null row: none came). Returns the first disagreement as a status (all 0: none).
 std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
                                   std::vector<PartialTerm>& terms) {
-  const int64_t KS = c.sh.KS, bs = c.headers[s].BS, m = s / c.G;
+  const int64_t KS = c.sh.KS, bs = c.headers[s].BS, m = s / r.nd.G;
   std::vector<PartialTerm> at(static_cast<std::size_t>(bs * KS), PartialTerm{nullptr, 0, 0, false});
   const OwnerRows rows{c, r, CommInternals::traffic(c.comm)};
   std::vector<int32_t> expert(at.size(), kNone);
@@ -309,8 +322,8 @@ std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
   const std::vector<int32_t>* routes = c.plan && s < static_cast<int>(c.plan->relay_routes.size())
                                            ? &c.plan->relay_routes[s]
                                            : nullptr;
-  for (int g = 0; g < c.G; ++g) {
-    const int d = r.node * c.G + g;
+  for (int g = 0; g < r.nd.G; ++g) {
+    const int d = r.node * r.nd.G + g;
     int64_t j = 0;  // owner g's rows for s start after those of earlier source nodes
     for (int mm = 0; mm < m; ++mm)
       if (mm != r.node) j += r.counts[g][mm];
@@ -435,8 +448,8 @@ void sum_partials(const Combine& c, const Partials& p, int64_t t0, int64_t t1, c
 }
 
 // The source's check of what relay `n` found, and of the tokens of its partials.
-void check_partials(const Combine& c, int n, const std::vector<int32_t>& status) {
-  const int relay = c.peers()[c.relay_on(n)];
+void check_partials(const Combine& c, const Relay& r, int n, const std::vector<int32_t>& status) {
+  const int relay = c.peers()[r.nd.relay_on(n)];
   auto expert = [](int32_t e) { return e == kNone ? std::string("none") : std::to_string(e); };
   if (status[0] != 0)
     invalid(c.op, ": rank ", relay, ", the relay of rank ", c.comm.rank(), "'s tokens on node ", n,
@@ -444,7 +457,7 @@ void check_partials(const Combine& c, int n, const std::vector<int32_t>& status)
             expert(status[3]), " where expert_ids route it to expert ", expert(status[4]),
             ": expert_ids (and x_active_mask) must be those of the matching dispatch_v2 (same "
             "tokens, same order)");
-  const std::vector<int32_t>& want = c.node_tokens[n];
+  const std::vector<int32_t>& want = r.node_tokens[n];
   if (!std::equal(want.begin(), want.end(), status.begin() + kStatusWords))
     fail(ErrorKind::kInternal, c.op, ": rank ", relay, " sent the partials of other tokens than ",
          "rank ", c.comm.rank(), " has on node ", n, " (please report this bug)");
@@ -458,21 +471,21 @@ void exchange_partials(Combine& c, Relay& r) {
   std::vector<std::shared_ptr<std::vector<int32_t>>> status(static_cast<std::size_t>(r.N));
   for (int n = 0; n < r.N; ++n) {  // as a source
     if (n == r.node) continue;
-    const int64_t T = static_cast<int64_t>(c.node_tokens[n].size());
-    const Link& from = *messages[c.peers()[c.relay_on(n)]];
+    const int64_t T = static_cast<int64_t>(r.node_tokens[n].size());
+    const Link& from = *messages[c.peers()[r.nd.relay_on(n)]];
     status[n] = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(kStatusWords + T));
     ex.keep_alive(status[n]);
     from.expect(ex, status[n]->data(), kStatusWords + T, kTagRelayStatus);
     if (T == 0) continue;
-    c.partials[n] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * prow}));
-    ex.keep_alive(c.partials[n]);
+    r.partials[n] = std::make_shared<Tensor>(Tensor::empty(DType::kI8, {T * prow}));
+    ex.keep_alive(r.partials[n]);
     if (c.cq)
-      c.partial_scales[n] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
-    if (c.cq) ex.keep_alive(c.partial_scales[n]);
+      r.partial_scales[n] = std::make_shared<std::vector<float>>(static_cast<std::size_t>(T));
+    if (c.cq) ex.keep_alive(r.partial_scales[n]);
     for (int64_t t = 0; t < T; t += chunk) {
       const int64_t k = std::min(chunk, T - t);
-      from.get_block(ex, c.partials[n]->ptr<char>() + t * prow, k, row_bytes, kTagRelayPartial);
-      if (c.cq) from.expect(ex, c.partial_scales[n]->data() + t, k, kTagRelayPartial);
+      from.get_block(ex, r.partials[n]->ptr<char>() + t * prow, k, row_bytes, kTagRelayPartial);
+      if (c.cq) from.expect(ex, r.partial_scales[n]->data() + t, k, kTagRelayPartial);
     }
   }
   for (int s = 0; s < c.W; ++s) {  // as a relay
@@ -496,32 +509,80 @@ void exchange_partials(Combine& c, Relay& r) {
       ex.progress();
     }
   }
-  if (c.meanwhile) c.meanwhile([&] { ex.progress(); });
+  if (r.meanwhile) r.meanwhile([&] { ex.progress(); });
   ex.wait();
   for (int n = 0; n < r.N; ++n)
-    if (status[n]) check_partials(c, n, *status[n]);
+    if (status[n]) check_partials(c, r, n, *status[n]);
 }
 
-}  // namespace
-
-void relay_partials(Combine& c) {
-  Relay r;
-  r.N = c.W / c.G;
-  r.node = c.me / c.G;
+// The phases, given the relays' state with its nodes set.
+void relay_partials(Combine& c, Relay& r) {
+  r.N = r.nd.count(c.W);
+  r.node = r.nd.node();
   r.out_weights.resize(static_cast<std::size_t>(r.N));
   r.weights.resize(static_cast<std::size_t>(c.W));
-  r.layout.resize(static_cast<std::size_t>(c.G));
+  r.layout.resize(static_cast<std::size_t>(r.nd.G));
   r.counts.resize(r.layout.size());
   r.at.resize(r.layout.size());
   r.rows.resize(r.counts.size());
   r.scales.resize(r.counts.size());
   r.meta.resize(r.counts.size());
-  c.node_tokens.assign(static_cast<std::size_t>(r.N), {});
-  c.partials.assign(static_cast<std::size_t>(r.N), nullptr);
-  c.partial_scales.assign(static_cast<std::size_t>(r.N), nullptr);
+  r.node_tokens.assign(static_cast<std::size_t>(r.N), {});
+  r.partials.assign(static_cast<std::size_t>(r.N), nullptr);
+  r.partial_scales.assign(static_cast<std::size_t>(r.N), nullptr);
   exchange_weights(c, r);
   exchange_rows(c, r);
   exchange_partials(c, r);
+}
+
+// The relays of comm_alg "hierarchy" across nodes of nd.G ranks: this node's own terms summed
+// while the other nodes' partials travel, then everything added in node order.
+class RelayCombine final : public CombineRoute {
+ public:
+  explicit RelayCombine(Nodes nd) { r_.nd = nd; }
+  int ranks_per_node() const override { return r_.nd.G; }
+  bool direct(int d) const override { return !r_.nd.relayed(d); }
+  bool serves_others() const override { return true; }
+  void move_rows(Combine& c, CombineSum& sum, bool located) override {
+    np_.G = r_.nd.G;
+    np_.node = r_.nd.node();
+    np_.int8 = c.cq;
+    np_.rank = c.me;
+    r_.meanwhile = nullptr;
+    if (located)
+      r_.meanwhile = [&](const std::function<void()>& progress) {
+        sum.yrow = c.yrow.data();
+        sum.yscale = c.cq ? c.yscale.data() : nullptr;
+        const int64_t H = c.sh.H,
+                      slice = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(H, 1));
+        own_.resize(static_cast<std::size_t>(c.sh.BS * H));
+        for (int64_t i = 0; i < c.sh.BS; i += slice) {
+          own_node_partials(sum, np_, i, std::min(c.sh.BS, i + slice), own_.data());
+          progress();
+        }
+        np_.own = own_.data();
+      };
+    relay_partials(c, r_);
+  }
+  void sum(const CombineSum& sum) override {
+    for (int n = 0; n < r_.N; ++n) {
+      np_.tokens.push_back(&r_.node_tokens[n]);
+      np_.rows.push_back(r_.partials[n] ? r_.partials[n]->ptr<char>() : nullptr);
+      np_.scales.push_back(r_.partial_scales[n] ? r_.partial_scales[n]->data() : nullptr);
+    }
+    combine_sum_nodes(sum, np_);
+  }
+
+ private:
+  Relay r_;
+  NodePartials np_;
+  std::vector<float> own_;  // this node's partials, summed while the others' travel
+};
+
+}  // namespace
+
+std::unique_ptr<CombineRoute> relay_combine(int G, int me) {
+  return std::make_unique<RelayCombine>(Nodes{G, me});
 }
 
 }  // namespace moe_ep::detail

@@ -13,6 +13,7 @@
 #include "base/check.h"
 #include "base/tensor_internals.h"
 #include "core/ep/dispatch_call.h"
+#include "core/ep/route.h"
 #include "core/ep/slot.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
@@ -32,8 +33,6 @@ struct RelayMeta {
   float scale, qscale;
 };
 
-}  // namespace
-
 // What each relayed source sent this relay: its tokens' rows and the copies to make.
 struct RelayIn {
   int64_t wire_row = 0;                       // bytes of a row as it crossed
@@ -41,23 +40,24 @@ struct RelayIn {
   std::vector<std::shared_ptr<std::vector<RelayMeta>>> meta;  // in the source's send order
 };
 
-void plan_relay_sends(Dispatch& c) {
+void plan_relay_sends(const Nodes& nd, Dispatch& c) {
   EpPlan& p = *c.plan;
-  const int N = c.W / c.G;
+  const int N = nd.count(c.W);
   p.node_tokens.assign(N, {});
+  p.relay_tokens.assign(c.W, 0);
+  p.relay_entries.assign(c.W, 0);
+  p.relay_block_row.assign(c.W, {});
   std::vector<int32_t> seen(static_cast<std::size_t>(c.sh.BS), -1);
   for (int n = 0; n < N; ++n) {
-    if (n == c.me / c.G) continue;  // own node: the fullmesh steps
+    if (n == nd.node()) continue;  // own node: the fullmesh steps
     std::vector<int32_t>& tokens = p.node_tokens[n];
-    for (int64_t j = p.send.rank_offset[n * c.G]; j < p.send.rank_offset[(n + 1) * c.G]; ++j) {
+    for (int64_t j = p.send.rank_offset[n * nd.G]; j < p.send.rank_offset[(n + 1) * nd.G]; ++j) {
       const int64_t i = p.send.order[j] / c.sh.KS;
       if (seen[i] != n) seen[i] = n, tokens.push_back(static_cast<int32_t>(i));
     }
     std::sort(tokens.begin(), tokens.end());
   }
 }
-
-namespace {
 
 // Quantising `rows` rows of x (SPEC §1.5), row r read at src + src_index[r] * src_stride elements
 // (x's dtype), written at q + r * H with its scale to scales[r]; no smoothing.
@@ -100,14 +100,14 @@ std::shared_ptr<Tensor> pack_tokens(const Dispatch& c, const std::vector<int32_t
 }
 
 // The copies of this rank's tokens for node n, in send order (destination, local expert, flat).
-std::shared_ptr<std::vector<RelayMeta>> relay_meta(const Dispatch& c, int n,
+std::shared_ptr<std::vector<RelayMeta>> relay_meta(const Nodes& nd, const Dispatch& c, int n,
                                                    const std::vector<int32_t>& tokens,
                                                    const std::vector<float>& qscale) {
   const SendPlan& send = c.send();
   std::vector<int32_t> pos(static_cast<std::size_t>(c.sh.BS), -1);
   for (std::size_t t = 0; t < tokens.size(); ++t) pos[tokens[t]] = static_cast<int32_t>(t);
   auto meta = std::make_shared<std::vector<RelayMeta>>();
-  for (int d = n * c.G; d < (n + 1) * c.G; ++d) {
+  for (int d = n * nd.G; d < (n + 1) * nd.G; ++d) {
     int64_t j = send.rank_offset[d];
     for (int64_t l = 0; l < c.sh.pl.local_experts(d); ++l) {
       const int64_t rows = send.counts[c.sh.pl.block_base(d) + l];
@@ -126,13 +126,13 @@ std::shared_ptr<std::vector<RelayMeta>> relay_meta(const Dispatch& c, int n,
 
 // A relayed source's copies must be for this node, grouped by rank then local expert, and name
 // rows it sent.
-void check_relay_meta(const Dispatch& c, int s, const RelayIn& in) {
+void check_relay_meta(const Nodes& nd, const Dispatch& c, int s, const RelayIn& in) {
   const std::vector<RelayMeta>& meta = *in.meta[s];
-  const int node = c.me / c.G;
+  const int node = nd.node();
   int64_t last = -1;
   for (const RelayMeta& m : meta) {
     const int64_t key = int64_t{m.dest} * (c.sh.pl.blocks() + 1) + m.local;  // (rank, expert)
-    if (m.dest / c.G != node || m.local < 0 || m.local >= c.sh.pl.local_experts(m.dest) ||
+    if (m.dest / nd.G != node || m.local < 0 || m.local >= c.sh.pl.local_experts(m.dest) ||
         m.pos < 0 || m.pos >= c.p->relay_tokens[s] || key < last)
       fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent rank ", c.comm.rank(),
            " a copy for rank ", m.dest, ", local expert ", m.local, ", token row ", m.pos,
@@ -141,9 +141,7 @@ void check_relay_meta(const Dispatch& c, int s, const RelayIn& in) {
   }
 }
 
-}  // namespace
-
-std::shared_ptr<RelayIn> exchange_relay(Dispatch& c) {
+std::shared_ptr<RelayIn> exchange_relay(const Nodes& nd, Dispatch& c) {
   const EpPlan& p = *c.p;
   const bool int8_wire = c.quant && !c.in.scales;
   auto in = std::make_shared<RelayIn>();
@@ -164,15 +162,15 @@ std::shared_ptr<RelayIn> exchange_relay(Dispatch& c) {
     from.get_block(ex, in->rows[s]->data(), p.relay_tokens[s], row_bytes, kTagRelayRows);
     from.get_block(ex, in->meta[s]->data(), p.relay_entries[s], meta_bytes, kTagRelayMeta);
   }
-  for (int n = 0; n < c.W / c.G; ++n) {
+  for (int n = 0; n < nd.count(c.W); ++n) {
     const std::vector<int32_t>& tokens = p.node_tokens[n];
     if (tokens.empty()) continue;
     std::vector<float> qscale;
     auto rows = pack_tokens(c, tokens, in->wire_row, int8_wire, qscale);
-    auto meta = relay_meta(c, n, tokens, qscale);
+    auto meta = relay_meta(nd, c, n, tokens, qscale);
     ex.keep_alive(rows);
     ex.keep_alive(meta);
-    const Link& to = *messages[c.peers()[c.relay_on(n)]];
+    const Link& to = *messages[c.peers()[nd.relay_on(n)]];
     to.put_block(ex, rows->data(), static_cast<int64_t>(tokens.size()), row_bytes, kTagRelayRows);
     to.put_block(ex, meta->data(), static_cast<int64_t>(meta->size()), meta_bytes, kTagRelayMeta);
   }
@@ -180,7 +178,7 @@ std::shared_ptr<RelayIn> exchange_relay(Dispatch& c) {
   if (c.plan) c.plan->relay_routes.assign(c.W, {});
   for (int s = 0; s < c.W; ++s) {
     if (!in->meta[s]) continue;
-    check_relay_meta(c, s, *in);
+    check_relay_meta(nd, c, s, *in);
     if (!c.plan) continue;
     std::vector<int32_t>& routes = c.plan->relay_routes[s];
     for (const RelayMeta& m : *in->meta[s])
@@ -189,15 +187,15 @@ std::shared_ptr<RelayIn> exchange_relay(Dispatch& c) {
   return in;
 }
 
-void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
+void post_relayed_receives(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const auto& messages = message_links(c.comm);
   const RecvPlan& recv = c.recv();
   for (int s = 0; s < c.W; ++s) {
-    if (!c.relayed(s) || c.window_from[s]) continue;  // window: announced below
+    if (!nd.relayed(s) || c.window_from[s]) continue;  // window: announced below
     rx.meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
     ex.keep_alive(rx.meta_in[s]);
-    if (c.relay_of(s) == c.me || recv.source_rows[s] == 0) continue;  // relay_copies / nothing
-    const Link& from = *messages[c.peers()[c.relay_of(s)]];
+    if (nd.relay_of(s) == c.me || recv.source_rows[s] == 0) continue;  // relay_copies / nothing
+    const Link& from = *messages[c.peers()[nd.relay_of(s)]];
     for (int l = 0; l < c.L; ++l) {
       const int64_t b = int64_t{l} * c.W + s;
       if (recv.block_rows[b] > 0)
@@ -207,13 +205,11 @@ void post_relayed_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
     from.get_block(ex, rx.meta_in[s]->data(), recv.source_rows[s], rx.meta_bytes, kTagRelayMeta);
   }
   if (!c.slot) return;
-  for (int q = c.me / c.G * c.G; q < (c.me / c.G + 1) * c.G; ++q)  // every other relay here
+  for (int q = nd.first(); q < nd.first() + nd.G; ++q)  // every other relay here
     if (q != c.me)
       c.shm->link(c.peers()[q])
           ->expect_announce(ex, rx.announced->data() + 2 * c.W + q, kTagRelayMeta);
 }
-
-namespace {
 
 // Every copy of source s's tokens, in its send order, copy j to dst[j] (out_row_bytes each): the
 // row as it crossed, or (quant_mode 2 with smoothing scales) quantised here with its expert's
@@ -271,8 +267,9 @@ void for_each_block(const std::vector<RelayMeta>& meta, int64_t j, int64_t end, 
 
 bool window_to(const Dispatch& c, int d) { return d != c.me && c.where[d].gen >= 0; }
 
-CopyPlan plan_copies(const Dispatch& c, int s, const std::vector<RelayMeta>& meta) {
-  const int64_t n = static_cast<int64_t>(meta.size()), rb = c.out_row_bytes, m = s / c.G;
+CopyPlan plan_copies(const Nodes& nd, const Dispatch& c, int s,
+                     const std::vector<RelayMeta>& meta) {
+  const int64_t n = static_cast<int64_t>(meta.size()), rb = c.out_row_bytes, m = s / nd.G;
   CopyPlan cp;
   cp.dst.resize(static_cast<std::size_t>(n));
   cp.staged_at.assign(static_cast<std::size_t>(n), -1);
@@ -306,11 +303,11 @@ CopyPlan plan_copies(const Dispatch& c, int s, const std::vector<RelayMeta>& met
 
 // The copies [j, end) of source s for rank d (not this rank), after their rows: into d's window
 // next to them, then counted for the announcement; or messages of the rows and the metadata.
-void send_relayed(Dispatch& c, Exchange& ex, RowsPhase& rx, int s, const CopyPlan& cp,
-                  const std::vector<RelayMeta>& meta, int64_t j, int64_t end,
+void send_relayed(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx, int s,
+                  const CopyPlan& cp, const std::vector<RelayMeta>& meta, int64_t j, int64_t end,
                   std::shared_ptr<std::vector<RowMeta>> rows_meta) {
   const int d = meta[j].dest;
-  const int64_t m = s / c.G;
+  const int64_t m = s / nd.G;
   if (!window_to(c, d)) {
     for_each_block(meta, j, end, [&](int64_t r, int64_t stop, int32_t) {
       message_links(c.comm)[c.peers()[d]]->put_block(
@@ -335,14 +332,12 @@ void send_relayed(Dispatch& c, Exchange& ex, RowsPhase& rx, int s, const CopyPla
       (end - j) * (c.out_row_bytes + static_cast<int64_t>(sizeof(RowMeta)));
 }
 
-}  // namespace
-
-void relay_copies(Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in) {
+void relay_copies(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in) {
   for (int s = 0; s < c.W; ++s) {
     if (!in.meta[s]) continue;
     const std::vector<RelayMeta>& meta = *in.meta[s];
     const int64_t n = static_cast<int64_t>(meta.size());
-    CopyPlan cp = plan_copies(c, s, meta);
+    CopyPlan cp = plan_copies(nd, c, s, meta);
     if (cp.staged) ex.keep_alive(cp.staged);
     std::vector<float> qscale;
     make_copies(c, in, s, cp.dst, qscale);
@@ -363,13 +358,84 @@ void relay_copies(Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in) {
         (*rows_meta)[r - j] =
             RowMeta{m.token, m.slot, m.scale, qscale.empty() ? m.qscale : qscale[r]};
       }
-      if (d != c.me) send_relayed(c, ex, rx, s, cp, meta, j, end, rows_meta);
+      if (d != c.me) send_relayed(nd, c, ex, rx, s, cp, meta, j, end, rows_meta);
       j = end;
     }
   }
-  for (int d = c.me / c.G * c.G; d < (c.me / c.G + 1) * c.G; ++d)  // every receiver here
+  for (int d = nd.first(); d < nd.first() + nd.G; ++d)  // every receiver here
     if (window_to(c, d))
       c.shm->link(c.peers()[d])->announce(ex, rx.announced->data() + 3 * c.W + d, kTagRelayMeta);
+}
+
+// The relays of comm_alg "hierarchy" across nodes of nd.G ranks.
+class RelayDispatch final : public DispatchRoute {
+ public:
+  explicit RelayDispatch(Nodes nd) : nd_(nd) {}
+  int ranks_per_node() const override { return nd_.G; }
+  bool direct(int d) const override { return !nd_.relayed(d); }
+  void plan_sends(Dispatch& c) const override { plan_relay_sends(nd_, c); }
+  // The tokens and copies this rank relays through d (0, 0 unless d is its relay on d's node).
+  int count_entries() const override { return 2; }
+  void put_counts(const Dispatch& c, int d, std::vector<int32_t>& out) const override {
+    const int n = d / nd_.G;
+    const bool relay = nd_.relayed(d) && d == nd_.relay_on(n);
+    const SendPlan& send = c.plan->send;
+    out.push_back(relay ? static_cast<int32_t>(c.plan->node_tokens[n].size()) : 0);
+    out.push_back(relay ? static_cast<int32_t>(send.rank_offset[(n + 1) * nd_.G] -
+                                               send.rank_offset[n * nd_.G])
+                        : 0);
+  }
+  void take_counts(Dispatch& c, int q, const int32_t* entries) const override {
+    EpPlan& p = *c.plan;
+    p.relay_tokens[q] = entries[0];
+    p.relay_entries[q] = entries[1];
+    if (p.relay_tokens[q] < 0 || p.relay_entries[q] < p.relay_tokens[q] ||
+        (p.relay_tokens[q] > 0 && !(nd_.relayed(q) && nd_.relay_of(q) == c.me)))
+      fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[q], " relays ", p.relay_tokens[q],
+           " tokens (", p.relay_entries[q], " copies) through rank ", c.comm.rank(),
+           " (please report this bug)");
+  }
+  // Per node m, the source there with the peer's index in its node (on this node: the peer).
+  int block_runs(int W) const override { return nd_.count(W); }
+  int block_source(int m, int q) const override { return m * nd_.G + q % nd_.G; }
+  int own_run() const override { return nd_.node(); }
+  void keep_block_rows(EpPlan& p, int q, std::vector<int64_t>&& runs) const override {
+    p.relay_block_row[q] = std::move(runs);
+  }
+  // Its relay on this node writes its rows here, unless that relay is this rank.
+  bool lands_in_window(int s) const override { return nd_.relay_of(s) != nd_.me; }
+  void before_rows(Dispatch& c) override { in_ = exchange_relay(nd_, c); }
+  void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) const override {
+    post_relayed_receives(nd_, c, ex, rx);
+  }
+  void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) const override {
+    relay_copies(nd_, c, ex, rx, *in_);
+  }
+  // Each relay of this node announces the rows it wrote into this rank's window for the sources
+  // it relays (post_relayed_receives); they are visible after its announcement.
+  void check_landed(const Dispatch& c, const RowsPhase& rx) const override {
+    if (!c.slot) return;
+    std::vector<int64_t> counted(static_cast<std::size_t>(c.W), 0);
+    for (int s = 0; s < c.W; ++s)
+      if (c.window_from[s] && nd_.relayed(s)) counted[nd_.relay_of(s)] += c.recv().source_rows[s];
+    for (int q = nd_.first(); q < nd_.first() + nd_.G; ++q) {
+      if (q == c.me) continue;
+      c.shm->link(c.peers()[q])->acquire();
+      check_announced(c, q, (*rx.announced)[2 * c.W + q], counted[q], " relayed");
+    }
+  }
+  // A relay's copies land in an order of their own.
+  bool lands_per_source() const override { return false; }
+
+ private:
+  const Nodes nd_;
+  std::shared_ptr<RelayIn> in_;  // what the relayed sources sent this rank (before_rows)
+};
+
+}  // namespace
+
+std::unique_ptr<DispatchRoute> relay_dispatch(int G, int me) {
+  return std::make_unique<RelayDispatch>(Nodes{G, me});
 }
 
 }  // namespace moe_ep::detail
