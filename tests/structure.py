@@ -14,7 +14,9 @@ the headers directly in src/transport (bytes, offsets, tags, deadlines); its imp
 src/transport/mpi and src/transport/shm. src/core and src/sharding include only the interface,
 never <mpi.h>, and name no MPI type or function; nor does the interface. ref/ (the test oracles)
 shares no code with what it checks; tools/, python/src/ and examples/ use the public API only.
-Exits 1 naming every offence.
+The ops' steps and call state (dispatch.cc, combine.cc and their *_call.h) know routes only
+through DispatchRoute / CombineRoute: the nodes of comm_alg "hierarchy" (core/ep/route.h) are the
+relay routes' own. Exits 1 naming every offence.
 """
 import pathlib
 import re
@@ -49,6 +51,11 @@ TRANSPORT_USERS = ("src/core", "src/sharding")
 CONCRETE_TRANSPORTS = ("transport/mpi/", "transport/shm/")
 MPI_HEADER = re.compile(r"^\s*#\s*include\s+<mpi\.h>")
 MPI_NAME = re.compile(r"\bMPI_\w+")
+# The ops' steps and call state, and what only the relay routes may name.
+ROUTE_USERS = ("src/core/ep/dispatch.cc", "src/core/ep/combine.cc", "src/core/ep/dispatch_call.h",
+               "src/core/ep/combine_call.h")
+ROUTE_HEADER = "core/ep/route.h"
+RELAY_NAME = re.compile(r"\b(Nodes|relayed|relay_on|relay_of)\b")
 
 
 def files_under(root, d):
@@ -71,6 +78,7 @@ def layering(root):
                     bad.append(f"{f.relative_to(root)}:{n}: includes \"{target}\" "
                                f"({d} may include only {', '.join(sorted(allowed))})")
     bad += transport_seam(root)
+    bad += route_seam(root)
     for f in files_under(root, "src"):
         rel = f.relative_to(root).as_posix()
         for n, line in enumerate(f.read_text().splitlines(), 1):
@@ -103,6 +111,26 @@ def transport_seam(root):
             for m in MPI_NAME.finditer(line):
                 bad.append(f"{rel}:{n}: names {m.group(0)} (MPI belongs behind the transport "
                            f"interface)")
+    return bad
+
+
+def route_seam(root):
+    """The steps shared by both routes branch on no node: they ask their route (direct(d) and the
+    route's calls), never include core/ep/route.h or name the nodes' helpers."""
+    bad = []
+    for rel in ROUTE_USERS:
+        f = root / rel
+        if not f.exists():
+            continue
+        text = f.read_text()
+        for n, line in enumerate(text.splitlines(), 1):
+            m = INCLUDE.match(line)
+            if m and m.group(1) == ROUTE_HEADER:
+                bad.append(f"{rel}:{n}: includes \"{ROUTE_HEADER}\" (the nodes are the relay "
+                           f"routes' own: relay_*.cc)")
+        for n, line in enumerate(strip(text).splitlines(), 1):
+            for m in RELAY_NAME.finditer(line):
+                bad.append(f"{rel}:{n}: names {m.group(1)} (a branch on nodes belongs in a route)")
     return bad
 
 
@@ -189,12 +217,17 @@ def selftest():
         "src/transport/mpi/ok.cc": '#include <mpi.h>\nMPI_Comm fine;\n',
         "src/kernels/k.cc": '#include "core/ep/plan.h"\n',
         "src/base/f.cc": "void f(int x) {\n" + long_body + "\n}\n",
+        "src/core/ep/dispatch.cc": '#include "core/ep/route.h"\n// relayed() in a comment\n'
+                                   'bool f(const Nodes& n) { return n.relay_of(1) > 0; }\n',
+        "src/core/ep/relay_dispatch.cc": '#include "core/ep/route.h"\nNodes fine;\n',
     }
     want = ["a.cc:1: includes the concrete transport", "a.cc:2: includes <mpi.h>",
             "a.cc:5: names MPI_Comm", "b.cc:1: includes the concrete transport",
             "b.cc:2: defines a member of Tensor", "i.h:1: includes the concrete transport",
             "i.h:2: names MPI_Request",
-            "k.cc:1: includes \"core/ep/plan.h\"", "f.cc:1: f spans"]
+            "k.cc:1: includes \"core/ep/plan.h\"", "f.cc:1: f spans",
+            "dispatch.cc:1: includes \"core/ep/route.h\"", "dispatch.cc:3: names Nodes",
+            "dispatch.cc:3: names relay_of"]
     with tempfile.TemporaryDirectory() as d:
         root = pathlib.Path(d)
         for rel, text in plants.items():
