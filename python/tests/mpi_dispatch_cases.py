@@ -1350,7 +1350,8 @@ def out_buffers(ctx):
     """dispatch_v2(..., out=...) and combine_v2(..., out=...) (DispatchBuffers, CombineInputs::out):
     the results are the caller's tensors (exact_size: their first rows), holding the bits of the
     same call without out=; an earlier result given as out (its expand_x a window slot) works as
-    well. out= with async_op, with an input that requires grad, or malformed, raises on every rank
+    well, and so do quant_mode 2 (dynamic_scales written too), a cached dispatch (handle) and
+    performance_info. out= with async_op, with an input that requires grad, or malformed, raises on every rank
     (through the collective)."""
     w, rank = ctx.world, ctx.rank
     spec = Spec(200, bs_all(ctx, 5), k=2, e=2 * w, dtype=torch.bfloat16, h=64)
@@ -1367,6 +1368,13 @@ def out_buffers(ctx):
     again = dispatch(out=want)  # the earlier result's buffers (expand_x: its window slot)
     exact = dispatch(exact_size=True, out=[None if i == 1 else torch.zeros_like(t)
                                            for i, t in enumerate(want)])
+    want_q = dispatch(quant_mode=2)
+    got_q = dispatch(quant_mode=2, out=[torch.full_like(t, 5) for t in want_q])
+    got_h = dispatch(handle=want.handle, out=[None if i == 1 else torch.full_like(t, 9)
+                                              for i, t in enumerate(want)])
+    perf = torch.zeros(w, dtype=torch.int64)
+    got_p = dispatch(performance_info=perf, out=[None if i == 1 else torch.full_like(t, 4)
+                                                 for i, t in enumerate(want)])
     y = run_experts(spec, w, rank, want.expand_x, want.expert_token_nums)
     ckw = dict(global_bs=spec.global_bs)
     combined = mt.combine_v2(y, mine.ids, want[2], want[4], mine.w, ctx.comm,
@@ -1415,6 +1423,18 @@ def out_buffers(ctx):
         check(exact.expand_x.shape[0] == valid and same(exact.expand_x, got.expand_x, valid),
               f"exact_size into out: {tuple(exact.expand_x.shape)}, valid {valid}")
         check(into is x_out and same(into, combined), "combine_v2 into out differs")
+        valid_q = int(want_q.ep_recv_counts[-1])
+        for name, g, ref, rows in (("quant_mode 2", got_q, want_q, valid_q),
+                                   ("handle", got_h, want, valid),
+                                   ("performance_info", got_p, want, valid)):
+            check(same(g.expand_x, ref.expand_x, rows) and
+                  same(g.expand_scales, ref.expand_scales, rows) and
+                  same(g.dynamic_scales, ref.dynamic_scales, rows if name == "quant_mode 2"
+                       else None) and
+                  same(g.assist_info_for_combine, ref.assist_info_for_combine, 3 * rows) and
+                  all(same(g[i], ref[i]) for i in (3, 4, 5)), f"out= with {name} differs")
+        check(got_q.dynamic_scales.numel() > 0 and got_q.expand_x.dtype == torch.int8,
+              "quant_mode 2: no int8 rows or dynamic_scales")
         for err, (kind, start) in zip(errors, want_errors):
             check(type(err) is kind and str(err).startswith(start),
                   f"raised {err!r}, want {kind.__name__}({start!r}...)")
