@@ -6,7 +6,9 @@
 # file, the command strings of tests/cli/expect_*.cmake, the cmake -P scripts, the Python
 # checkers, the `sh -c` of the multi-host tests, the installed tool). Exits non-zero on any
 # failure. .ci/run runs it after scripts/test.sh.
-#   scripts/path-test.sh [WORK_DIR]    (default: a temporary directory, removed afterwards)
+#   scripts/path-test.sh [WORK_DIR]    (default: build-path-test/ in this checkout, removed
+#                                       afterwards: inside the checkout, the clone compiles from
+#                                       its compiler cache, scripts/setup.sh)
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 moe_ep_install_deps
 moe_ep_mpi_env
@@ -16,11 +18,13 @@ if [ $# -ge 1 ]; then
   work=$1
   mkdir -p "$work"
 else
-  work=$(mktemp -d)
+  work=$MOE_EP_ROOT/build-path-test
+  rm -rf "$work"
+  mkdir -p "$work"
   trap 'rm -rf "$work"' EXIT
 fi
 base="$work/moe-ep checkout with spaces"
-clone="$base/$(printf 'p%.0s' $(seq $((200 - ${#base} - 1))))"
+clone="$base/$(printf 'p%.0s' $(seq $((${#base} < 190 ? 200 - ${#base} - 1 : 10))))"
 rm -rf "$base"
 echo "moe-ep path test: ${#clone}-character checkout $clone"
 git clone -q "$MOE_EP_ROOT" "$clone"

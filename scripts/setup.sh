@@ -30,6 +30,9 @@ moe_ep_install_deps() {
   export CMAKE_C_COMPILER_LAUNCHER=${CMAKE_C_COMPILER_LAUNCHER:-ccache}
   export CMAKE_CXX_COMPILER_LAUNCHER=${CMAKE_CXX_COMPILER_LAUNCHER:-ccache}
   export CCACHE_DIR=${CCACHE_DIR:-$MOE_EP_ROOT/build-ccache}
+  # Paths under the checkout reach the compiler relative to the build directory, so a checkout
+  # inside this one (scripts/path-test.sh's) compiles from the same cache.
+  export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$MOE_EP_ROOT}
 }
 
 # OpenMPI refuses to run as root unless told; CI runs as root.
