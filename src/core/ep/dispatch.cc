@@ -904,17 +904,23 @@ void fill_row_info(Dispatch& c, const RowsPhase& rx, int s) {
   }
 }
 
-// Per-source completion (an asynchronous dispatch, fullmesh, rows landing in expand_x itself):
-// each source's rows are finished (announced window rows checked, merged rows spread, row info
-// filled) as soon as its last receive completes, and handed to the caller (PendingDispatch::
-// wait_source) while later sources are still in flight. This rank's own rows are in place before
-// the wait. The bytes are those of the path above.
+// Per-source completion (an asynchronous dispatch whose rows land in expand_x itself): each
+// source's rows are finished (announced window rows checked, merged rows spread, row info filled)
+// as soon as the last receive from its carrier (DispatchRoute::carrier: the source, or the relay
+// that brings them) completes, and handed to the caller (PendingDispatch::wait_source) while later
+// sources are still in flight. This rank's own rows, and those it relays to itself, are in place
+// before the wait. The bytes are those of the path below.
 void land_each_source(Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const RecvPlan& recv = c.recv();
+  const DispatchRoute& route = *c.route;
   std::vector<int> source_of(static_cast<std::size_t>(c.comm.size()), -1);
-  for (int s = 0; s < c.W; ++s) source_of[static_cast<std::size_t>(c.peers()[s])] = s;
+  std::vector<std::vector<int>> carried(static_cast<std::size_t>(c.W));
+  for (int s = 0; s < c.W; ++s) {
+    source_of[static_cast<std::size_t>(c.peers()[s])] = s;
+    carried[route.carrier(s)].push_back(s);
+  }
   auto land = [&](int s) {
-    if (c.window_from[s]) {
+    if (c.window_from[s] && route.direct(s)) {
       c.shm->link(c.peers()[s])->acquire();
       check_announced(c, s, (*rx.announced)[s], recv.source_rows[s], "");
     }
@@ -932,9 +938,13 @@ void land_each_source(Dispatch& c, Exchange& ex, RowsPhase& rx) {
     rows.assist_info_for_combine = c.out.assist_info_for_combine;
     c.async->source_ready(std::move(rows));
   };
-  for (int s = 0; s < c.W; ++s)
-    if (ex.receives_from(c.peers()[s]) == 0) land(s);
-  ex.wait([&](int peer) { land(source_of[static_cast<std::size_t>(peer)]); });
+  auto land_carried = [&](int q) {
+    if (q != c.me) route.check_carried(c, rx, q);
+    for (const int s : carried[q]) land(s);
+  };
+  for (int q = 0; q < c.W; ++q)
+    if (q == c.me || ex.receives_from(c.peers()[q]) == 0) land_carried(q);
+  ex.wait([&](int peer) { land_carried(source_of[static_cast<std::size_t>(peer)]); });
   if (c.perf) ex.add_recv_wait_us(c.perf);
 }
 
@@ -959,7 +969,7 @@ void move_rows(Dispatch& c) {
   c.route->post_sends(c, ex, rx);
   store_in_place(c, qz);
   send_metadata(c, ex, rx);
-  if (c.async && c.route->lands_per_source() && !c.copy_to) {
+  if (c.async && !c.copy_to) {
     land_each_source(c, ex, rx);
     return;
   }
@@ -970,7 +980,8 @@ void move_rows(Dispatch& c) {
     c.shm->link(c.peers()[s])->acquire();  // the peer's rows and metadata, announced, are visible
     check_announced(c, s, (*rx.announced)[s], c.recv().source_rows[s], "");
   }
-  c.route->check_landed(c, rx);
+  for (int q = 0; q < c.W; ++q)
+    if (q != c.me) c.route->check_carried(c, rx, q);
   for (int s = 0; s < c.W; ++s) {
     if (rx.merged_in[s]) spread_merged(c, rx, s);
     fill_row_info(c, rx, s);
@@ -1046,8 +1057,8 @@ class FullmeshDispatch final : public DispatchRoute {
   void before_rows(Dispatch&) override {}
   void post_receives(Dispatch&, Exchange&, RowsPhase&) const override {}
   void post_sends(Dispatch&, Exchange&, RowsPhase&) const override {}
-  void check_landed(const Dispatch&, const RowsPhase&) const override {}
-  bool lands_per_source() const override { return true; }
+  int carrier(int s) const override { return s; }
+  void check_carried(const Dispatch&, const RowsPhase&, int) const override {}
 };
 
 }  // namespace

@@ -145,13 +145,16 @@ class DispatchRoute {
   virtual bool lands_in_window(int s) const = 0;
   // Step 4a, before phase "rows": what must arrive first (a relay's tokens).
   virtual void before_rows(Dispatch& c) = 0;
-  // In phase "rows": the receives and the sends of the rows it moves, then, after the wait, the
-  // check of what it announced into the windows.
+  // In phase "rows": the receives and the sends of the rows it moves.
   virtual void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) const = 0;
   virtual void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) const = 0;
-  virtual void check_landed(const Dispatch& c, const RowsPhase& rx) const = 0;
-  // Whether each source's rows may be handed over as they land (an asynchronous dispatch).
-  virtual bool lands_per_source() const = 0;
+  // The peer whose receives in phase "rows" bring source s's rows to this rank (s itself when
+  // direct; this rank: they are in place before the wait): source s has landed when every
+  // receive from its carrier has completed (per-source completion, land_each_source).
+  virtual int carrier(int s) const = 0;
+  // Once every receive from peer q (not this rank) has completed: the check of what q announced
+  // it wrote into this rank's window for the route (a relay: the rows of the sources it relays).
+  virtual void check_carried(const Dispatch& c, const RowsPhase& rx, int q) const = 0;
 };
 
 // The routes: fullmesh (dispatch.cc) and the relays across nodes of G ranks (relay_dispatch.cc).

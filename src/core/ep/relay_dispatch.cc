@@ -411,21 +411,19 @@ class RelayDispatch final : public DispatchRoute {
   void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) const override {
     relay_copies(nd_, c, ex, rx, *in_);
   }
-  // Each relay of this node announces the rows it wrote into this rank's window for the sources
+  // A relayed source's rows come from its relay on this node (this rank: in place already).
+  int carrier(int s) const override { return nd_.relayed(s) ? nd_.relay_of(s) : s; }
+  // A relay q of this node announces the rows it wrote into this rank's window for the sources
   // it relays (post_relayed_receives); they are visible after its announcement.
-  void check_landed(const Dispatch& c, const RowsPhase& rx) const override {
-    if (!c.slot) return;
-    std::vector<int64_t> counted(static_cast<std::size_t>(c.W), 0);
+  void check_carried(const Dispatch& c, const RowsPhase& rx, int q) const override {
+    if (!c.slot || nd_.relayed(q)) return;
+    int64_t counted = 0;
     for (int s = 0; s < c.W; ++s)
-      if (c.window_from[s] && nd_.relayed(s)) counted[nd_.relay_of(s)] += c.recv().source_rows[s];
-    for (int q = nd_.first(); q < nd_.first() + nd_.G; ++q) {
-      if (q == c.me) continue;
-      c.shm->link(c.peers()[q])->acquire();
-      check_announced(c, q, (*rx.announced)[2 * c.W + q], counted[q], " relayed");
-    }
+      if (c.window_from[s] && nd_.relayed(s) && nd_.relay_of(s) == q)
+        counted += c.recv().source_rows[s];
+    c.shm->link(c.peers()[q])->acquire();
+    check_announced(c, q, (*rx.announced)[2 * c.W + q], counted, " relayed");
   }
-  // A relay's copies land in an order of their own.
-  bool lands_per_source() const override { return false; }
 
  private:
   const Nodes nd_;
