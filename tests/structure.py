@@ -125,7 +125,7 @@ def route_seam(root):
         text = f.read_text()
         for n, line in enumerate(text.splitlines(), 1):
             m = INCLUDE.match(line)
-            if m and m.group(1) == ROUTE_HEADER:
+            if m and m.group(1) in (ROUTE_HEADER, ROUTE_HEADER.split("/")[-1]):
                 bad.append(f"{rel}:{n}: includes \"{ROUTE_HEADER}\" (the nodes are the relay "
                            f"routes' own: relay_*.cc)")
         for n, line in enumerate(strip(text).splitlines(), 1):

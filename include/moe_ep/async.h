@@ -90,10 +90,11 @@ class MOE_EP_API PendingDispatch : public Pending<DispatchOutputs> {
   // Per-source completion: blocks until the rows of one more source rank have landed, and
   // returns them; std::nullopt once every source has been returned (in the order they landed,
   // each once). A MoE layer can start its experts on early sources while late ones travel.
-  // Sources land one by one with comm_alg "fullmesh" when dispatch_v2 writes into its own
-  // expand_x (no DispatchBuffers::expand_x that must be copied at the end); otherwise all at the
-  // end of the op, together. A source that sent no rows is returned too (rows all 0). Throws the
-  // op's error if it failed (and wait() throws it again). Error(kInvalidArgument) if !valid().
+  // Sources land one by one (with comm_alg "hierarchy" a remote source's rows when its relay's
+  // have) when dispatch_v2 writes into its own expand_x (no DispatchBuffers::expand_x that must
+  // be copied at the end); otherwise all at the end of the op, together. A source that sent no rows
+  // is returned too (rows all 0). Throws the op's error if it failed (and wait() throws it again).
+  // Error(kInvalidArgument) if !valid().
   std::optional<SourceRows> wait_source();
 };
 

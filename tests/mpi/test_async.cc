@@ -54,8 +54,8 @@ Batch make_batch(uint64_t seed, int64_t bs = 6) {
   return b;
 }
 
-// $MOE_EP_TEST_COMM_ALG (ctest mpi_tests_hierarchy.*): the ops' comm_alg; with "hierarchy" the
-// sources are handed out together at the end of the dispatch (async.h).
+// $MOE_EP_TEST_COMM_ALG (ctest mpi_tests_hierarchy.*): the ops' comm_alg; with "hierarchy" a
+// remote source is handed out when its relay's rows have landed (async.h).
 EpConfig config(const Batch& b) {
   EpConfig c;
   if (const char* v = std::getenv("MOE_EP_TEST_COMM_ALG")) c.comm_alg = v;

@@ -449,8 +449,8 @@ void gather_counts(Dispatch& c, std::vector<int32_t>& from_source) {
 }
 
 // Step 3b across machines: rank d learns how many rows each source sends for each of its local
-// experts, then how many distinct tokens among them travel by MPI (the last entry of each
-// message).
+// experts, then how many distinct tokens among them travel by MPI (the entry after them), then
+// the route's entries.
 void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
   EpPlan& p = *c.plan;
   const int W = c.W, L = c.L;
@@ -581,7 +581,7 @@ void choose_links(Dispatch& c) {
     const int g = c.peers()[d];
     const bool window = c.shm && c.shm->node_of(g) >= 0;
     if (!c.route->direct(d)) {  // the route moves its rows
-      c.window_from[d] = c.slot.has_value() && c.route->lands_in_window(d);
+      c.window_from[d] = c.slot.has_value() && c.route->carrier(d) != c.me;
       continue;
     }
     if (window) c.window_from[d] = c.slot.has_value() && d != c.me;
@@ -942,8 +942,8 @@ void land_each_source(Dispatch& c, Exchange& ex, RowsPhase& rx) {
     if (q != c.me) route.check_carried(c, rx, q);
     for (const int s : carried[q]) land(s);
   };
-  for (int q = 0; q < c.W; ++q)
-    if (q == c.me || ex.receives_from(c.peers()[q]) == 0) land_carried(q);
+  for (int q = 0; q < c.W; ++q)  // this rank included: it receives nothing from itself
+    if (ex.receives_from(c.peers()[q]) == 0) land_carried(q);
   ex.wait([&](int peer) { land_carried(source_of[static_cast<std::size_t>(peer)]); });
   if (c.perf) ex.add_recv_wait_us(c.perf);
 }
@@ -1053,10 +1053,9 @@ class FullmeshDispatch final : public DispatchRoute {
   int block_source(int, int q) const override { return q; }
   int own_run() const override { return 0; }
   void keep_block_rows(EpPlan&, int, std::vector<int64_t>&&) const override {}
-  bool lands_in_window(int) const override { return false; }
   void before_rows(Dispatch&) override {}
   void post_receives(Dispatch&, Exchange&, RowsPhase&) const override {}
-  void post_sends(Dispatch&, Exchange&, RowsPhase&) const override {}
+  void post_sends(Dispatch&, Exchange&, RowsPhase&) override {}
   int carrier(int s) const override { return s; }
   void check_carried(const Dispatch&, const RowsPhase&, int) const override {}
 };

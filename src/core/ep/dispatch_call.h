@@ -140,17 +140,16 @@ class DispatchRoute {
   virtual int block_source(int m, int q) const = 0;
   virtual int own_run() const = 0;
   virtual void keep_block_rows(EpPlan& p, int q, std::vector<int64_t>&& runs) const = 0;
-  // Step 4, a source s it does not reach directly: whether a peer writes s's rows into this
-  // rank's window (given that this rank has a slot).
-  virtual bool lands_in_window(int s) const = 0;
   // Step 4a, before phase "rows": what must arrive first (a relay's tokens).
   virtual void before_rows(Dispatch& c) = 0;
   // In phase "rows": the receives and the sends of the rows it moves.
   virtual void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) const = 0;
-  virtual void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) const = 0;
+  virtual void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) = 0;
   // The peer whose receives in phase "rows" bring source s's rows to this rank (s itself when
   // direct; this rank: they are in place before the wait): source s has landed when every
-  // receive from its carrier has completed (per-source completion, land_each_source).
+  // receive from its carrier has completed (per-source completion, land_each_source). A source
+  // that is not direct, carried by a peer, has its rows written into this rank's window when
+  // this rank has a slot.
   virtual int carrier(int s) const = 0;
   // Once every receive from peer q (not this rank) has completed: the check of what q announced
   // it wrote into this rank's window for the route (a relay: the rows of the sources it relays).

@@ -51,7 +51,7 @@ struct RelayEntry {
 constexpr int kStatusWords = 5;
 constexpr int32_t kNone = INT32_MIN;
 
-// The relay's state across the three phases.
+// The relays' state across the three phases, as a relay and as a source.
 struct Relay {
   Nodes nd;
   int N = 0, node = 0;
@@ -539,18 +539,20 @@ void relay_partials(Combine& c, Relay& r) {
 // while the other nodes' partials travel, then everything added in node order.
 class RelayCombine final : public CombineRoute {
  public:
-  explicit RelayCombine(Nodes nd) { r_.nd = nd; }
-  int ranks_per_node() const override { return r_.nd.G; }
-  bool direct(int d) const override { return !r_.nd.relayed(d); }
+  explicit RelayCombine(Nodes nd) : nd_(nd) {}
+  int ranks_per_node() const override { return nd_.G; }
+  bool direct(int d) const override { return !nd_.relayed(d); }
   bool serves_others() const override { return true; }
+  // The phases' state lives for them alone; the partials (and their tokens) stay for the sum.
   void move_rows(Combine& c, CombineSum& sum, bool located) override {
-    np_.G = r_.nd.G;
-    np_.node = r_.nd.node();
+    np_.G = nd_.G;
+    np_.node = nd_.node();
     np_.int8 = c.cq;
     np_.rank = c.me;
-    r_.meanwhile = nullptr;
+    Relay r;
+    r.nd = nd_;
     if (located)
-      r_.meanwhile = [&](const std::function<void()>& progress) {
+      r.meanwhile = [&](const std::function<void()>& progress) {
         sum.yrow = c.yrow.data();
         sum.yscale = c.cq ? c.yscale.data() : nullptr;
         const int64_t H = c.sh.H,
@@ -562,21 +564,28 @@ class RelayCombine final : public CombineRoute {
         }
         np_.own = own_.data();
       };
-    relay_partials(c, r_);
+    relay_partials(c, r);
+    node_tokens_ = std::move(r.node_tokens);
+    partials_ = std::move(r.partials);
+    partial_scales_ = std::move(r.partial_scales);
   }
   void sum(const CombineSum& sum) override {
-    for (int n = 0; n < r_.N; ++n) {
-      np_.tokens.push_back(&r_.node_tokens[n]);
-      np_.rows.push_back(r_.partials[n] ? r_.partials[n]->ptr<char>() : nullptr);
-      np_.scales.push_back(r_.partial_scales[n] ? r_.partial_scales[n]->data() : nullptr);
+    for (std::size_t n = 0; n < node_tokens_.size(); ++n) {
+      np_.tokens.push_back(&node_tokens_[n]);
+      np_.rows.push_back(partials_[n] ? partials_[n]->ptr<char>() : nullptr);
+      np_.scales.push_back(partial_scales_[n] ? partial_scales_[n]->data() : nullptr);
     }
     combine_sum_nodes(sum, np_);
   }
 
  private:
-  Relay r_;
+  const Nodes nd_;
   NodePartials np_;
   std::vector<float> own_;  // this node's partials, summed while the others' travel
+  // Per node: this rank's tokens there and their partial sums (Relay's, kept for the sum).
+  std::vector<std::vector<int32_t>> node_tokens_;
+  std::vector<std::shared_ptr<Tensor>> partials_;
+  std::vector<std::shared_ptr<std::vector<float>>> partial_scales_;
 };
 
 }  // namespace

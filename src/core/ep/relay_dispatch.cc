@@ -402,14 +402,14 @@ class RelayDispatch final : public DispatchRoute {
   void keep_block_rows(EpPlan& p, int q, std::vector<int64_t>&& runs) const override {
     p.relay_block_row[q] = std::move(runs);
   }
-  // Its relay on this node writes its rows here, unless that relay is this rank.
-  bool lands_in_window(int s) const override { return nd_.relay_of(s) != nd_.me; }
   void before_rows(Dispatch& c) override { in_ = exchange_relay(nd_, c); }
   void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) const override {
     post_relayed_receives(nd_, c, ex, rx);
   }
-  void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) const override {
+  // The relayed sources' rows are copied out here (the messages keep what they send).
+  void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) override {
     relay_copies(nd_, c, ex, rx, *in_);
+    in_.reset();
   }
   // A relayed source's rows come from its relay on this node (this rank: in place already).
   int carrier(int s) const override { return nd_.relayed(s) ? nd_.relay_of(s) : s; }
