@@ -97,7 +97,10 @@ std::shared_ptr<AsyncState> start(const char* op, const In& in, const EpConfig& 
     if (in.out) out = *in.out;
   worker.submit([state, in = In(in), cfg, handle, out, run]() mutable {
     in.handle = handle ? &*handle : nullptr;
-    if constexpr (std::is_same_v<In, DispatchInputs>) in.out = out ? &*out : nullptr;
+    if constexpr (std::is_same_v<In, DispatchInputs>)
+      in.out = out ? &*out : nullptr;
+    else
+      (void)out;  // empty: only a dispatch takes the caller's buffers
     try {
       state->finish(std::make_shared<R>(run(in, cfg, *state)), nullptr);
     } catch (...) {
