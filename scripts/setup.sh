@@ -43,7 +43,7 @@ moe_ep_mpi_env() {
 }
 
 # The Python front: a venv ($MOE_EP_VENV, default .venv; see above) with PyTorch 2.13.0 (the CPU build; never
-# a plain `pip install torch`, which would fetch a CUDA build), mpi4py built against the system
+# a plain `pip install torch`, which would fetch a CUDA build), mpi4py on the system
 # OpenMPI, pytest, and moe_ep itself (`pip install .`: scikit-build-core builds the extension
 # into build-python/, reused across runs). Sets MOE_EP_PYTHON to the venv's interpreter.
 # torch's inductor puts the venv's paths unquoted into its g++ command line, so a checkout whose
@@ -73,8 +73,14 @@ moe_ep_python_env() {
   MOE_EP_PYTHON="$MOE_EP_VENV/bin/python"
   local pip=("$MOE_EP_PYTHON" -m pip install -q --disable-pip-version-check)
   "${pip[@]}" torch==2.13.0 numpy pytest "nanobind>=2" "scikit-build-core>=0.10"
-  # mpi4py from source, so it links the same libmpi as moe_ep (needs mpicc: libopenmpi-dev).
-  "$MOE_EP_PYTHON" -c "import mpi4py" 2>/dev/null || "${pip[@]}" --no-binary mpi4py mpi4py
+  # mpi4py must use the same libmpi as moe_ep: its binary wheel (4.x) loads the system's at run
+  # time (a source build takes 3.5 minutes here); built from source (needs mpicc:
+  # libopenmpi-dev) where the wheel finds another MPI or none.
+  "$MOE_EP_PYTHON" -c "import mpi4py" 2>/dev/null || "${pip[@]}" "mpi4py>=4"
+  if ! "$MOE_EP_PYTHON" -c "from mpi4py import MPI; assert 'Open MPI' in MPI.Get_library_version()" \
+      2>/dev/null; then
+    "${pip[@]}" --force-reinstall --no-binary mpi4py mpi4py
+  fi
   "${pip[@]}" --no-build-isolation "$MOE_EP_ROOT"
   # moe_ep.transformers (the extra "transformers" of pyproject.toml pins the same version);
   # accelerate: transformers' own expert parallelism, row (b) of scripts/hf-side-by-side.sh.

@@ -15,7 +15,8 @@ HERE = Path(__file__).resolve().parent
 MODULES = ["test_dispatch_mpi.py", "test_autograd_mpi.py", "test_faults.py", "test_readme.py"]
 
 
-def _collect(module: str, ci: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def _collect(ci: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """One child pytest over every module of MODULES (each child imports torch: seconds)."""
     empty = tmp_path / "bin"  # a PATH with no mpirun (pytest runs as sys.executable -m pytest)
     empty.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "CI"}
@@ -23,22 +24,24 @@ def _collect(module: str, ci: str, tmp_path: Path) -> subprocess.CompletedProces
     if ci:
         env["CI"] = ci
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-         str(HERE / module)],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+        + [str(HERE / m) for m in MODULES],
         env=env, cwd=HERE, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("module", MODULES)
-def test_a_missing_mpirun_skips_but_fails_under_ci(module, tmp_path):
-    here = _collect(module, "", tmp_path)
+def test_a_missing_mpirun_skips_but_fails_under_ci(tmp_path):
+    here = _collect("", tmp_path)
     out = here.stdout + here.stderr
-    assert here.returncode in (0, 5), out  # 5: nothing collected (the module skipped)
-    assert "SKIPPED" in out and "mpirun is not on PATH" in out, out
-    ci = _collect(module, "true", tmp_path)
+    assert here.returncode in (0, 5), out  # 5: nothing collected (the modules skipped)
+    assert f"SKIPPED [{len(MODULES)}]" in out and "mpirun is not on PATH" in out, out
+    assert f"{len(MODULES)} skipped" in out, out
+    ci = _collect("true", tmp_path)
     out = ci.stdout + ci.stderr
     assert ci.returncode not in (0, 5), out
-    assert ("mpirun is not on PATH; under CI (CI='true') a missing dependency is a failure, not "
-            "a skip") in out, out
+    for module in MODULES:  # each module fails on its own
+        assert f"ERROR collecting python/tests/{module}" in out, out
+    assert out.count("mpirun is not on PATH; under CI (CI='true') a missing dependency is a "
+                     "failure, not a skip") == len(MODULES), out
 
 
 def test_pyargs_distributed_tests_fail_under_ci_without_mpirun(tmp_path):
