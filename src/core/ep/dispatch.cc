@@ -111,7 +111,9 @@ void check_arguments(Dispatch& c) {
   if (in.expert_scales) check_expert_scales(op, *in.expert_scales, sh.BS, sh.K);
   if (in.scales) check_smooth_scales(op, *in.scales, sh);
   if (in.scales && c.cfg.comm_alg == "hierarchy") c.hdr.smooth_hash = smooth_hash(*in.scales);
-  if (c.world.removed) return;
+  if (c.world.removed) return;  // scaled in: no rank of the world (SPEC §1.7)
+  c.W = to_int(sh.W), c.L = to_int(sh.L), c.me = to_int(sh.rank);
+  c.out_row_bytes = c.quant ? sh.H : sh.H * static_cast<int64_t>(dtype_size(sh.dtype));
   compute_capacity(op, c.cfg.global_bs, sh);
   if (in.handle != nullptr) {
     if (!in.handle->defined()) invalid(op, ": handle is given but not defined (default-made)");
@@ -305,29 +307,30 @@ DispatchOutputs removed_outputs(const Dispatch& c) {
 }
 
 // expand_x's slot, deferred until the windows grew (shm_defer): there is room now.
-void take_deferred_slot(Dispatch& c) {
-  c.slot = c.shm->try_alloc(c.slot_need);
+void take_deferred_slot(Dispatch& c, Windows& shm) {
+  c.slot = shm.try_alloc(c.slot_need);
   MOE_EP_CHECK(c.slot.has_value());
   c.out.expand_x = TensorInternals::wrap(c.slot->token, c.slot->ptr,
                                          c.quant ? DType::kI8 : c.sh.dtype, {c.out_rows, c.sh.H});
 }
 
-// Step 2: the agreement; then the windows. Returns false on a rank removed by a scale-in.
-bool agree(Dispatch& c) {
-  if (c.world.removed && !c.local) return false;
+// Step 2: the agreement; then the route and the windows (a slot deferred until they grew is
+// taken). Returns nothing on a rank removed by a scale-in.
+std::optional<Dispatch::Agreed> agree(Dispatch& c) {
+  if (c.world.removed && !c.local) return std::nullopt;
   if (c.local && c.world.removed) throw *c.local;
   if (tp_pair(c.cfg)) tp_handshake(c.op, c.cfg, c.hdr, c.local, tp_header(c.cfg, c.sh, -1, -1));
   c.hdr.where = slot_where(c);
-  c.headers =
+  Dispatch::Agreed a;
+  a.headers =
       agree_on_headers(c.comm, c.world.peers, c.op, c.hdr, c.local ? &*c.local : nullptr, c.perf);
-  check_batch_sizes(c.op, c.headers, c.world.peers, c.cfg.global_bs, "x.shape[0]");
-  check_quant_modes(c.op, c.headers, c.world.peers, "quant_mode");
-  c.W = to_int(c.sh.W), c.L = to_int(c.sh.L), c.me = to_int(c.sh.rank);
-  c.where.assign(c.W, Where{});
-  const int G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
-  c.route = G > 0 ? relay_dispatch(G, c.me) : fullmesh_dispatch();
+  check_batch_sizes(c.op, a.headers, c.world.peers, c.cfg.global_bs, "x.shape[0]");
+  check_quant_modes(c.op, a.headers, c.world.peers, "quant_mode");
+  a.where.assign(c.W, Where{});
+  const int G = relay_nodes(c.comm, c.op, c.cfg, a.headers[0].shm_node_ranks);
+  a.route = G > 0 ? relay_dispatch(G, c.me) : fullmesh_dispatch();
   for (int q = 1; G > 0 && q < c.W; ++q)
-    if (c.headers[q].smooth_hash != c.headers[0].smooth_hash)
+    if (a.headers[q].smooth_hash != a.headers[0].smooth_hash)
       invalid(c.op, ": scales (smoothing factors) differ between rank ", c.peers()[0], " and rank ",
               c.peers()[q],
               ": with comm_alg = \"hierarchy\" every rank must pass the same (a relay "
@@ -336,12 +339,12 @@ bool agree(Dispatch& c) {
     invalid(c.op, ": handle: its dispatch_v2 ran on nodes of ", c.cached->G,
             " ranks (0: one node), this call on nodes of ", G,
             " ($MOE_EP_SHM_NODE_RANKS changed); dispatch without the handle");
-  if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
+  if (!shm_applies(a.headers[0].transport, c.cfg, c.world)) return a;
   MOE_EP_CHECK(c.shm_want);
-  c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.slot_need);
-  if (c.shm_defer) take_deferred_slot(c);
-  c.where = rows_where(c.comm, c.op, *c.shm, c.headers, c.world.peers, c.me, slot_where(c));
-  return true;
+  a.shm = &ensure_shm(c.comm, c.op, a.headers, c.world.peers, c.slot_need);
+  if (c.shm_defer) take_deferred_slot(c, *a.shm);
+  a.where = rows_where(c.comm, c.op, *a.shm, a.headers, c.world.peers, c.me, slot_where(c));
+  return a;
 }
 
 // Step 3a: over plain MPI a token goes to a peer once, however many of its experts live there,
@@ -350,19 +353,19 @@ bool agree(Dispatch& c) {
 // already), nor when quant_mode 2 with smoothing scales gives each copy its own bytes.
 // distinct[d]: the send-order entry of each token's first copy to d, in send order (the order the
 // tokens travel in, which the receiver finds again in the metadata); empty where d gets every
-// copy.
-void plan_merges(Dispatch& c) {
+// copy. Returns, per destination, the rows on the wire.
+std::vector<int32_t> plan_merges(const Dispatch& c) {
   EpPlan& p = *c.plan;
   const EpShape& sh = c.sh;
   p.may_merge = sh.H > 0 && !(c.quant && c.in.scales);
   p.distinct.assign(c.W, {});
-  c.distinct_count.assign(c.W, 0);
+  std::vector<int32_t> distinct_count(c.W, 0);
   std::vector<int32_t> seen(p.may_merge ? static_cast<std::size_t>(sh.BS) : 0, -1);
   for (int d = 0; d < c.W; ++d) {
     const int64_t first = p.send.rank_offset[d], n = p.send.rank_offset[d + 1] - first;
-    c.distinct_count[d] = static_cast<int32_t>(n);
-    if (!p.may_merge || d == c.me || (c.shm && c.shm->node_of(c.peers()[d]) >= 0) ||
-        !c.route->direct(d))
+    distinct_count[d] = static_cast<int32_t>(n);
+    if (!p.may_merge || d == c.me || (c.agreed.shm && c.agreed.shm->node_of(c.peers()[d]) >= 0) ||
+        !c.agreed.route->direct(d))
       continue;
     std::vector<int64_t>& u = p.distinct[d];
     for (int64_t j = first; j < first + n; ++j) {
@@ -373,8 +376,9 @@ void plan_merges(Dispatch& c) {
       u.clear();  // too little to merge for the receiver's extra copy of every row
       continue;
     }
-    c.distinct_count[d] = static_cast<int32_t>(u.size());
+    distinct_count[d] = static_cast<int32_t>(u.size());
   }
+  return distinct_count;
 }
 
 // Receiver d's rows must fit its slot (`capacity` rows; -1: not known yet), before any lands.
@@ -411,8 +415,8 @@ std::vector<int64_t> rows_at(const Dispatch& c, int d, CountsOf counts_of, int64
 
 // Step 3b, every rank of the op on this rank's machine: an all-gather of each rank's whole count
 // vector. Each sender then knows where its rows go in every receiver's window, and no round of
-// offsets follows (docs/performance.md, "Small calls").
-void gather_counts(Dispatch& c, std::vector<int32_t>& from_source) {
+// offsets follows (docs/performance.md, "Small calls"). Returns the rows each destination receives.
+std::vector<int64_t> gather_counts(const Dispatch& c, std::vector<int32_t>& from_source) {
   EpPlan& p = *c.plan;
   const int W = c.W, L = c.L, me = c.me;
   const int64_t T = c.sh.pl.blocks();
@@ -438,32 +442,34 @@ void gather_counts(Dispatch& c, std::vector<int32_t>& from_source) {
     p.distinct_from[q] = static_cast<int32_t>(rows);  // shared memory: no merged tokens
   }
   p.block_row.assign(W, {});
-  c.dest_rows.assign(W, -1);
+  std::vector<int64_t> dest_rows(W, -1);
   for (int d = 0; d < W; ++d) {
     const int64_t db = c.sh.pl.block_base(d);
-    const int64_t cap = c.where[d].gen >= 0 ? c.where[d].capacity : -1;
+    const int64_t cap = c.agreed.where[d].gen >= 0 ? c.agreed.where[d].capacity : -1;
     p.block_row[d] = rows_at(
         c, d, [&](int s, int64_t l) { return int64_t{(*shared)[s * T + db + l]}; }, cap,
-        c.dest_rows[d]);
+        dest_rows[d]);
   }
+  return dest_rows;
 }
 
 // Step 3b across machines: rank d learns how many rows each source sends for each of its local
 // experts, then how many distinct tokens among them travel by MPI (the entry after them), then
 // the route's entries.
-void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
+void send_counts(const Dispatch& c, const std::vector<int32_t>& distinct_count,
+                 std::vector<int32_t>& from_source) {
   EpPlan& p = *c.plan;
   const int W = c.W, L = c.L;
   auto counts_out = std::make_shared<std::vector<int32_t>>();
   // A source's message: L counts, then its distinct tokens, then the route's entries.
-  const int extra = 1 + c.route->count_entries();
+  const int extra = 1 + c.agreed.route->count_entries();
   const int64_t per = int64_t{L} + extra;
   auto counts_in = std::make_shared<std::vector<int32_t>>(W * per, 0);
   for (int d = 0; d < W; ++d) {
     const auto* n = p.send.counts.data() + c.sh.pl.block_base(d);
     counts_out->insert(counts_out->end(), n, n + c.sh.pl.local_experts(d));
-    counts_out->push_back(c.distinct_count[d]);
-    c.route->put_counts(c, d, *counts_out);
+    counts_out->push_back(distinct_count[d]);
+    c.agreed.route->put_counts(c, d, *counts_out);
   }
   {
     Exchange ex(c.comm, c.op, "counts");
@@ -483,7 +489,7 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
   for (int q = 0; q < W; ++q) {
     std::copy_n(counts_in->data() + q * per, L, from_source.data() + int64_t{q} * L);
     p.distinct_from[q] = (*counts_in)[q * per + L];
-    c.route->take_counts(c, q, counts_in->data() + q * per + L + 1);
+    c.agreed.route->take_counts(c, q, counts_in->data() + q * per + L + 1);
   }
 }
 
@@ -491,17 +497,17 @@ void send_counts(Dispatch& c, std::vector<int32_t>& from_source) {
 // where, in its expand_x, that sender's block of each local expert starts (phase "shm offsets"),
 // and where the blocks of the sources the route has the sender write start: one run of L entries
 // per source (DispatchRoute::block_runs).
-void send_block_rows(Dispatch& c) {
+void send_block_rows(const Dispatch& c) {
   EpPlan& p = *c.plan;
-  const int W = c.W, L = c.L, N = c.route->block_runs(W), own = c.route->own_run();
+  const int W = c.W, L = c.L, N = c.agreed.route->block_runs(W), own = c.agreed.route->own_run();
   p.block_row.assign(W, {});
   Exchange ex(c.comm, c.op, "shm offsets");
   std::vector<std::shared_ptr<std::vector<int64_t>>> in_rows(W), out_rows(W);
   for (int q = 0; q < W; ++q) {
-    if (c.shm->node_of(c.peers()[q]) < 0 || q == c.me) continue;
+    if (c.agreed.shm->node_of(c.peers()[q]) < 0 || q == c.me) continue;
     out_rows[q] = std::make_shared<std::vector<int64_t>>(int64_t{N} * L);
     for (int m = 0; m < N; ++m) {
-      const int s = c.route->block_source(m, q);
+      const int s = c.agreed.route->block_source(m, q);
       for (int l = 0; l < L; ++l) (*out_rows[q])[m * L + l] = p.recv.block_offset[l * W + s];
     }
     const int64_t lq = c.sh.pl.local_experts(q);
@@ -517,28 +523,26 @@ void send_block_rows(Dispatch& c) {
     if (!in_rows[q]) continue;
     const int64_t lq = c.sh.pl.local_experts(q);
     p.block_row[q].assign(in_rows[q]->begin() + own * lq, in_rows[q]->begin() + (own + 1) * lq);
-    c.route->keep_block_rows(p, q, std::move(*in_rows[q]));
+    c.agreed.route->keep_block_rows(p, q, std::move(*in_rows[q]));
   }
 }
 
 // Step 3: the receive plan (and, for a new plan, the merges and where this rank's blocks land).
-void plan_receives(Dispatch& c) {
-  if (c.cached) {
-    c.p = c.cached;
-    return;
-  }
+Dispatch::Counted plan_receives(const Dispatch& c) {
+  Dispatch::Counted k;
+  k.p = c.cached ? c.cached : c.plan.get();
+  if (c.cached) return k;
   EpPlan& p = *c.plan;
-  c.p = &p;
-  plan_merges(c);
-  c.route->plan_sends(c);
+  const std::vector<int32_t> distinct_count = plan_merges(c);
+  c.agreed.route->plan_sends(c);
   const bool one_node =
-      c.shm != nullptr && std::all_of(c.peers().begin(), c.peers().end(),
-                                      [&](int r) { return c.shm->node_of(r) >= 0; });
+      c.agreed.shm != nullptr && std::all_of(c.peers().begin(), c.peers().end(),
+                                             [&](int r) { return c.agreed.shm->node_of(r) >= 0; });
   std::vector<int32_t> from_source(static_cast<std::size_t>(c.W * c.L));
   if (one_node)
-    gather_counts(c, from_source);
+    k.dest_rows = gather_counts(c, from_source);
   else
-    send_counts(c, from_source);
+    send_counts(c, distinct_count, from_source);
   p.recv = plan_recvs_from_counts(from_source, c.W, c.L);
   MOE_EP_CHECK(p.recv.valid <= c.sh.A);
   for (int q = 0; q < c.W; ++q)
@@ -546,7 +550,8 @@ void plan_receives(Dispatch& c) {
         (p.distinct_from[q] == 0 && p.recv.source_rows[q] > 0))
       fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[q], " announced ", p.distinct_from[q],
            " distinct tokens for its ", p.recv.source_rows[q], " rows (please report this bug)");
-  if (c.shm && !one_node) send_block_rows(c);
+  if (c.agreed.shm && !one_node) send_block_rows(c);
+  return k;
 }
 
 // Step 3d, EpConfig::exact_size without a handle (phase "exact sizes"): the outputs sized by
@@ -557,38 +562,41 @@ void plan_receives(Dispatch& c) {
 void agree_on_sizes(Dispatch& c) {
   c.hdr.where = Where{};
   c.hdr.shm_grow = 0;
-  capture(c.hdr, c.local, [&] { allocate_rows(c, c.p->recv.valid); });
+  capture(c.hdr, c.local, [&] { allocate_rows(c, c.counted.p->recv.valid); });
   c.hdr.where = slot_where(c);
   const std::vector<OpHeader> headers = agree_on_headers(
       c.comm, c.world.peers, c.op, c.hdr, c.local ? &*c.local : nullptr, c.perf, "exact sizes");
-  if (!c.shm) return;
-  c.shm = &ensure_shm(c.comm, c.op, headers, c.world.peers, c.slot_need);
-  if (c.shm_defer) take_deferred_slot(c);
-  c.where = rows_where(c.comm, c.op, *c.shm, headers, c.world.peers, c.me, slot_where(c));
-  for (int d = 0; d < c.W && !c.dest_rows.empty(); ++d)
-    check_slot_rows(c, d, c.dest_rows[d], c.where[d].gen >= 0 ? c.where[d].capacity : -1);
+  if (!c.agreed.shm) return;
+  c.agreed.shm = &ensure_shm(c.comm, c.op, headers, c.world.peers, c.slot_need);
+  if (c.shm_defer) take_deferred_slot(c, *c.agreed.shm);
+  c.agreed.where =
+      rows_where(c.comm, c.op, *c.agreed.shm, headers, c.world.peers, c.me, slot_where(c));
+  for (int d = 0; d < c.W && !c.counted.dest_rows.empty(); ++d)
+    check_slot_rows(c, d, c.counted.dest_rows[d],
+                    c.agreed.where[d].gen >= 0 ? c.agreed.where[d].capacity : -1);
 }
 
 // The link each destination's rows take this call: into its window when it has a slot (a
 // receiver without one, its windows full of outputs still held, takes this call by MPI), else
 // messages; and from which sources rows land in this rank's window.
-void choose_links(Dispatch& c) {
+Dispatch::RowLinks choose_links(const Dispatch& c) {
   const auto& messages = message_links(c.comm);
-  c.to.assign(c.W, nullptr);
-  c.window_from.assign(c.W, 0);
-  c.any_message_to = false;
+  Dispatch::RowLinks k;
+  k.to.assign(c.W, nullptr);
+  k.window_from.assign(c.W, 0);
   for (int d = 0; d < c.W; ++d) {
     const int g = c.peers()[d];
-    const bool window = c.shm && c.shm->node_of(g) >= 0;
-    if (!c.route->direct(d)) {  // the route moves its rows
-      c.window_from[d] = c.slot.has_value() && c.route->carrier(d) != c.me;
+    const bool window = c.agreed.shm && c.agreed.shm->node_of(g) >= 0;
+    if (!c.agreed.route->direct(d)) {  // the route moves its rows
+      k.window_from[d] = c.slot.has_value() && c.agreed.route->carrier(d) != c.me;
       continue;
     }
-    if (window) c.window_from[d] = c.slot.has_value() && d != c.me;
+    if (window) k.window_from[d] = c.slot.has_value() && d != c.me;
     if (d == c.me) continue;
-    c.to[d] = window && c.where[d].gen >= 0 ? c.shm->link(g) : messages[g].get();
-    c.any_message_to |= !c.to[d]->addressable();
+    k.to[d] = window && c.agreed.where[d].gen >= 0 ? c.agreed.shm->link(g) : messages[g].get();
+    k.any_message_to |= !k.to[d]->addressable();
   }
+  return k;
 }
 
 // quant_mode 2 (SPEC §1.5): the int8 rows of send-order entries, each smoothed by its expert's
@@ -597,12 +605,12 @@ void choose_links(Dispatch& c) {
 // its destinations, in the same pass as their stores (parallel_quantize); with scales each copy
 // is quantised on its own, at once.
 struct Quantiser {
-  Dispatch& c;
+  const Dispatch& c;
   QuantizeRowsInt8Args args;
   std::vector<int32_t> src_index, smooth_index;
   std::vector<QuantCopy> queued;
 
-  explicit Quantiser(Dispatch& call) : c(call) {
+  explicit Quantiser(const Dispatch& call) : c(call) {
     if (!c.quant) return;
     const EpShape& sh = c.sh;
     const SendPlan& send = c.send();
@@ -657,16 +665,13 @@ struct Quantiser {
 // Step 4a, quant_mode 2: the int8 rows for MPI destinations, into the send buffer in send order.
 // A merged destination's distinct tokens are quantised to the front of its range, each token's
 // scale to its first copy's entry, then to its other copies'.
-void quantise_for_messages(Dispatch& c, Quantiser& qz) {
+void quantise_for_messages(const Dispatch& c, Quantiser& qz) {
   const SendPlan& send = c.send();
   const int64_t H = c.sh.H;
-  if (c.any_message_to && !c.qsend)
-    c.qsend = std::make_shared<Tensor>(
-        Tensor::empty(DType::kI8, {static_cast<int64_t>(send.order.size()) * H}));
   for (int d = 0; d < c.W; ++d) {
-    if (!c.to[d] || c.to[d]->addressable()) continue;
+    if (!c.links.to[d] || c.links.to[d]->addressable()) continue;
     int8_t* q = c.qsend->ptr<int8_t>() + send.rank_offset[d] * H;
-    const std::vector<int64_t>& u = c.p->distinct[d];
+    const std::vector<int64_t>& u = c.counted.p->distinct[d];
     if (u.empty()) {
       qz.rows(send.rank_offset[d], send.rank_offset[d + 1] - send.rank_offset[d], q);
       continue;
@@ -678,9 +683,10 @@ void quantise_for_messages(Dispatch& c, Quantiser& qz) {
   qz.flush(false);                  // MPI's send buffer, read at once
   std::vector<int64_t> first_copy;  // [token]: its first copy's entry (d being filled)
   for (int d = 0; d < c.W; ++d) {
-    if (!c.to[d] || c.to[d]->addressable() || c.p->distinct[d].empty()) continue;
+    if (!c.links.to[d] || c.links.to[d]->addressable() || c.counted.p->distinct[d].empty())
+      continue;
     first_copy.resize(static_cast<std::size_t>(c.sh.BS));
-    for (const int64_t j : c.p->distinct[d]) first_copy[send.order[j] / c.sh.KS] = j;
+    for (const int64_t j : c.counted.p->distinct[d]) first_copy[send.order[j] / c.sh.KS] = j;
     for (int64_t j = send.rank_offset[d]; j < send.rank_offset[d + 1]; ++j)
       (*c.qsend_scale)[j] = (*c.qsend_scale)[first_copy[send.order[j] / c.sh.KS]];
   }
@@ -690,21 +696,22 @@ void quantise_for_messages(Dispatch& c, Quantiser& qz) {
 // into place (messages of one sender with one tag arrive in the order sent), or its distinct
 // tokens into a buffer of their own, then its metadata; from a source writing into this rank's
 // window: its announcement.
-void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
+void post_receives(const Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const auto& messages = message_links(c.comm);
   const RecvPlan& recv = c.recv();
   for (int s = 0; s < c.W; ++s) {
-    if (s == c.me || !c.route->direct(s)) continue;  // own rows copied into place
+    if (s == c.me || !c.agreed.route->direct(s)) continue;  // own rows copied into place
     const Link& from = *messages[c.peers()[s]];
-    if (c.window_from[s]) {
-      c.shm->link(c.peers()[s])->expect_announce(ex, rx.announced->data() + s, kTagMeta);
+    if (c.links.window_from[s]) {
+      c.agreed.shm->link(c.peers()[s])->expect_announce(ex, rx.announced->data() + s, kTagMeta);
       continue;
     }
-    if (c.p->distinct_from[s] < recv.source_rows[s]) {
+    if (c.counted.p->distinct_from[s] < recv.source_rows[s]) {
       rx.merged_in[s] = std::make_shared<Tensor>(
-          Tensor::empty(DType::kI8, {int64_t{c.p->distinct_from[s]} * c.out_row_bytes}));
+          Tensor::empty(DType::kI8, {int64_t{c.counted.p->distinct_from[s]} * c.out_row_bytes}));
       ex.keep_alive(rx.merged_in[s]);
-      from.get_block(ex, rx.merged_in[s]->data(), c.p->distinct_from[s], rx.row_bytes, kTagRows);
+      from.get_block(ex, rx.merged_in[s]->data(), c.counted.p->distinct_from[s], rx.row_bytes,
+                     kTagRows);
     } else {
       for (int l = 0; l < c.L; ++l) {
         const int64_t b = int64_t{l} * c.W + s;
@@ -723,8 +730,8 @@ void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) {
 // packed by one parallel copy, so that every message is contiguous), posted as one message per
 // non-empty (destination, local expert) run of the send order, in expert order, or one message
 // of a merged destination's distinct tokens.
-void post_sends(Dispatch& c, Exchange& ex, const RowsPhase& rx) {
-  if (!c.any_message_to) return;
+void post_sends(const Dispatch& c, Exchange& ex, const RowsPhase& rx) {
+  if (!c.links.any_message_to) return;
   const SendPlan& send = c.send();
   const int64_t rows = static_cast<int64_t>(send.order.size()), rb = c.out_row_bytes;
   std::shared_ptr<Tensor> packed;
@@ -735,9 +742,9 @@ void post_sends(Dispatch& c, Exchange& ex, const RowsPhase& rx) {
     packed = std::make_shared<Tensor>(Tensor::empty(c.sh.dtype, {rows, c.sh.H}));
     std::vector<RowCopy> pack;
     for (int d = 0; d < c.W; ++d) {
-      if (!c.to[d] || c.to[d]->addressable()) continue;
+      if (!c.links.to[d] || c.links.to[d]->addressable()) continue;
       char* to_d = packed->ptr<char>() + send.rank_offset[d] * rb;
-      const std::vector<int64_t>& u = c.p->distinct[d];
+      const std::vector<int64_t>& u = c.counted.p->distinct[d];
       for (std::size_t t = 0; t < u.size(); ++t) {  // merged: each distinct token once
         const int64_t i = send.order[u[t]] / c.sh.KS;
         pack.push_back({c.x_row(i), to_d + static_cast<int64_t>(t) * rb, i});
@@ -751,16 +758,18 @@ void post_sends(Dispatch& c, Exchange& ex, const RowsPhase& rx) {
   }
   ex.keep_alive(packed);
   for (int d = 0; d < c.W; ++d) {
-    if (!c.to[d] || c.to[d]->addressable()) continue;
+    if (!c.links.to[d] || c.links.to[d]->addressable()) continue;
     const int64_t first = send.rank_offset[d];
-    if (!c.p->distinct[d].empty()) {
-      c.to[d]->put_block(ex, packed->ptr<char>() + first * rb,
-                         static_cast<int64_t>(c.p->distinct[d].size()), rx.row_bytes, kTagRows);
+    if (!c.counted.p->distinct[d].empty()) {
+      c.links.to[d]->put_block(ex, packed->ptr<char>() + first * rb,
+                               static_cast<int64_t>(c.counted.p->distinct[d].size()), rx.row_bytes,
+                               kTagRows);
       continue;
     }
     for (int64_t l = 0, j = first; l < c.sh.pl.local_experts(d); ++l) {
       const int64_t n = send.counts[c.sh.pl.block_base(d) + l];
-      if (n > 0) c.to[d]->put_block(ex, packed->ptr<char>() + j * rb, n, rx.row_bytes, kTagRows);
+      if (n > 0)
+        c.links.to[d]->put_block(ex, packed->ptr<char>() + j * rb, n, rx.row_bytes, kTagRows);
       j += n;
     }
   }
@@ -773,18 +782,20 @@ void post_sends(Dispatch& c, Exchange& ex, const RowsPhase& rx) {
 // ($MOE_EP_STREAM_MIN_BYTES): such a store needs no read of the destination line first and
 // evicts nothing, which made large dispatches about 1.6x faster, while below it the rows stay
 // in cache for whoever reads them next (docs/performance.md).
-void store_in_place(Dispatch& c, Quantiser& qz) {
+void store_in_place(const Dispatch& c, Quantiser& qz) {
   const SendPlan& send = c.send();
   const int64_t rb = c.out_row_bytes;
   std::vector<RowCopy> copies;
   for (int d = 0; d < c.W; ++d) {
-    if ((c.to[d] && !c.to[d]->addressable()) || !c.route->direct(d)) continue;
+    if ((c.links.to[d] && !c.links.to[d]->addressable()) || !c.agreed.route->direct(d)) continue;
     int64_t j = send.rank_offset[d];
     for (int64_t l = 0; l < c.sh.pl.local_experts(d); ++l) {
       const int64_t n = send.counts[c.sh.pl.block_base(d) + l];
-      char* dst = c.to[d] ? c.to[d]->place(static_cast<int>(c.where[d].gen),
-                                           c.where[d].rows + c.p->block_row[d][l] * rb, n * rb)
-                          : c.out.expand_x.ptr<char>() + c.recv().block_offset[l * c.W + c.me] * rb;
+      char* dst = c.links.to[d]
+                      ? c.links.to[d]->place(
+                            static_cast<int>(c.agreed.where[d].gen),
+                            c.agreed.where[d].rows + c.counted.p->block_row[d][l] * rb, n * rb)
+                      : c.out.expand_x.ptr<char>() + c.recv().block_offset[l * c.W + c.me] * rb;
       if (c.quant) {
         qz.rows(j, n, reinterpret_cast<int8_t*>(dst));
       } else {
@@ -799,7 +810,7 @@ void store_in_place(Dispatch& c, Quantiser& qz) {
   }
   Traffic& traffic = CommInternals::traffic(c.comm);
   for (int d = 0; d < c.W; ++d)
-    if (c.to[d] && c.to[d]->addressable())
+    if (c.links.to[d] && c.links.to[d]->addressable())
       traffic.window_bytes[c.peers()[d]] += (send.rank_offset[d + 1] - send.rank_offset[d]) *
                                             (rb + static_cast<int64_t>(sizeof(RowMeta)));
   parallel_copy(copies, rb, static_cast<int64_t>(copies.size()) * rb >= c.stream_min);
@@ -809,11 +820,11 @@ void store_in_place(Dispatch& c, Quantiser& qz) {
 // Step 4e: the metadata of every row sent, (token, slot, expert_scale, int8 scale), in send
 // order: stored next to the rows in a window, then announced by its count, or sent as one
 // message. Shared-expert copies (slot >= K) carry no weight: expand_scales 0.
-void send_metadata(Dispatch& c, Exchange& ex, RowsPhase& rx) {
+void send_metadata(const Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const SendPlan& send = c.send();
   const EpShape& sh = c.sh;
   for (int d = 0; d < c.W; ++d) {
-    if (!c.route->direct(d)) continue;  // the route sends its metadata
+    if (!c.agreed.route->direct(d)) continue;  // the route sends its metadata
     const int64_t first = send.rank_offset[d], n = send.rank_offset[d + 1] - first;
     rx.meta_out[d] = std::make_shared<std::vector<RowMeta>>(n);
     ex.keep_alive(rx.meta_out[d]);
@@ -824,32 +835,33 @@ void send_metadata(Dispatch& c, Exchange& ex, RowsPhase& rx) {
                      c.in.expert_scales && k < sh.K ? float_at(*c.in.expert_scales, i, k) : 0.0f,
                      c.quant ? (*c.qsend_scale)[first + j] : 0.0f};
     }
-    if (!c.to[d]) continue;
-    if (!c.to[d]->addressable()) {
-      c.to[d]->put_block(ex, m, n, rx.meta_bytes, kTagMeta);
+    if (!c.links.to[d]) continue;
+    if (!c.links.to[d]->addressable()) {
+      c.links.to[d]->put_block(ex, m, n, rx.meta_bytes, kTagMeta);
       continue;
     }
     for (int64_t l = 0, j = 0; l < sh.pl.local_experts(d); ++l) {  // next to its rows
       const int64_t rows = send.counts[sh.pl.block_base(d) + l];
       const int64_t bytes = rows * static_cast<int64_t>(sizeof(RowMeta));
       if (rows > 0)
-        std::memcpy(c.to[d]->place(
-                        static_cast<int>(c.where[d].gen),
-                        c.where[d].extra + c.p->block_row[d][l] * int64_t{sizeof(RowMeta)}, bytes),
+        std::memcpy(c.links.to[d]->place(static_cast<int>(c.agreed.where[d].gen),
+                                         c.agreed.where[d].extra + c.counted.p->block_row[d][l] *
+                                                                       int64_t{sizeof(RowMeta)},
+                                         bytes),
                     m + j, static_cast<std::size_t>(bytes));
       j += rows;
     }
     (*rx.announced)[c.W + d] = n;
-    c.to[d]->announce(ex, rx.announced->data() + c.W + d, kTagMeta);
+    c.links.to[d]->announce(ex, rx.announced->data() + c.W + d, kTagMeta);
   }
 }
 
 // Step 4g: a merged source's rows, each copied to its place from the source's distinct tokens,
 // which came in the order the metadata (in send order) first names them.
-void spread_merged(Dispatch& c, const RowsPhase& rx, int s) {
+void spread_merged(const Dispatch& c, const RowsPhase& rx, int s) {
   const RecvPlan& recv = c.recv();
   std::vector<RowCopy> spread;
-  const int64_t bs = c.headers[s].BS;
+  const int64_t bs = c.agreed.headers[s].BS;
   std::vector<int32_t> at(static_cast<std::size_t>(bs), -1);  // [token]: its distinct row, or -1
   int32_t next = 0;
   const RowMeta* m = rx.meta_in[s]->data();
@@ -867,9 +879,10 @@ void spread_merged(Dispatch& c, const RowsPhase& rx, int s) {
                         c.out.expand_x.ptr<char>() + j * c.out_row_bytes, t});
     }
   }
-  if (next != c.p->distinct_from[s])
-    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent ", c.p->distinct_from[s],
-         " distinct tokens, its rows' metadata names ", next, " (please report this bug)");
+  if (next != c.counted.p->distinct_from[s])
+    fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent ",
+         c.counted.p->distinct_from[s], " distinct tokens, its rows' metadata names ", next,
+         " (please report this bug)");
   parallel_copy(spread, c.out_row_bytes,
                 static_cast<int64_t>(spread.size()) * c.out_row_bytes >= c.stream_min);
 }
@@ -877,7 +890,7 @@ void spread_merged(Dispatch& c, const RowsPhase& rx, int s) {
 // Step 4h: assist_info_for_combine, expand_scales and dynamic_scales of every row received from
 // source s, from its metadata: in this rank's window for a source that wrote there, else its
 // message (this rank's own: what it built), in the source's send order.
-void fill_row_info(Dispatch& c, const RowsPhase& rx, int s) {
+void fill_row_info(const Dispatch& c, const RowsPhase& rx, int s) {
   const RecvPlan& recv = c.recv();
   int32_t* assist = c.out.assist_info_for_combine.ptr<int32_t>();
   float* scales = c.out.expand_scales.ptr<float>();
@@ -886,13 +899,13 @@ void fill_row_info(Dispatch& c, const RowsPhase& rx, int s) {
       c.slot ? reinterpret_cast<const RowMeta*>(static_cast<char*>(c.slot->ptr) +
                                                 dispatch_meta_offset(c.expand_bytes))
              : nullptr;
-  const RowMeta* next = c.window_from[s] ? nullptr
-                        : s == c.me      ? rx.meta_out[s]->data()
-                                         : rx.meta_in[s]->data();
+  const RowMeta* next = c.links.window_from[s] ? nullptr
+                        : s == c.me            ? rx.meta_out[s]->data()
+                                               : rx.meta_in[s]->data();
   for (int l = 0; l < c.L; ++l) {
     const int64_t b = int64_t{l} * c.W + s;
-    const RowMeta* m = c.window_from[s] ? window_meta + recv.block_offset[b] : next;
-    if (!c.window_from[s]) next += recv.block_rows[b];
+    const RowMeta* m = c.links.window_from[s] ? window_meta + recv.block_offset[b] : next;
+    if (!c.links.window_from[s]) next += recv.block_rows[b];
     for (int64_t j = recv.block_offset[b]; j < recv.block_offset[b] + recv.block_rows[b];
          ++j, ++m) {
       assist[3 * j] = s;
@@ -910,9 +923,9 @@ void fill_row_info(Dispatch& c, const RowsPhase& rx, int s) {
 // that brings them) completes, and handed to the caller (PendingDispatch::wait_source) while later
 // sources are still in flight. This rank's own rows, and those it relays to itself, are in place
 // before the wait. The bytes are those of the path below.
-void land_each_source(Dispatch& c, Exchange& ex, RowsPhase& rx) {
+void land_each_source(const Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const RecvPlan& recv = c.recv();
-  const DispatchRoute& route = *c.route;
+  const DispatchRoute& route = *c.agreed.route;
   std::vector<int> source_of(static_cast<std::size_t>(c.comm.size()), -1);
   std::vector<std::vector<int>> carried(static_cast<std::size_t>(c.W));
   for (int s = 0; s < c.W; ++s) {
@@ -920,8 +933,8 @@ void land_each_source(Dispatch& c, Exchange& ex, RowsPhase& rx) {
     carried[route.carrier(s)].push_back(s);
   }
   auto land = [&](int s) {
-    if (c.window_from[s] && route.direct(s)) {
-      c.shm->link(c.peers()[s])->acquire();
+    if (c.links.window_from[s] && route.direct(s)) {
+      c.agreed.shm->link(c.peers()[s])->acquire();
       check_announced(c, s, (*rx.announced)[s], recv.source_rows[s], "");
     }
     if (rx.merged_in[s]) spread_merged(c, rx, s);
@@ -953,20 +966,21 @@ void land_each_source(Dispatch& c, Exchange& ex, RowsPhase& rx) {
 // row: such a message of a few thousand rows went through MPI's rendezvous, which stalled about
 // 0.25 ms in half the calls).
 void move_rows(Dispatch& c) {
-  c.out_row_bytes = c.quant ? c.sh.H : c.sh.H * static_cast<int64_t>(dtype_size(c.sh.dtype));
-  choose_links(c);
   Quantiser qz(c);
+  if (c.quant && c.links.any_message_to && !c.qsend)  // allocate() left it to this step
+    c.qsend = std::make_shared<Tensor>(
+        Tensor::empty(DType::kI8, {static_cast<int64_t>(c.send().order.size()) * c.sh.H}));
   if (c.quant) quantise_for_messages(c, qz);
-  c.route->before_rows(c);
+  c.agreed.route->before_rows(c);
   Exchange ex(c.comm, c.op, "rows");
   ex.keep_alive(std::make_shared<Tensor>(c.out.expand_x));
   if (c.qsend) ex.keep_alive(c.qsend);
   RowsPhase rx(c);
   ex.keep_alive(rx.announced);
   post_receives(c, ex, rx);
-  c.route->post_receives(c, ex, rx);
+  c.agreed.route->post_receives(c, ex, rx);
   post_sends(c, ex, rx);
-  c.route->post_sends(c, ex, rx);
+  c.agreed.route->post_sends(c, ex, rx);
   store_in_place(c, qz);
   send_metadata(c, ex, rx);
   if (c.async && !c.copy_to) {
@@ -976,12 +990,13 @@ void move_rows(Dispatch& c) {
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
   for (int s = 0; s < c.W; ++s) {
-    if (!c.window_from[s] || !c.route->direct(s)) continue;
-    c.shm->link(c.peers()[s])->acquire();  // the peer's rows and metadata, announced, are visible
+    if (!c.links.window_from[s] || !c.agreed.route->direct(s)) continue;
+    c.agreed.shm->link(c.peers()[s])
+        ->acquire();  // the peer's rows and metadata, announced, are visible
     check_announced(c, s, (*rx.announced)[s], c.recv().source_rows[s], "");
   }
   for (int q = 0; q < c.W; ++q)
-    if (q != c.me) c.route->check_carried(c, rx, q);
+    if (q != c.me) c.agreed.route->check_carried(c, rx, q);
   for (int s = 0; s < c.W; ++s) {
     if (rx.merged_in[s]) spread_merged(c, rx, s);
     fill_row_info(c, rx, s);
@@ -1022,9 +1037,9 @@ void finish(Dispatch& c) {
   p.elastic = c.in.elastic_info.has_value();
   if (c.cfg.tp_world_size == 2)
     p.tp_peer_rows = c.out.tp_recv_counts.ptr<int32_t>()[1 - c.cfg.tp_rank_id];
-  p.transport = c.headers[0].transport;
+  p.transport = c.agreed.headers[0].transport;
   p.sh = c.sh;
-  p.G = c.route->ranks_per_node();
+  p.G = c.agreed.route->ranks_per_node();
   keep_routing(p, c.in.expert_ids, c.in.x_active_mask ? &*c.in.x_active_mask : nullptr);
   c.out.handle = HandleInternals::make(c.plan);
 }
@@ -1045,17 +1060,17 @@ class FullmeshDispatch final : public DispatchRoute {
  public:
   int ranks_per_node() const override { return 0; }
   bool direct(int) const override { return true; }
-  void plan_sends(Dispatch&) const override {}
+  void plan_sends(const Dispatch&) const override {}
   int count_entries() const override { return 0; }
   void put_counts(const Dispatch&, int, std::vector<int32_t>&) const override {}
-  void take_counts(Dispatch&, int, const int32_t*) const override {}
+  void take_counts(const Dispatch&, int, const int32_t*) const override {}
   int block_runs(int) const override { return 1; }
   int block_source(int, int q) const override { return q; }
   int own_run() const override { return 0; }
   void keep_block_rows(EpPlan&, int, std::vector<int64_t>&&) const override {}
-  void before_rows(Dispatch&) override {}
-  void post_receives(Dispatch&, Exchange&, RowsPhase&) const override {}
-  void post_sends(Dispatch&, Exchange&, RowsPhase&) override {}
+  void before_rows(const Dispatch&) override {}
+  void post_receives(const Dispatch&, Exchange&, RowsPhase&) const override {}
+  void post_sends(const Dispatch&, Exchange&, RowsPhase&) override {}
   int carrier(int s) const override { return s; }
   void check_carried(const Dispatch&, const RowsPhase&, int) const override {}
 };
@@ -1096,10 +1111,13 @@ DispatchOutputs run_dispatch(const DispatchInputs& in, const EpConfig& cfg, cons
     check_arguments(c);
     if (!c.world.removed) allocate(c);
   });
-  if (!agree(c)) return removed_outputs(c);
-  plan_receives(c);
+  std::optional<Dispatch::Agreed> agreed = agree(c);
+  if (!agreed) return removed_outputs(c);
+  c.agreed = std::move(*agreed);
+  c.counted = plan_receives(c);
   if (c.plan) c.plan->id = id;
   if (c.sized_late) agree_on_sizes(c);
+  c.links = choose_links(c);
   move_rows(c);
   finish(c);
   return std::move(c.out);

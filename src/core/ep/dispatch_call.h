@@ -25,21 +25,33 @@ namespace moe_ep::detail {
 class AsyncState;
 class DispatchRoute;
 
-// One dispatch_v2 call: its arguments and what each step leaves for the next.
+// One dispatch_v2 call, the operation: what the caller gave, the outputs it writes, and the value
+// each step returns (Agreed, Counted, RowLinks), which the steps after it read. The steps are the
+// functions of dispatch.cc; run_dispatch calls them in order and keeps what they return.
 struct Dispatch {
   const char* op = "dispatch_v2";  // or the op that runs this route (run_dispatch)
   const DispatchInputs& in;
   const EpConfig& cfg;
   const Communicator& comm;
   const EpPlan* cached = nullptr;  // in.handle's plan
-  // 1. validate
+  // An asynchronous dispatch (dispatch_v2_start): where each source's rows are reported as they
+  // land (land_each_source), else null.
+  AsyncState* async = nullptr;
+  // This rank's header for the agreements, and a failure recorded for them (header.h).
   OpHeader hdr;
   std::optional<Error> local;
+  // Step 1a (check_arguments), fixed from then on: the shapes, the world (W ranks, this rank me,
+  // L local experts), the bytes of a row of expand_x (int8 with quant_mode 2).
   EpShape sh;
   World world;
+  int W = 0, L = 0, me = 0;
+  int64_t out_row_bytes = 0;
   int64_t* perf = nullptr;
   bool quant = false;
-  std::shared_ptr<EpPlan> plan;  // being made (null for a cached dispatch)
+  int64_t stream_min = 0;
+  // Step 1b on (allocate, then agree and agree_on_sizes for a slot they place): the outputs and
+  // the memory they live in. plan: being made (null for a cached dispatch).
+  std::shared_ptr<EpPlan> plan;
   DispatchOutputs out;
   // quant_mode 2: the int8 rows in send order (SPEC §1.5) and their dynamic scales. A Tensor,
   // not a std::vector: its zero fill cost a pass over fresh pages every call (the allocator's
@@ -58,32 +70,40 @@ struct Dispatch {
   // so those outputs are allocated after the counts phase (phase "exact sizes").
   int64_t out_rows = 0;
   bool sized_late = false;
-  int64_t expand_bytes = 0, slot_need = 0, stream_min = 0;
-  // 2. agree
-  std::vector<OpHeader> headers;
-  Windows* shm = nullptr;
-  int W = 0, L = 0, me = 0;
-  std::vector<Where> where;  // per world rank: its slot (this machine only)
-  // How rows reach ranks (chosen in agree): fullmesh, or the relays of comm_alg "hierarchy".
-  std::unique_ptr<DispatchRoute> route;
-  // 3. counts (or the cached plan)
-  const EpPlan* p = nullptr;            // plan or cached
-  std::vector<int32_t> distinct_count;  // new plan: per destination, the rows on the wire
-  std::vector<int64_t> dest_rows;       // one machine: the rows each destination receives (else -1)
-  int64_t out_row_bytes = 0;            // of expand_x (int8 with quant_mode 2)
-  // 4. rows: per destination, the link its rows take (null: this rank itself).
-  std::vector<const Link*> to;
-  // Per source: its rows land in this rank's window (written by the source, or its relay).
-  std::vector<char> window_from;
-  bool any_message_to = false;
-  // An asynchronous dispatch (dispatch_v2_start): where each source's rows are reported as they
-  // land (land_each_source), else null.
-  AsyncState* async = nullptr;
+  int64_t expand_bytes = 0, slot_need = 0;
+  // Step 2's value (agree): every rank's header, the windows of this machine and where each of its
+  // ranks receives its rows, and the route the rows take.
+  struct Agreed {
+    std::vector<OpHeader> headers;  // per world rank
+    Windows* shm = nullptr;         // when the call uses shared memory
+    std::vector<Where> where;       // per world rank: its slot (this machine only)
+    // Fullmesh, or the relays of comm_alg "hierarchy" (relay_dispatch.cc).
+    std::unique_ptr<DispatchRoute> route;
+  };
+
+  // Step 3's value (plan_receives): the plan this call follows, and on one machine the rows each
+  // destination receives (step 3d checks them against its slot).
+  struct Counted {
+    const EpPlan* p = nullptr;       // the new plan, or the handle's
+    std::vector<int64_t> dest_rows;  // per destination; -1 each when not known
+  };
+
+  // Step 4's value (choose_links): per destination, the link its rows take (null: this rank
+  // itself), and per source, whether its rows land in this rank's window (written by the source,
+  // or its relay).
+  struct RowLinks {
+    std::vector<const Link*> to;
+    std::vector<char> window_from;
+    bool any_message_to = false;
+  };
+  Agreed agreed;
+  Counted counted;
+  RowLinks links;
 
   Dispatch(const DispatchInputs& i, const EpConfig& c, const Communicator& m)
       : in(i), cfg(c), comm(m), world(whole_world(m)) {}
-  const SendPlan& send() const { return p->send; }
-  const RecvPlan& recv() const { return p->recv; }
+  const SendPlan& send() const { return counted.p->send; }
+  const RecvPlan& recv() const { return counted.p->recv; }
   const std::vector<int>& peers() const { return world.peers; }
   // Null when x has no elements (H = 0: data may be null, and an offset from null is undefined).
   const char* x_row(int64_t token) const {
@@ -125,13 +145,13 @@ class DispatchRoute {
   // Whether rows travel straight between this rank and rank d, both ways.
   virtual bool direct(int d) const = 0;
   // Step 3a, a new plan: what the route moves besides the direct rows.
-  virtual void plan_sends(Dispatch& c) const = 0;
+  virtual void plan_sends(const Dispatch& c) const = 0;
   // Step 3b across machines: the entries it adds to the counts message for each destination
   // (after the local experts' counts and the distinct tokens); put for destination d, taken from
   // source q's message.
   virtual int count_entries() const = 0;
   virtual void put_counts(const Dispatch& c, int d, std::vector<int32_t>& out) const = 0;
-  virtual void take_counts(Dispatch& c, int q, const int32_t* entries) const = 0;
+  virtual void take_counts(const Dispatch& c, int q, const int32_t* entries) const = 0;
   // Step 3c, shared memory across machines: a peer q on this machine learns where the blocks of
   // `block_runs()` sources start in this rank's expand_x, run m for source block_source(m, q);
   // this rank's own blocks in q's expand_x are run own_run() of what q sends, and keep_block_rows
@@ -141,10 +161,10 @@ class DispatchRoute {
   virtual int own_run() const = 0;
   virtual void keep_block_rows(EpPlan& p, int q, std::vector<int64_t>&& runs) const = 0;
   // Step 4a, before phase "rows": what must arrive first (a relay's tokens).
-  virtual void before_rows(Dispatch& c) = 0;
+  virtual void before_rows(const Dispatch& c) = 0;
   // In phase "rows": the receives and the sends of the rows it moves.
-  virtual void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) const = 0;
-  virtual void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) = 0;
+  virtual void post_receives(const Dispatch& c, Exchange& ex, RowsPhase& rx) const = 0;
+  virtual void post_sends(const Dispatch& c, Exchange& ex, RowsPhase& rx) = 0;
   // The peer whose receives in phase "rows" bring source s's rows to this rank (s itself when
   // direct; this rank: they are in place before the wait): source s has landed when every
   // receive from its carrier has completed (per-source completion, land_each_source). A source

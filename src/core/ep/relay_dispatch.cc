@@ -40,7 +40,7 @@ struct RelayIn {
   std::vector<std::shared_ptr<std::vector<RelayMeta>>> meta;  // in the source's send order
 };
 
-void plan_relay_sends(const Nodes& nd, Dispatch& c) {
+void plan_relay_sends(const Nodes& nd, const Dispatch& c) {
   EpPlan& p = *c.plan;
   const int N = nd.count(c.W);
   p.node_tokens.assign(N, {});
@@ -133,7 +133,7 @@ void check_relay_meta(const Nodes& nd, const Dispatch& c, int s, const RelayIn& 
   for (const RelayMeta& m : meta) {
     const int64_t key = int64_t{m.dest} * (c.sh.pl.blocks() + 1) + m.local;  // (rank, expert)
     if (m.dest / nd.G != node || m.local < 0 || m.local >= c.sh.pl.local_experts(m.dest) ||
-        m.pos < 0 || m.pos >= c.p->relay_tokens[s] || key < last)
+        m.pos < 0 || m.pos >= c.counted.p->relay_tokens[s] || key < last)
       fail(ErrorKind::kInternal, c.op, ": rank ", c.peers()[s], " sent rank ", c.comm.rank(),
            " a copy for rank ", m.dest, ", local expert ", m.local, ", token row ", m.pos,
            " it cannot relay (please report this bug)");
@@ -141,8 +141,8 @@ void check_relay_meta(const Nodes& nd, const Dispatch& c, int s, const RelayIn& 
   }
 }
 
-std::shared_ptr<RelayIn> exchange_relay(const Nodes& nd, Dispatch& c) {
-  const EpPlan& p = *c.p;
+std::shared_ptr<RelayIn> exchange_relay(const Nodes& nd, const Dispatch& c) {
+  const EpPlan& p = *c.counted.p;
   const bool int8_wire = c.quant && !c.in.scales;
   auto in = std::make_shared<RelayIn>();
   in->wire_row = int8_wire ? c.sh.H : c.sh.H * static_cast<int64_t>(dtype_size(c.sh.dtype));
@@ -187,11 +187,11 @@ std::shared_ptr<RelayIn> exchange_relay(const Nodes& nd, Dispatch& c) {
   return in;
 }
 
-void post_relayed_receives(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx) {
+void post_relayed_receives(const Nodes& nd, const Dispatch& c, Exchange& ex, RowsPhase& rx) {
   const auto& messages = message_links(c.comm);
   const RecvPlan& recv = c.recv();
   for (int s = 0; s < c.W; ++s) {
-    if (!nd.relayed(s) || c.window_from[s]) continue;  // window: announced below
+    if (!nd.relayed(s) || c.links.window_from[s]) continue;  // window: announced below
     rx.meta_in[s] = std::make_shared<std::vector<RowMeta>>(recv.source_rows[s]);
     ex.keep_alive(rx.meta_in[s]);
     if (nd.relay_of(s) == c.me || recv.source_rows[s] == 0) continue;  // relay_copies / nothing
@@ -207,7 +207,7 @@ void post_relayed_receives(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase
   if (!c.slot) return;
   for (int q = nd.first(); q < nd.first() + nd.G; ++q)  // every other relay here
     if (q != c.me)
-      c.shm->link(c.peers()[q])
+      c.agreed.shm->link(c.peers()[q])
           ->expect_announce(ex, rx.announced->data() + 2 * c.W + q, kTagRelayMeta);
 }
 
@@ -265,7 +265,7 @@ void for_each_block(const std::vector<RelayMeta>& meta, int64_t j, int64_t end, 
   }
 }
 
-bool window_to(const Dispatch& c, int d) { return d != c.me && c.where[d].gen >= 0; }
+bool window_to(const Dispatch& c, int d) { return d != c.me && c.agreed.where[d].gen >= 0; }
 
 CopyPlan plan_copies(const Nodes& nd, const Dispatch& c, int s,
                      const std::vector<RelayMeta>& meta) {
@@ -290,9 +290,11 @@ CopyPlan plan_copies(const Nodes& nd, const Dispatch& c, int s,
           MOE_EP_CHECK(c.recv().block_rows[b] == stop - r);
           cp.dst[q] = c.out.expand_x.ptr<char>() + (c.recv().block_offset[b] + q - r) * rb;
         } else {
-          const int64_t row = c.p->relay_block_row[d][m * c.sh.pl.local_experts(d) + l] + q - r;
-          cp.dst[q] = c.shm->link(c.peers()[d])
-                          ->place(static_cast<int>(c.where[d].gen), c.where[d].rows + row * rb, rb);
+          const int64_t row =
+              c.counted.p->relay_block_row[d][m * c.sh.pl.local_experts(d) + l] + q - r;
+          cp.dst[q] = c.agreed.shm->link(c.peers()[d])
+                          ->place(static_cast<int>(c.agreed.where[d].gen),
+                                  c.agreed.where[d].rows + row * rb, rb);
         }
       }
     });
@@ -303,7 +305,7 @@ CopyPlan plan_copies(const Nodes& nd, const Dispatch& c, int s,
 
 // The copies [j, end) of source s for rank d (not this rank), after their rows: into d's window
 // next to them, then counted for the announcement; or messages of the rows and the metadata.
-void send_relayed(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx, int s,
+void send_relayed(const Nodes& nd, const Dispatch& c, Exchange& ex, RowsPhase& rx, int s,
                   const CopyPlan& cp, const std::vector<RelayMeta>& meta, int64_t j, int64_t end,
                   std::shared_ptr<std::vector<RowMeta>> rows_meta) {
   const int d = meta[j].dest;
@@ -319,12 +321,12 @@ void send_relayed(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx, int
                                                    kTagRelayMeta);
     return;
   }
-  const Link& link = *c.shm->link(c.peers()[d]);
+  const Link& link = *c.agreed.shm->link(c.peers()[d]);
   for_each_block(meta, j, end, [&](int64_t r, int64_t stop, int32_t l) {
-    const int64_t row = c.p->relay_block_row[d][m * c.sh.pl.local_experts(d) + l];
+    const int64_t row = c.counted.p->relay_block_row[d][m * c.sh.pl.local_experts(d) + l];
     const int64_t bytes = (stop - r) * static_cast<int64_t>(sizeof(RowMeta));
-    std::memcpy(link.place(static_cast<int>(c.where[d].gen),
-                           c.where[d].extra + row * int64_t{sizeof(RowMeta)}, bytes),
+    std::memcpy(link.place(static_cast<int>(c.agreed.where[d].gen),
+                           c.agreed.where[d].extra + row * int64_t{sizeof(RowMeta)}, bytes),
                 rows_meta->data() + (r - j), static_cast<std::size_t>(bytes));
   });
   (*rx.announced)[3 * c.W + d] += end - j;
@@ -332,7 +334,8 @@ void send_relayed(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx, int
       (end - j) * (c.out_row_bytes + static_cast<int64_t>(sizeof(RowMeta)));
 }
 
-void relay_copies(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx, const RelayIn& in) {
+void relay_copies(const Nodes& nd, const Dispatch& c, Exchange& ex, RowsPhase& rx,
+                  const RelayIn& in) {
   for (int s = 0; s < c.W; ++s) {
     if (!in.meta[s]) continue;
     const std::vector<RelayMeta>& meta = *in.meta[s];
@@ -364,7 +367,8 @@ void relay_copies(const Nodes& nd, Dispatch& c, Exchange& ex, RowsPhase& rx, con
   }
   for (int d = nd.first(); d < nd.first() + nd.G; ++d)  // every receiver here
     if (window_to(c, d))
-      c.shm->link(c.peers()[d])->announce(ex, rx.announced->data() + 3 * c.W + d, kTagRelayMeta);
+      c.agreed.shm->link(c.peers()[d])
+          ->announce(ex, rx.announced->data() + 3 * c.W + d, kTagRelayMeta);
 }
 
 // The relays of comm_alg "hierarchy" across nodes of nd.G ranks.
@@ -373,7 +377,7 @@ class RelayDispatch final : public DispatchRoute {
   explicit RelayDispatch(Nodes nd) : nd_(nd) {}
   int ranks_per_node() const override { return nd_.G; }
   bool direct(int d) const override { return !nd_.relayed(d); }
-  void plan_sends(Dispatch& c) const override { plan_relay_sends(nd_, c); }
+  void plan_sends(const Dispatch& c) const override { plan_relay_sends(nd_, c); }
   // The tokens and copies this rank relays through d (0, 0 unless d is its relay on d's node).
   int count_entries() const override { return 2; }
   void put_counts(const Dispatch& c, int d, std::vector<int32_t>& out) const override {
@@ -385,7 +389,7 @@ class RelayDispatch final : public DispatchRoute {
                                                send.rank_offset[n * nd_.G])
                         : 0);
   }
-  void take_counts(Dispatch& c, int q, const int32_t* entries) const override {
+  void take_counts(const Dispatch& c, int q, const int32_t* entries) const override {
     EpPlan& p = *c.plan;
     p.relay_tokens[q] = entries[0];
     p.relay_entries[q] = entries[1];
@@ -402,12 +406,12 @@ class RelayDispatch final : public DispatchRoute {
   void keep_block_rows(EpPlan& p, int q, std::vector<int64_t>&& runs) const override {
     p.relay_block_row[q] = std::move(runs);
   }
-  void before_rows(Dispatch& c) override { in_ = exchange_relay(nd_, c); }
-  void post_receives(Dispatch& c, Exchange& ex, RowsPhase& rx) const override {
+  void before_rows(const Dispatch& c) override { in_ = exchange_relay(nd_, c); }
+  void post_receives(const Dispatch& c, Exchange& ex, RowsPhase& rx) const override {
     post_relayed_receives(nd_, c, ex, rx);
   }
   // The relayed sources' rows are copied out here (the messages keep what they send).
-  void post_sends(Dispatch& c, Exchange& ex, RowsPhase& rx) override {
+  void post_sends(const Dispatch& c, Exchange& ex, RowsPhase& rx) override {
     relay_copies(nd_, c, ex, rx, *in_);
     in_.reset();
   }
@@ -419,9 +423,9 @@ class RelayDispatch final : public DispatchRoute {
     if (!c.slot || nd_.relayed(q)) return;
     int64_t counted = 0;
     for (int s = 0; s < c.W; ++s)
-      if (c.window_from[s] && nd_.relayed(s) && nd_.relay_of(s) == q)
+      if (c.links.window_from[s] && nd_.relayed(s) && nd_.relay_of(s) == q)
         counted += c.recv().source_rows[s];
-    c.shm->link(c.peers()[q])->acquire();
+    c.agreed.shm->link(c.peers()[q])->acquire();
     check_announced(c, q, (*rx.announced)[2 * c.W + q], counted, " relayed");
   }
 
