@@ -186,7 +186,8 @@ void check_arguments(Combine& c) {
     c.hdr.all_active = mask_tokens_active(*c.mask) ? 1 : 0;
   }
   check_sum_inputs(c);
-  if (c.world.removed) return;
+  if (c.world.removed) return;  // scaled in: no rank of the world (SPEC §1.7)
+  c.W = to_int(sh.W), c.L = to_int(sh.L), c.me = to_int(sh.rank);
   compute_capacity(op, c.cfg.global_bs, sh);
   if (in.handle)
     plan_from_handle(c);
@@ -301,11 +302,12 @@ Where provide_rows(Combine& c) {
   return w;
 }
 
-// Step 3: the TP reduce-scatter and handshake, the agreement, the windows. Returns false on a
-// rank removed by a scale-in.
-bool agree(Combine& c) {
+// Step 3: the TP reduce-scatter and handshake, the agreement, the route and the windows (a
+// staging slot deferred until they grew is taken). Returns nothing on a rank removed by a
+// scale-in.
+std::optional<Combine::Agreed> agree(Combine& c) {
   if (c.local && c.world.removed) throw *c.local;
-  if (c.world.removed) return false;
+  if (c.world.removed) return std::nullopt;
   if (tp_pair(c.cfg)) {
     // SPEC §2: rs_out = ReduceScatterV_TP(expand_x), before the EP header agreement so that a
     // failure within the pair reaches both EP groups.
@@ -328,36 +330,36 @@ bool agree(Combine& c) {
   Where mine;
   if (!c.local) capture(c.hdr, c.local, [&] { mine = provide_rows(c); });
   c.hdr.where = mine;
-  c.headers =
+  Combine::Agreed a;
+  a.headers =
       agree_on_headers(c.comm, c.world.peers, c.op, c.hdr, c.local ? &*c.local : nullptr, c.perf);
-  check_batch_sizes(c.op, c.headers, c.world.peers, c.cfg.global_bs, "expert_ids.shape[0]");
-  check_quant_modes(c.op, c.headers, c.world.peers, "comm_quant_mode");
-  c.W = to_int(c.sh.W), c.L = to_int(c.sh.L), c.me = to_int(c.sh.rank);
-  c.where.assign(c.W, Where{});
-  c.provide.assign(c.W, 0);
-  c.read.assign(c.W, 0);
-  const int G = relay_nodes(c.comm, c.op, c.cfg, c.headers[0].shm_node_ranks);
-  c.route = G > 0 ? relay_combine(G, c.me) : fullmesh_combine();
+  check_batch_sizes(c.op, a.headers, c.world.peers, c.cfg.global_bs, "expert_ids.shape[0]");
+  check_quant_modes(c.op, a.headers, c.world.peers, "comm_quant_mode");
+  a.where.assign(c.W, Where{});
+  a.provide.assign(c.W, 0);
+  a.read.assign(c.W, 0);
+  const int G = relay_nodes(c.comm, c.op, c.cfg, a.headers[0].shm_node_ranks);
+  a.route = G > 0 ? relay_combine(G, c.me) : fullmesh_combine();
   if (c.plan && c.plan->G != G)  // $MOE_EP_SHM_NODE_RANKS changed since (same on all ranks)
     invalid(c.op, ": handle: its dispatch_v2 ran on nodes of ", c.plan->G,
             " ranks (0: one node), this call on nodes of ", G,
             " ($MOE_EP_SHM_NODE_RANKS changed); combine with the tensors instead");
-  if (!shm_applies(c.headers[0].transport, c.cfg, c.world)) return true;
+  if (!shm_applies(a.headers[0].transport, c.cfg, c.world)) return a;
   MOE_EP_CHECK(c.shm_want);
-  c.shm = &ensure_shm(c.comm, c.op, c.headers, c.world.peers, c.stage_bytes);
+  a.shm = &ensure_shm(c.comm, c.op, a.headers, c.world.peers, c.stage_bytes);
   if (c.stage_defer) {
-    c.stage = c.shm->try_alloc(c.stage_bytes);
+    c.stage = a.shm->try_alloc(c.stage_bytes);
     MOE_EP_CHECK(c.stage.has_value());
     mine = provide_rows(c);
   }
-  c.where = rows_where(c.comm, c.op, *c.shm, c.headers, c.world.peers, c.me, mine);
+  a.where = rows_where(c.comm, c.op, *a.shm, a.headers, c.world.peers, c.me, mine);
   for (int q = 0; q < c.W; ++q) {
-    if (q == c.me || c.shm->node_of(c.peers()[q]) < 0) continue;
-    c.provide[q] = c.where[c.me].gen >= 0;
-    c.read[q] = c.where[q].gen >= 0;
-    if (c.read[q]) c.shm->link(c.peers()[q])->acquire();  // its rows, announced by its header
+    if (q == c.me || a.shm->node_of(c.peers()[q]) < 0) continue;
+    a.provide[q] = a.where[c.me].gen >= 0;
+    a.read[q] = a.where[q].gen >= 0;
+    if (a.read[q]) a.shm->link(c.peers()[q])->acquire();  // its rows, announced by its header
   }
-  return true;
+  return a;
 }
 
 // Step 4 without a handle (phase "layout back"): every owner tells every other source how many
@@ -366,13 +368,13 @@ bool agree(Combine& c) {
 // expect: MPI rejects a message longer than its receive, and OpenMPI's single-copy path writes
 // all of it past the end of the buffer first. A source whose counts disagree with expert_ids
 // still takes every row announced (no message is left behind), then raises the error.
-void layout_back(Combine& c) {
+void layout_back(const Combine& c, Combine::Layout& k) {
   const int W = c.W, L = c.L, me = c.me;
   const auto& messages = message_links(c.comm);
   std::vector<std::shared_ptr<std::vector<int64_t>>> got(W);
   Exchange ex(c.comm, c.op, "layout back");
   for (int d = 0; d < W; ++d) {
-    if (d == me || !c.route->direct(d)) continue;  // the route moves its rows
+    if (d == me || !c.agreed.route->direct(d)) continue;  // the route moves its rows
     auto mine = std::make_shared<std::vector<int64_t>>(2 * L);
     for (int l = 0; l < L; ++l) {
       (*mine)[l] = c.blocks->block_offset[int64_t{l} * W + d];
@@ -389,45 +391,46 @@ void layout_back(Combine& c) {
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
   for (int d = 0; d < W; ++d) {
-    if (d == me || !c.route->direct(d)) continue;
+    if (d == me || !c.agreed.route->direct(d)) continue;
     const int64_t ld = c.sh.pl.local_experts(d);
-    c.first_row[d].assign(got[d]->begin(), got[d]->begin() + ld);
-    c.rows_of[d].assign(got[d]->begin() + ld, got[d]->end());
+    k.first_row[d].assign(got[d]->begin(), got[d]->begin() + ld);
+    k.rows_of[d].assign(got[d]->begin() + ld, got[d]->end());
   }
 }
 
 // Step 4: per owner, the first row and the rows of each block it holds for this rank (from the
 // handle, or phase "layout back"), and whether they are what expert_ids route to it.
-void plan_layout(Combine& c) {
+Combine::Layout plan_layout(const Combine& c) {
+  Combine::Layout k;
   const int W = c.W, me = c.me;
-  c.first_row.assign(W, {});
-  c.rows_of.assign(W, {});
+  k.first_row.assign(W, {});
+  k.rows_of.assign(W, {});
   if (c.plan) {
-    c.first_row = c.plan->block_row;
-    c.first_row.resize(W);
+    k.first_row = c.plan->block_row;
+    k.first_row.resize(W);
   } else {
-    layout_back(c);
+    layout_back(c, k);
   }
-  c.announced.assign(W, 0);
-  c.agrees.assign(W, 1);
+  k.announced.assign(W, 0);
+  k.agrees.assign(W, 1);
   for (int d = 0; d < W; ++d) {
     const int64_t ld = c.sh.pl.local_experts(d), base = c.sh.pl.block_base(d);
-    if (!c.route->direct(d)) {  // the route moves its rows
-      c.rows_of[d].assign(static_cast<std::size_t>(ld), 0);
+    if (!c.agreed.route->direct(d)) {  // the route moves its rows
+      k.rows_of[d].assign(static_cast<std::size_t>(ld), 0);
       continue;
     }
     if (c.plan || d == me) {
-      c.rows_of[d].assign(c.back->counts.begin() + base, c.back->counts.begin() + base + ld);
+      k.rows_of[d].assign(c.back->counts.begin() + base, c.back->counts.begin() + base + ld);
       if (d == me)
-        for (int64_t l = 0; l < ld; ++l) c.rows_of[d][l] = c.blocks->block_rows[l * W + me];
+        for (int64_t l = 0; l < ld; ++l) k.rows_of[d][l] = c.blocks->block_rows[l * W + me];
     }
     for (int64_t l = 0; l < ld; ++l) {
-      const int64_t rows = c.rows_of[d][l], want = c.back->counts[base + l];
-      c.announced[d] += rows;
+      const int64_t rows = k.rows_of[d][l], want = c.back->counts[base + l];
+      k.announced[d] += rows;
       if (rows == want) continue;
-      c.agrees[d] = 0;
-      if (!c.mismatch)
-        c.mismatch = Error(
+      k.agrees[d] = 0;
+      if (!k.mismatch)
+        k.mismatch = Error(
             ErrorKind::kInvalidArgument,
             cat(c.op, ": rank ", c.peers()[d], " sent back ", rows, " rows of expert ",
                 c.sh.pl.expert_on(d, l), " but expert_ids on rank ", c.comm.rank(), " route ", want,
@@ -435,6 +438,7 @@ void plan_layout(Combine& c) {
                 "matching dispatch_v2"));
     }
   }
+  return k;
 }
 
 // The rows phase's buffers.
@@ -469,11 +473,11 @@ std::shared_ptr<std::vector<BackMeta>> back_meta(const Combine& c, int s) {
 // Step 5a, as a source: the receives from every owner that does not share its rows in place:
 // one per block (sized by the owner's own counts), their int8 scales, and without a handle
 // their metadata.
-void post_receives(Combine& c, Exchange& ex, RowsBack& rx) {
+void post_receives(const Combine& c, Exchange& ex, RowsBack& rx) {
   const auto& messages = message_links(c.comm);
   bool need_y = false;
   for (int d = 0; d < c.W; ++d)
-    need_y |= d != c.me && !c.read[d] && c.agrees[d] && c.announced[d] > 0;
+    need_y |= d != c.me && !c.agreed.read[d] && c.layout.agrees[d] && c.layout.announced[d] > 0;
   const int64_t entries = c.sh.BS * c.sh.KS;
   if (need_y) {
     rx.y =
@@ -486,30 +490,31 @@ void post_receives(Combine& c, Exchange& ex, RowsBack& rx) {
     if (d == c.me) continue;
     const Link& from = *messages[c.peers()[d]];
     const int64_t first = c.back->rank_offset[d];
-    if (!c.read[d] && c.announced[d] > 0) {
+    if (!c.agreed.read[d] && c.layout.announced[d] > 0) {
       char* to = nullptr;
       float* scales = nullptr;
-      if (c.agrees[d]) {
+      if (c.layout.agrees[d]) {
         to = rx.y->ptr<char>() + first * c.wire_row;
         if (c.cq) scales = rx.y_scale->data() + first;
       } else {
         rx.discard[d] = std::make_shared<Tensor>(
-            Tensor::empty(DType::kI8, {c.announced[d] * (c.wire_row + 4)}));
+            Tensor::empty(DType::kI8, {c.layout.announced[d] * (c.wire_row + 4)}));
         ex.keep_alive(rx.discard[d]);
         to = rx.discard[d]->ptr<char>();
-        scales = reinterpret_cast<float*>(to + c.announced[d] * c.wire_row);
+        scales = reinterpret_cast<float*>(to + c.layout.announced[d] * c.wire_row);
       }
-      for (std::size_t l = 0, at = 0; l < c.rows_of[d].size(); ++l) {
-        const int64_t rows = c.rows_of[d][l];
+      for (std::size_t l = 0, at = 0; l < c.layout.rows_of[d].size(); ++l) {
+        const int64_t rows = c.layout.rows_of[d][l];
         if (rows > 0) from.get_block(ex, to + at * c.wire_row, rows, rx.row_bytes, kTagCombineRows);
         at += rows;
       }
-      if (c.cq) from.expect(ex, scales, c.announced[d], kTagCombineScales);
+      if (c.cq) from.expect(ex, scales, c.layout.announced[d], kTagCombineScales);
     }
-    if (c.plan || c.announced[d] == 0) continue;
-    rx.meta_in[d] = std::make_shared<std::vector<BackMeta>>(c.announced[d]);
+    if (c.plan || c.layout.announced[d] == 0) continue;
+    rx.meta_in[d] = std::make_shared<std::vector<BackMeta>>(c.layout.announced[d]);
     ex.keep_alive(rx.meta_in[d]);
-    from.get_block(ex, rx.meta_in[d]->data(), c.announced[d], rx.meta_bytes, kTagCombineMeta);
+    from.get_block(ex, rx.meta_in[d]->data(), c.layout.announced[d], rx.meta_bytes,
+                   kTagCombineMeta);
   }
 }
 
@@ -517,7 +522,7 @@ void post_receives(Combine& c, Exchange& ex, RowsBack& rx) {
 // block (l, s), which OpenMPI moves with its single-copy path: straight from expand_x (or the TP
 // sums) when its rows are contiguous, else from the rows in row order (the staging slot, the
 // int8 rows, or a packed copy). This rank's own rows are not sent: its sum reads them in place.
-void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
+void post_sends(const Combine& c, Exchange& ex, const RowsBack& rx) {
   const auto& messages = message_links(c.comm);
   const bool direct = !c.cq && c.src_stride() == c.row_bytes;
   const char* base = c.cq      ? reinterpret_cast<const char*>(c.qrows)
@@ -525,7 +530,8 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
                                : nullptr;
   bool any = false;
   for (int s = 0; s < c.W; ++s)
-    any |= s != c.me && !c.provide[s] && c.route->direct(s) && c.blocks->source_rows[s] > 0;
+    any |= s != c.me && !c.agreed.provide[s] && c.agreed.route->direct(s) &&
+           c.blocks->source_rows[s] > 0;
   if (direct) base = static_cast<const char*>(c.rows_src().data);
   if (!base && any) {
     auto packed = std::make_shared<Tensor>(Tensor::empty(c.sh.dtype, {c.blocks->valid, c.sh.H}));
@@ -543,8 +549,8 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
   for (int s = 0; s < c.W; ++s) {
     if (s == c.me) continue;
     const Link& to = *messages[c.peers()[s]];
-    if (!c.route->direct(s)) continue;  // the route moves its rows
-    if (!c.provide[s] && c.blocks->source_rows[s] > 0) {
+    if (!c.agreed.route->direct(s)) continue;  // the route moves its rows
+    if (!c.agreed.provide[s] && c.blocks->source_rows[s] > 0) {
       auto scales = std::make_shared<std::vector<float>>();
       for (int l = 0; l < c.L; ++l) {
         const int64_t b = int64_t{l} * c.W + s, rows = c.blocks->block_rows[b];
@@ -570,12 +576,13 @@ void post_sends(Combine& c, Exchange& ex, const RowsBack& rx) {
 // Step 5c: where each y_ik lies (and its int8 scale): in this rank's own rows, an owner's window,
 // or y; without a handle, each row's metadata checked against expert_ids first: same (token,
 // slot), same expert (a shared expert s is -1 - s).
-void locate_rows(Combine& c, const RowsBack& rx) {
+Combine::Located locate_rows(const Combine& c, const RowsBack& rx) {
+  Combine::Located loc;
   const EpShape& sh = c.sh;
-  c.yrow.assign(static_cast<std::size_t>(sh.BS * sh.KS), nullptr);
-  if (c.cq) c.yscale.assign(static_cast<std::size_t>(sh.BS * sh.KS), 0.0f);
+  loc.yrow.assign(static_cast<std::size_t>(sh.BS * sh.KS), nullptr);
+  if (c.cq) loc.yscale.assign(static_cast<std::size_t>(sh.BS * sh.KS), 0.0f);
   for (int d = 0; d < c.W; ++d) {
-    if (!c.route->direct(d)) continue;  // the route moves its rows
+    if (!c.agreed.route->direct(d)) continue;  // the route moves its rows
     const int64_t first = c.back->rank_offset[d];
     const int64_t n = c.back->rank_offset[d + 1] - first;
     std::shared_ptr<std::vector<BackMeta>> own;
@@ -584,13 +591,13 @@ void locate_rows(Combine& c, const RowsBack& rx) {
       if (d == c.me) own = back_meta(c, c.me);
       m = d == c.me ? own->data() : n > 0 ? rx.meta_in[d]->data() : nullptr;
     }
-    const Where& w = c.where[d];
-    if (c.read[d])
+    const Where& w = c.agreed.where[d];
+    if (c.agreed.read[d])
       CommInternals::traffic(c.comm).window_bytes[c.peers()[d]] +=
           n * (c.wire_row + (c.cq ? 4 : 0));
     int64_t l = 0, in_block = 0;  // entry j's block l of owner d and its place in it
     for (int64_t j = 0; j < n; ++j, ++in_block) {
-      while (in_block == c.rows_of[d][l]) ++l, in_block = 0;
+      while (in_block == c.layout.rows_of[d][l]) ++l, in_block = 0;
       const int64_t flat = c.back->order[first + j], i = flat / sh.KS, k = flat % sh.KS;
       if (m) {
         const int64_t e = k < sh.K ? index_at(c.in.expert_ids, i, k) : -1 - (k - sh.K);
@@ -603,38 +610,41 @@ void locate_rows(Combine& c, const RowsBack& rx) {
       }
       if (d == c.me) {
         const int64_t row = c.blocks->block_offset[l * c.W + c.me] + in_block;
-        c.yrow[flat] = c.cq ? reinterpret_cast<const char*>(c.qrows) + row * c.wire_row
-                            : row_ptr(c.rows_src(), row);
-        if (c.cq) c.yscale[flat] = c.qscales[row];
-      } else if (c.read[d]) {
-        const int64_t row = c.first_row[d][l] + in_block;
-        const Link& link = *c.shm->link(c.peers()[d]);
-        c.yrow[flat] = link.place(static_cast<int>(w.gen), w.rows + row * w.stride, c.wire_row);
+        loc.yrow[flat] = c.cq ? reinterpret_cast<const char*>(c.qrows) + row * c.wire_row
+                              : row_ptr(c.rows_src(), row);
+        if (c.cq) loc.yscale[flat] = c.qscales[row];
+      } else if (c.agreed.read[d]) {
+        const int64_t row = c.layout.first_row[d][l] + in_block;
+        const Link& link = *c.agreed.shm->link(c.peers()[d]);
+        loc.yrow[flat] = link.place(static_cast<int>(w.gen), w.rows + row * w.stride, c.wire_row);
         if (c.cq)
-          std::memcpy(&c.yscale[flat], link.place(static_cast<int>(w.gen), w.extra + row * 4, 4),
+          std::memcpy(&loc.yscale[flat], link.place(static_cast<int>(w.gen), w.extra + row * 4, 4),
                       4);
       } else {
-        c.yrow[flat] = rx.y->ptr<char>() + (first + j) * c.wire_row;
-        if (c.cq) c.yscale[flat] = (*rx.y_scale)[first + j];
+        loc.yrow[flat] = rx.y->ptr<char>() + (first + j) * c.wire_row;
+        if (c.cq) loc.yscale[flat] = (*rx.y_scale)[first + j];
       }
     }
   }
+  loc.y_keep = rx.y;  // y and the owners' rows must outlive the sum
+  return loc;
 }
 
 // Phase "shm done": tells every owner this rank read from that it is done, and waits until
 // every reader of this rank's rows is done with them (they may be the caller's expand_x, or
 // staging about to be reused). Runs on success and, best effort, on errors after the rows phase.
 void finish_reading(Combine& c) {
-  if (c.finished || !c.shm) return;
+  if (c.finished || !c.agreed.shm) return;
   c.finished = true;
   Exchange ex(c.comm, c.op, "shm done");
   auto flag = std::make_shared<std::vector<int32_t>>(static_cast<std::size_t>(c.W), 0);
   ex.keep_alive(flag);
   for (int q = 0; q < c.W; ++q) {
-    if (q == c.me || !(c.provide[q] || c.read[q])) continue;  // only peers on this machine
-    const Link& link = *c.shm->link(c.peers()[q]);
-    if (c.provide[q]) link.expect(ex, flag->data() + q, 1, kTagShmDone);
-    if (c.read[q]) link.post(ex, flag->data() + c.me, 1, kTagShmDone);
+    if (q == c.me || !(c.agreed.provide[q] || c.agreed.read[q]))
+      continue;  // only peers on this machine
+    const Link& link = *c.agreed.shm->link(c.peers()[q]);
+    if (c.agreed.provide[q]) link.expect(ex, flag->data() + q, 1, kTagShmDone);
+    if (c.agreed.read[q]) link.post(ex, flag->data() + c.me, 1, kTagShmDone);
   }
   ex.wait();
 }
@@ -650,17 +660,15 @@ void abandon(Combine& c, const Error& e) {
 }
 
 // Step 5: the rows phase.
-void move_rows(Combine& c) {
+Combine::Located move_rows(const Combine& c) {
   Exchange ex(c.comm, c.op, "rows");
   RowsBack rx(c);
   post_receives(c, ex, rx);
   post_sends(c, ex, rx);
   ex.wait();
   if (c.perf) ex.add_recv_wait_us(c.perf);
-  if (c.mismatch) throw *c.mismatch;  // every row announced is taken; now the error
-  locate_rows(c, rx);
-  // y and the owners' rows must outlive the sum: y is kept by the caller of this function.
-  c.y_keep = rx.y;
+  if (c.layout.mismatch) throw *c.layout.mismatch;  // every row announced is taken; now the error
+  return locate_rows(c, rx);
 }
 
 // Step 5: the direct rows, then the route's phases. A mismatch of this rank's own rows (its
@@ -670,16 +678,17 @@ void move_rows(Combine& c) {
 void move_all_rows(Combine& c, CombineSum& sum) {
   std::optional<Error> source_error;
   try {
-    move_rows(c);
+    c.located = move_rows(c);
   } catch (const Error& e) {
-    if (!c.route->serves_others() || e.kind() != ErrorKind::kInvalidArgument) {
+    if (!c.agreed.route->serves_others() || e.kind() != ErrorKind::kInvalidArgument) {
       abandon(c, e);
       throw;
     }
     source_error = e;
   }
   try {
-    c.route->move_rows(c, sum, !source_error);  // with source_error, its rows are not located
+    c.agreed.route->move_rows(c, sum,
+                              !source_error);  // with source_error, its rows are not located
   } catch (const Error& e) {
     abandon(c, e);
     if (!source_error || e.kind() != ErrorKind::kInvalidArgument) throw;
@@ -695,7 +704,7 @@ class FullmeshCombine final : public CombineRoute {
   int ranks_per_node() const override { return 0; }
   bool direct(int) const override { return true; }
   bool serves_others() const override { return false; }
-  void move_rows(Combine&, CombineSum&, bool) override {}
+  void move_rows(const Combine&, CombineSum&, bool) override {}
   void sum(const CombineSum& sum) override { combine_sum(sum); }
 };
 
@@ -719,14 +728,16 @@ Tensor run_combine(const CombineInputs& in, const EpConfig& cfg, const char* op,
     check_arguments(c);
     if (!c.world.removed) allocate(c);
   });
-  if (!agree(c)) {  // removed by a scale-in (SPEC §1.7): no part, zeros
+  std::optional<Combine::Agreed> agreed = agree(c);
+  if (!agreed) {  // removed by a scale-in (SPEC §1.7): no part, zeros
     if (!in.out) return Tensor::zeros(c.sh.dtype, {c.sh.BS, c.sh.H});
     check_out(c);
     Tensor out = TensorInternals::view(*in.out);
     if (out.nbytes() > 0) std::memset(out.data(), 0, out.nbytes());
     return out;
   }
-  plan_layout(c);
+  c.agreed = std::move(*agreed);
+  c.layout = plan_layout(c);
   CombineSum sum;
   sum.in = &in;
   sum.mask = c.mask;
@@ -737,9 +748,9 @@ Tensor run_combine(const CombineInputs& in, const EpConfig& cfg, const char* op,
   sum.consts = unit_terms ? 0 : cfg.const_expert_num;
   sum.out = c.out.ptr<char>();
   move_all_rows(c, sum);
-  sum.yrow = c.yrow.data();
-  sum.yscale = c.cq ? c.yscale.data() : nullptr;
-  c.route->sum(sum);
+  sum.yrow = c.located.yrow.data();
+  sum.yscale = c.cq ? c.located.yscale.data() : nullptr;
+  c.agreed.route->sum(sum);
   finish_reading(c);
   return c.out;
 }

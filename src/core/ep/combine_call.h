@@ -1,6 +1,6 @@
 // Internal: one combine_v2 call as its steps see it (combine.cc, the fullmesh route, and
-// relay_combine.cc, the relays of comm_alg "hierarchy"): its arguments and what each step leaves
-// for the next.
+// relay_combine.cc, the relays of comm_alg "hierarchy"): its arguments, its outputs and the value
+// each step returns.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +30,10 @@ struct BackMeta {
 class CombineRoute;
 struct CombineSum;
 
-// One combine_v2 call: its arguments and what each step leaves for the next.
+// One combine_v2 call, the operation: what the caller gave, the rows it serves and the output it
+// writes, and the value each step returns (Agreed, Layout, Located), which the steps after it
+// read. The steps are the functions of combine.cc; run_combine calls them in order and keeps
+// what they return.
 struct Combine {
   const char* op = "combine_v2";  // or the op that runs this route (run_combine)
   // dispatch_v2_backward: every weight is 1 and the special experts add nothing.
@@ -39,11 +42,14 @@ struct Combine {
   const EpConfig& cfg;
   const Communicator& comm;
   const EpPlan* plan = nullptr;  // in.handle's
-  // 1. validate
+  // This rank's header for the agreements, and a failure recorded for them (header.h).
   OpHeader hdr;
   std::optional<Error> local;
+  // Step 1 (check_arguments), fixed from then on: the shapes, the world (W ranks, this rank me,
+  // L local experts).
   EpShape sh;
   World world;
+  int W = 0, L = 0, me = 0;
   int64_t* perf = nullptr;
   bool cq = false;  // comm_quant_mode 2
   const TensorView* mask = nullptr;
@@ -53,8 +59,9 @@ struct Combine {
   const RecvPlan* blocks = nullptr;  // what this rank holds for each source (own part with TP)
   int64_t tp_peer_rows = 0;          // T == 2: rows of the TP peer in expand_x, after its own
   Tensor out;
-  // 2. provide: the rows this rank sends back, in expand_x's row order, and where peers on this
-  // machine read them: expand_x in place (in_gen, in_off), or a staging slot.
+  // Step 2 on (provide, then agree for a staging slot it places): the rows this rank sends back, in
+  // expand_x's row order, and where peers on this machine read them: expand_x in place (in_gen,
+  // in_off), or a staging slot.
   std::shared_ptr<Tensor> rs_out;  // T == 2: the reduce-scattered rows (SPEC §2)
   bool shm_want = false, in_place = false, stage_defer = false;
   int in_gen = -1;
@@ -65,27 +72,37 @@ struct Combine {
   int8_t* qrows = nullptr;              // comm_quant_mode 2: the int8 rows (stage or qback)
   float* qscales = nullptr;             // and their scales
   int64_t row_bytes = 0, wire_row = 0;  // a row in expand_x's dtype; on the way back
-  // 3. agree
-  std::vector<OpHeader> headers;
-  Windows* shm = nullptr;
-  int W = 0, L = 0, me = 0;
-  std::vector<Where> where;        // per world rank: where its rows lie (this machine only)
-  std::vector<char> provide;       // per source: it reads this rank's rows in place
-  std::vector<char> read;          // per owner: this rank reads its rows in place
-  bool finished = false;           // phase "shm done" ran
-  std::shared_ptr<Tensor> y_keep;  // the rows received through MPI, read by the sum
-  // 4. layout: per owner, the first row (in its expand_x) and rows of each block it holds for
-  // this rank; agrees: they are what expert_ids route to it.
-  std::vector<std::vector<int64_t>> first_row, rows_of;
-  std::vector<int64_t> announced;
-  std::vector<char> agrees;
-  std::optional<Error> mismatch;
-  // 5. rows: yrow[i*KS + k]: the row holding y_ik; yscale its int8 scale.
-  std::vector<const char*> yrow;
-  std::vector<float> yscale;
-
-  // How rows reach ranks (chosen in agree): fullmesh, or the relays of comm_alg "hierarchy".
-  std::unique_ptr<CombineRoute> route;
+  // Step 3's value (agree): every rank's header, the windows of this machine and where each of
+  // its ranks' rows lie, who reads whose rows in place, and the route the rows take.
+  struct Agreed {
+    std::vector<OpHeader> headers;  // per world rank
+    Windows* shm = nullptr;         // when the call uses shared memory
+    std::vector<Where> where;       // per world rank: where its rows lie (this machine only)
+    std::vector<char> provide;      // per source: it reads this rank's rows in place
+    std::vector<char> read;         // per owner: this rank reads its rows in place
+    // Fullmesh, or the relays of comm_alg "hierarchy" (relay_combine.cc).
+    std::unique_ptr<CombineRoute> route;
+  };
+  // Step 4's value (plan_layout): per owner, the first row (in its expand_x) and the rows of each
+  // block it holds for this rank, their sum, and whether they are what expert_ids route to it
+  // (the first disagreement: mismatch, raised once every row announced is taken).
+  struct Layout {
+    std::vector<std::vector<int64_t>> first_row, rows_of;
+    std::vector<int64_t> announced;
+    std::vector<char> agrees;
+    std::optional<Error> mismatch;
+  };
+  // Step 5's value (move_rows): yrow[i*KS + k], the row holding y_ik; yscale, its int8 scale;
+  // y_keep, the rows received through MPI, which the sum reads.
+  struct Located {
+    std::vector<const char*> yrow;
+    std::vector<float> yscale;
+    std::shared_ptr<Tensor> y_keep;
+  };
+  Agreed agreed;
+  Layout layout;
+  Located located;
+  bool finished = false;  // phase "shm done" ran
 
   Combine(const CombineInputs& i, const EpConfig& c, const Communicator& m)
       : in(i), cfg(c), comm(m), world(whole_world(m)) {}
@@ -113,7 +130,7 @@ class CombineRoute {
   virtual bool serves_others() const = 0;
   // Step 5, after the direct rows: the route's own phases. `sum` is this call's sum, which it may
   // run on this rank's located rows (`located`) while its transfers travel.
-  virtual void move_rows(Combine& c, CombineSum& sum, bool located) = 0;
+  virtual void move_rows(const Combine& c, CombineSum& sum, bool located) = 0;
   // Step 6: out from the located rows (sum.yrow) and whatever the route moved.
   virtual void sum(const CombineSum& sum) = 0;
 };

@@ -128,7 +128,7 @@ void read_layout(const Combine& c, Relay& r, int g) {
   const int64_t ld = c.sh.pl.local_experts(d);
   const std::vector<int64_t>& v = *r.layout[g];
   r.counts[g].assign(static_cast<std::size_t>(r.N), 0);
-  const bool in_place = d == c.me || c.read[d];
+  const bool in_place = d == c.me || c.agreed.read[d];
   for (int m = 0; m < r.N; ++m)
     for (int64_t l = 0; l < ld; ++l) {
       const int64_t first = v[m * ld + l], rows = v[(r.N + m) * ld + l];
@@ -142,7 +142,7 @@ void read_layout(const Combine& c, Relay& r, int g) {
     }
 }
 
-void exchange_weights(Combine& c, Relay& r) {
+void exchange_weights(const Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
   constexpr int64_t entry = sizeof(RelayEntry);
   Exchange ex(c.comm, c.op, "relay weights");
@@ -151,7 +151,7 @@ void exchange_weights(Combine& c, Relay& r) {
   for (int s = 0; s < c.W; ++s) {  // as a relay: the weights of every source it serves
     if (!r.nd.relayed(s) || r.nd.relay_of(s) != c.me) continue;
     r.weights[s] = std::make_shared<std::vector<RelayEntry>>(
-        static_cast<std::size_t>(c.headers[s].BS * c.sh.KS));  // at most; the message says
+        static_cast<std::size_t>(c.agreed.headers[s].BS * c.sh.KS));  // at most; the message says
     ex.keep_alive(r.weights[s]);
     messages[c.peers()[s]]->get_block(ex, r.weights[s]->data(),
                                       static_cast<int64_t>(r.weights[s]->size()), entry,
@@ -227,14 +227,14 @@ int64_t pack_for_relay(const Combine& c, int g, const Relay& r, bool rows_too,
   return total;
 }
 
-void exchange_rows(Combine& c, Relay& r) {
+void exchange_rows(const Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
   const int64_t row_bytes = c.wire_row, meta_bytes = sizeof(BackMeta);
   Exchange ex(c.comm, c.op, "relay rows");
   for (int g = 0; g < r.nd.G; ++g) {
     const int d = r.node * r.nd.G + g;
-    const bool in_place = d == c.me || c.read[d];  // as a relay: where owner d's rows lie
-    std::shared_ptr<Tensor> rows;                  // as an owner: what it sends relay g
+    const bool in_place = d == c.me || c.agreed.read[d];  // as a relay: where owner d's rows lie
+    std::shared_ptr<Tensor> rows;                         // as an owner: what it sends relay g
     std::shared_ptr<std::vector<float>> scales;
     std::shared_ptr<std::vector<BackMeta>> meta;
     if (d == c.me) {  // as an owner for itself as a relay: the checks, in place
@@ -259,7 +259,7 @@ void exchange_rows(Combine& c, Relay& r) {
       ex.keep_alive(r.meta[g]);
       link.get_block(ex, r.meta[g]->data(), in_rows, meta_bytes, kTagRelayBack);
     }
-    const int64_t out_rows = pack_for_relay(c, g, r, !c.provide[d], rows, scales, meta);
+    const int64_t out_rows = pack_for_relay(c, g, r, !c.agreed.provide[d], rows, scales, meta);
     if (out_rows == 0) continue;
     if (rows) {
       ex.keep_alive(rows);
@@ -287,9 +287,9 @@ struct OwnerRows {
     const int d = r.node * r.nd.G + g;
     const int64_t at = r.at[g][j];
     if (d == c.me) return own_row(c, at);
-    const Where& w = c.where[d];
+    const Where& w = c.agreed.where[d];
     traffic.window_bytes[c.peers()[d]] += c.wire_row + (c.cq ? 4 : 0);
-    return c.shm->link(c.peers()[d])
+    return c.agreed.shm->link(c.peers()[d])
         ->place(static_cast<int>(w.gen), w.rows + at * w.stride, c.wire_row);
   }
   float scale(int g, int64_t j) const {
@@ -299,10 +299,11 @@ struct OwnerRows {
     const int64_t at = r.at[g][j];
     if (d == c.me) return c.qscales[at];
     float v;
-    std::memcpy(&v,
-                c.shm->link(c.peers()[d])
-                    ->place(static_cast<int>(c.where[d].gen), c.where[d].extra + at * 4, 4),
-                4);
+    std::memcpy(
+        &v,
+        c.agreed.shm->link(c.peers()[d])
+            ->place(static_cast<int>(c.agreed.where[d].gen), c.agreed.where[d].extra + at * 4, 4),
+        4);
     return v;
   }
 };
@@ -311,7 +312,7 @@ struct OwnerRows {
 // (null row: none came). Returns the first disagreement as a status (all 0: none).
 std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
                                   std::vector<PartialTerm>& terms) {
-  const int64_t KS = c.sh.KS, bs = c.headers[s].BS, m = s / r.nd.G;
+  const int64_t KS = c.sh.KS, bs = c.agreed.headers[s].BS, m = s / r.nd.G;
   std::vector<PartialTerm> at(static_cast<std::size_t>(bs * KS), PartialTerm{nullptr, 0, 0, false});
   const OwnerRows rows{c, r, CommInternals::traffic(c.comm)};
   std::vector<int32_t> expert(at.size(), kNone);
@@ -463,7 +464,7 @@ void check_partials(const Combine& c, const Relay& r, int n, const std::vector<i
          "rank ", c.comm.rank(), " has on node ", n, " (please report this bug)");
 }
 
-void exchange_partials(Combine& c, Relay& r) {
+void exchange_partials(const Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
   const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H, chunk = chunk_tokens(c);
   const int64_t row_bytes = prow;
@@ -516,7 +517,7 @@ void exchange_partials(Combine& c, Relay& r) {
 }
 
 // The phases, given the relays' state with its nodes set.
-void relay_partials(Combine& c, Relay& r) {
+void relay_partials(const Combine& c, Relay& r) {
   r.N = r.nd.count(c.W);
   r.node = r.nd.node();
   r.out_weights.resize(static_cast<std::size_t>(r.N));
@@ -544,7 +545,7 @@ class RelayCombine final : public CombineRoute {
   bool direct(int d) const override { return !nd_.relayed(d); }
   bool serves_others() const override { return true; }
   // The phases' state lives for them alone; the partials (and their tokens) stay for the sum.
-  void move_rows(Combine& c, CombineSum& sum, bool located) override {
+  void move_rows(const Combine& c, CombineSum& sum, bool located) override {
     np_.G = nd_.G;
     np_.node = nd_.node();
     np_.int8 = c.cq;
@@ -553,8 +554,8 @@ class RelayCombine final : public CombineRoute {
     r.nd = nd_;
     if (located)
       r.meanwhile = [&](const std::function<void()>& progress) {
-        sum.yrow = c.yrow.data();
-        sum.yscale = c.cq ? c.yscale.data() : nullptr;
+        sum.yrow = c.located.yrow.data();
+        sum.yscale = c.cq ? c.located.yscale.data() : nullptr;
         const int64_t H = c.sh.H,
                       slice = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(H, 1));
         own_.resize(static_cast<std::size_t>(c.sh.BS * H));
