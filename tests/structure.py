@@ -16,7 +16,9 @@ never <mpi.h>, and name no MPI type or function; nor does the interface. ref/ (t
 shares no code with what it checks; tools/, python/src/ and examples/ use the public API only.
 The ops' steps and call state (dispatch.cc, combine.cc and their *_call.h) know routes only
 through DispatchRoute / CombineRoute: the nodes of comm_alg "hierarchy" (core/ep/route.h) are the
-relay routes' own. Exits 1 naming every offence.
+relay routes' own. Their steps take and return typed values: only the steps that make the
+outputs (and the sequencing ones) take the call (Dispatch, Combine) as a mutable reference;
+every other takes it const. Exits 1 naming every offence.
 """
 import pathlib
 import re
@@ -56,6 +58,24 @@ ROUTE_USERS = ("src/core/ep/dispatch.cc", "src/core/ep/combine.cc", "src/core/ep
                "src/core/ep/combine_call.h")
 ROUTE_HEADER = "core/ep/route.h"
 RELAY_NAME = re.compile(r"\b(Nodes|relayed|relay_on|relay_of)\b")
+# The functions that may take the call state mutably, per file: the outputs and the memory they
+# live in (validation, allocation, the agreements that place a slot, the send buffer, the end),
+# and the sequencing of the steps. Every other function of these files takes it const.
+MUTABLE_CALL = {
+    "src/core/ep/dispatch.cc": {"check_arguments", "allocate_expand_x", "allocate_rows",
+                                "allocate", "take_deferred_slot", "agree", "agree_on_sizes",
+                                "allocate_send_buffer", "finish"},
+    "src/core/ep/combine.cc": {"check_sum_inputs", "plan_from_tensors", "plan_from_handle",
+                               "check_arguments", "allocate", "provide_rows", "agree",
+                               "finish_reading", "abandon", "move_all_rows"},
+    "src/core/ep/relay_dispatch.cc": set(),
+    "src/core/ep/relay_combine.cc": set(),
+    "src/core/ep/dispatch_call.h": set(),
+    "src/core/ep/combine_call.h": set(),
+}
+# A function's name and parameter list, then its body or the end of its declaration.
+SIGNATURE = re.compile(r"\b(\w+)\s*\(([^()]*)\)\s*(?:const\s*)?(?:override\s*)?(?:=\s*0\s*)?[{;]")
+MUTABLE_PARAM = re.compile(r"(?<!const )\b(Dispatch|Combine)\s*&")
 
 
 def files_under(root, d):
@@ -79,6 +99,7 @@ def layering(root):
                                f"({d} may include only {', '.join(sorted(allowed))})")
     bad += transport_seam(root)
     bad += route_seam(root)
+    bad += call_state(root)
     for f in files_under(root, "src"):
         rel = f.relative_to(root).as_posix()
         for n, line in enumerate(f.read_text().splitlines(), 1):
@@ -131,6 +152,24 @@ def route_seam(root):
         for n, line in enumerate(strip(text).splitlines(), 1):
             for m in RELAY_NAME.finditer(line):
                 bad.append(f"{rel}:{n}: names {m.group(1)} (a branch on nodes belongs in a route)")
+    return bad
+
+
+def call_state(root):
+    """The steps read the call's earlier values and return their own: a function outside
+    MUTABLE_CALL that takes Dispatch& or Combine& (not const) is reported."""
+    bad = []
+    for rel, allowed in MUTABLE_CALL.items():
+        f = root / rel
+        if not f.exists():
+            continue
+        text = strip(f.read_text())
+        for m in SIGNATURE.finditer(text):
+            if m.group(1) in allowed or not MUTABLE_PARAM.search(m.group(2)):
+                continue
+            n = text.count("\n", 0, m.start()) + 1
+            bad.append(f"{rel}:{n}: {m.group(1)} takes the call mutably (a step returns its value; "
+                       f"only the outputs' steps may change the call: MUTABLE_CALL)")
     return bad
 
 
@@ -219,7 +258,11 @@ def selftest():
         "src/base/f.cc": "void f(int x) {\n" + long_body + "\n}\n",
         "src/core/ep/dispatch.cc": '#include "core/ep/route.h"\n// relayed() in a comment\n'
                                    'bool f(const Nodes& n) { return n.relay_of(1) > 0; }\n',
-        "src/core/ep/relay_dispatch.cc": '#include "core/ep/route.h"\nNodes fine;\n',
+        "src/core/ep/relay_dispatch.cc": '#include "core/ep/route.h"\nNodes fine;\n'
+                                         'void ok(const Dispatch& c) {}\n'
+                                         'int links(int w, Dispatch& c) { return w; }\n',
+        "src/core/ep/combine.cc": 'void agree(Combine& c) {}\n'
+                                  'void sum(const CombineSum& s, Combine &c);\n',
     }
     want = ["a.cc:1: includes the concrete transport", "a.cc:2: includes <mpi.h>",
             "a.cc:5: names MPI_Comm", "b.cc:1: includes the concrete transport",
@@ -227,7 +270,8 @@ def selftest():
             "i.h:2: names MPI_Request",
             "k.cc:1: includes \"core/ep/plan.h\"", "f.cc:1: f spans",
             "dispatch.cc:1: includes \"core/ep/route.h\"", "dispatch.cc:3: names Nodes",
-            "dispatch.cc:3: names relay_of"]
+            "dispatch.cc:3: names relay_of", "relay_dispatch.cc:4: links takes the call mutably",
+            "combine.cc:2: sum takes the call mutably"]
     with tempfile.TemporaryDirectory() as d:
         root = pathlib.Path(d)
         for rel, text in plants.items():

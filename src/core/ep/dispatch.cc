@@ -961,15 +961,20 @@ void land_each_source(const Dispatch& c, Exchange& ex, RowsPhase& rx) {
   if (c.perf) ex.add_recv_wait_us(c.perf);
 }
 
+// Step 4, quant_mode 2: the int8 rows' send buffer, when some destination takes messages and
+// allocate() left it to this step (with shared memory most rows are quantised in place).
+void allocate_send_buffer(Dispatch& c) {
+  if (c.quant && c.links.any_message_to && !c.qsend)
+    c.qsend = std::make_shared<Tensor>(
+        Tensor::empty(DType::kI8, {static_cast<int64_t>(c.send().order.size()) * c.sh.H}));
+}
+
 // Step 4: the rows phase. With shared memory the sender writes the rows and their metadata
 // itself, then sends their count, which announces them (a message of 8 bytes instead of 16 per
 // row: such a message of a few thousand rows went through MPI's rendezvous, which stalled about
 // 0.25 ms in half the calls).
-void move_rows(Dispatch& c) {
+void move_rows(const Dispatch& c) {
   Quantiser qz(c);
-  if (c.quant && c.links.any_message_to && !c.qsend)  // allocate() left it to this step
-    c.qsend = std::make_shared<Tensor>(
-        Tensor::empty(DType::kI8, {static_cast<int64_t>(c.send().order.size()) * c.sh.H}));
   if (c.quant) quantise_for_messages(c, qz);
   c.agreed.route->before_rows(c);
   Exchange ex(c.comm, c.op, "rows");
@@ -1118,6 +1123,7 @@ DispatchOutputs run_dispatch(const DispatchInputs& in, const EpConfig& cfg, cons
   if (c.plan) c.plan->id = id;
   if (c.sized_late) agree_on_sizes(c);
   c.links = choose_links(c);
+  allocate_send_buffer(c);
   move_rows(c);
   finish(c);
   return std::move(c.out);
