@@ -815,6 +815,11 @@ set_tests_properties(cli.plan.matches_measured_bytes PROPERTIES ENVIRONMENT "${M
                                                                  TIMEOUT 300 PROCESSORS 4)
 cli_expect_output(plan_deepseek "inter-node byte ratio hierarchy/fullmesh: dispatch [0-9.]+, combine [0-9.]+"
                   "${_exe} plan --preset deepseek-v3 --ranks 256 --ranks-per-node 16")
+# DeepSeek-V3's node-limited routing: its 8 groups of 32 experts on 8 nodes, each token in 4.
+cli_expect_output(plan_node_limited "group-limited: 8 groups of 32 experts, each token in at most 4.*a group is a node's experts"
+                  "${_exe} plan --preset deepseek-v3 --ranks 64 --ranks-per-node 8 --tokens 64")
+cli_expect_error(plan_groups_misfit "moe-ep plan: --n-group 3 --topk-group 3: n_group 3 does not divide E = 256 experts"
+                 "${_exe} plan --n-group 3 --ranks 64 --ranks-per-node 8")
 # Ranks given other options (each would compute other data, or take other steps) are named at
 # once, on every rank.
 cli_expect_error(options_differ

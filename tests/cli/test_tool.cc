@@ -355,6 +355,142 @@ std::string error_of(F&& f) {
   return "";
 }
 
+// DeepSeek-V3's group-limited gate, written out from its published router (transformers'
+// DeepseekV3TopkRouter with e_score_correction_bias 0): sigmoid scores, each group's two best
+// summed, the topk_group best groups (ties: the lower), the top-k scores inside them (ties: the
+// lower id), weights normalised over the top-k and scaled.
+TEST(Routing, GroupLimitedGateIsDeepSeekV3s) {
+  Preset layer = *find_preset("deepseek-v3");
+  layer.hidden = 32;
+  ASSERT_EQ(layer.n_group, 8);
+  ASSERT_EQ(layer.topk_group, 4);
+  const int64_t H = layer.hidden, E = layer.experts, K = layer.top_k, N = 64, S = E / 8;
+  const Router router(layer, RoutingKind::kGate, 11, {});
+  const auto x = make_tokens(11, 0, N, H, DType::kF32);
+  std::vector<int32_t> ids(N * K);
+  std::vector<float> scales(N * K);
+  router.route(0, N, x.data(), DType::kF32, ids.data(), scales.data());
+  const Counter wr(11, Stream::kRouterMatrix, 0);  // Wr as routing.h documents it
+  const float* xf = reinterpret_cast<const float*>(x.data());
+  for (int64_t i = 0; i < N; ++i) {
+    std::vector<float> logit(E, 0.0f);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t e = 0; e < E; ++e)
+        logit[e] += xf[i * H + h] * (wr.uniform(h * E + e) / std::sqrt(static_cast<float>(H)));
+    std::vector<double> score(E);
+    for (int64_t e = 0; e < E; ++e) score[e] = 1.0 / (1.0 + std::exp(-double{logit[e]}));
+    std::vector<std::pair<double, int64_t>> groups;
+    for (int64_t g = 0; g < 8; ++g) {
+      std::vector<double> v(score.begin() + g * S, score.begin() + (g + 1) * S);
+      std::sort(v.rbegin(), v.rend());
+      groups.push_back({-(v[0] + v[1]), g});
+    }
+    std::sort(groups.begin(), groups.end());
+    std::vector<std::pair<double, int64_t>> candidates;
+    for (int t = 0; t < 4; ++t)
+      for (int64_t e = groups[t].second * S; e < (groups[t].second + 1) * S; ++e)
+        candidates.push_back({-score[e], e});
+    std::sort(candidates.begin(), candidates.end());
+    double sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += -candidates[k].first;
+    for (int64_t k = 0; k < K; ++k) {
+      EXPECT_EQ(ids[i * K + k], candidates[k].second) << "token " << i << ", slot " << k;
+      EXPECT_NEAR(scales[i * K + k], -candidates[k].first / sum * 2.5, 1e-6);
+    }
+  }
+}
+
+// The node-limited draw (routing.h): a group with probability its share of p, then experts from
+// p inside it, so with one group per token and K = 1 the experts still follow p; with K = 2 and
+// groups of 2 every token takes both experts of one group, each group as often as its share.
+TEST(Routing, NodeLimitedDrawKeepsTheDataAndItsGroups) {
+  Preset layer = *find_preset("mixtral-8x7b");
+  layer.hidden = 1;
+  layer.n_group = 4;
+  layer.topk_group = 1;
+  const auto p = load_real_distribution({routing_csv(), "mistral", "c4", 7}, 8, 1).p;
+  const int64_t N = 40000;
+  const std::vector<std::byte> x(static_cast<size_t>(N) * 2);
+  for (const int64_t K : {1, 2}) {
+    layer.top_k = K;
+    const Router router(layer, RoutingKind::kReal, 0, p);
+    std::vector<int32_t> ids(N * K);
+    std::vector<float> scales(N * K);
+    router.route(0, N, x.data(), DType::kBF16, ids.data(), scales.data());
+    std::vector<double> freq(8, 0);
+    for (int64_t i = 0; i < N; ++i) {
+      for (int64_t k = 0; k < K; ++k) freq[ids[i * K + k]] += 1.0 / N;
+      if (K == 2) {
+        EXPECT_EQ(ids[i * K] / 2, ids[i * K + 1] / 2) << "token " << i;
+      }
+    }
+    for (int e = 0; e < 8; ++e) {
+      const double want = K == 1 ? p[e] : p[e / 2 * 2] + p[e / 2 * 2 + 1];
+      EXPECT_NEAR(freq[e], want, 0.01) << "K " << K << ", expert " << e;
+    }
+  }
+  // deepseek-v3's uniform and real draws: at most topk_group = 4 groups of 32 per token.
+  Preset ds = *find_preset("deepseek-v3");
+  ds.hidden = 1;
+  const auto real = load_real_distribution({routing_csv(), "olmoe", "c4", 7}, 256, 8).p;
+  for (const RoutingKind kind : {RoutingKind::kUniform, RoutingKind::kReal}) {
+    const Router router(ds, kind, 3, kind == RoutingKind::kReal ? real : std::vector<double>{});
+    const int64_t M = 2000;
+    const std::vector<std::byte> xs(static_cast<size_t>(M) * 2);
+    std::vector<int32_t> ids(M * 8);
+    std::vector<float> scales(M * 8);
+    router.route(0, M, xs.data(), DType::kBF16, ids.data(), scales.data());
+    std::set<int32_t> all_groups;
+    for (int64_t i = 0; i < M; ++i) {
+      std::set<int32_t> groups;
+      for (int64_t k = 0; k < 8; ++k) groups.insert(ids[i * 8 + k] / 32);
+      EXPECT_LE(groups.size(), 4u) << "token " << i;
+      all_groups.insert(groups.begin(), groups.end());
+    }
+    EXPECT_EQ(all_groups.size(), 8u);  // every group is reached by some token
+  }
+}
+
+TEST(Presets, GroupsMustFitTheLayer) {
+  const Preset ds = layer_of("moe-ep run", "deepseek-v3", {});
+  EXPECT_TRUE(ds.group_limited());
+  EXPECT_NE(describe_scoring(ds).find("group-limited: 8 groups of 32 experts"), std::string::npos);
+  // The preset's 8 groups on 12 experts do not fit: dropped, and said.
+  LayerOverrides twelve;
+  twelve.experts = 12;
+  const Preset small = layer_of("moe-ep run", "deepseek-v3", twelve);
+  EXPECT_FALSE(small.group_limited());
+  EXPECT_NE(describe_scoring(small).find(
+                "not group-limited: the preset's n_group 8 does not divide E = 12 experts"),
+            std::string::npos)
+      << describe_scoring(small);
+  twelve.experts = 16;  // 4 groups of 2 hold K = 8: kept
+  EXPECT_TRUE(layer_of("moe-ep run", "deepseek-v3", twelve).group_limited());
+  LayerOverrides one;  // --n-group 1 alone: no limit (topk_group follows it down)
+  one.n_group = 1;
+  EXPECT_FALSE(layer_of("moe-ep run", "deepseek-v3", one).group_limited());
+  // Given ones that do not fit: an error naming the flags and the bound.
+  LayerOverrides o;
+  o.n_group = 3;
+  EXPECT_NE(error_of([&] {
+              layer_of("moe-ep plan", "deepseek-v3", o);
+            }).find("moe-ep plan: --n-group 3 --topk-group 3: n_group 3 does not divide E = 256"),
+            std::string::npos);
+  o.n_group = 8;
+  o.topk_group = 9;
+  EXPECT_NE(error_of([&] {
+              layer_of("moe-ep run", "deepseek-v3", o);
+            }).find("topk_group 9 is not in [1, n_group 8]"),
+            std::string::npos);
+  o.topk_group = 1;  // 1 group of 32 holds K = 8: fine
+  EXPECT_TRUE(layer_of("moe-ep run", "deepseek-v3", o).group_limited());
+  o.n_group = 64;  // 1 group of 4 < K = 8
+  EXPECT_NE(error_of([&] {
+              layer_of("moe-ep run", "deepseek-v3", o);
+            }).find("topk_group 1 groups of 4 experts hold fewer than K = 8"),
+            std::string::npos);
+}
+
 TEST(Checks, IntegerFlagsNameTheBoundAndTheValue) {
   EXPECT_EQ(check_integer("64", 0, 100), "");
   EXPECT_EQ(check_integer("+7", 0, 100), "");

@@ -25,6 +25,7 @@ struct BenchOptions {
   // Overrides of the preset. hidden: default 7168 with the default preset (the target
   // configuration), else the preset's.
   std::optional<int64_t> hidden, experts, top_k;
+  std::optional<int64_t> n_group, topk_group;  // group-limited routing (presets.h)
   bool preset_given = false;
   std::string dtype = "bf16";
   uint64_t seed = 0;

@@ -107,7 +107,8 @@ Setup plan_bench(const BenchOptions& o, int64_t W, int64_t rank, int node_ranks)
   const std::optional<int64_t> hidden = o.hidden         ? o.hidden
                                         : o.preset_given ? std::nullopt
                                                          : std::optional<int64_t>(kTargetHidden);
-  s.layer = layer_of("moe-ep bench", o.preset, {hidden, o.experts, o.top_k, std::nullopt, 0});
+  s.layer = layer_of("moe-ep bench", o.preset,
+                     {hidden, o.experts, o.top_k, std::nullopt, 0, o.n_group, o.topk_group});
   s.dtype = parse_float_dtype(o.dtype);
   s.kind = o.routing == "gate"      ? RoutingKind::kGate
            : o.routing == "uniform" ? RoutingKind::kUniform

@@ -79,6 +79,15 @@ void add_run_layer_options(CLI::App* run, RunOptions& o) {
       ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
   run->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
       ->check(integer(1, kMaxExperts));
+  run->add_option("--n-group", o.n_group,
+                  "routing groups: the experts form this many groups of E / n_group consecutive "
+                  "experts, and each token routes into --topk-group of them (DeepSeek-V3's "
+                  "n_group; default: the preset's, 8 for deepseek-v3, else 1: no limit)")
+      ->check(integer(1, kMaxExperts));
+  run->add_option("--topk-group", o.topk_group,
+                  "groups each token routes into (DeepSeek-V3's topk_group; default: the "
+                  "preset's, 4 for deepseek-v3)")
+      ->check(integer(1, kMaxExperts));
   run->add_option("--ffn", o.ffn, "override the preset's expert intermediate size FFN")
       ->check(integer(1, kMaxDim));
   run->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
@@ -248,6 +257,15 @@ void add_plan_options(CLI::App* plan, PlanOptions& o) {
       ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
   plan->add_option("--top-k", o.top_k, "override the preset's top-k K")
       ->check(integer(1, kMaxExperts));
+  plan->add_option("--n-group", o.n_group,
+                   "routing groups: the experts form this many groups of E / n_group consecutive "
+                   "experts, and each token routes into --topk-group of them (DeepSeek-V3's "
+                   "n_group; default: the preset's, 8 for deepseek-v3, else 1: no limit)")
+      ->check(integer(1, kMaxExperts));
+  plan->add_option("--topk-group", o.topk_group,
+                   "groups each token routes into (DeepSeek-V3's topk_group; default: the "
+                   "preset's, 4 for deepseek-v3)")
+      ->check(integer(1, kMaxExperts));
   plan->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   plan->add_option("--quant", o.quant, "dispatch rows: none (default) or int8")
@@ -292,6 +310,17 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
   bench->add_option("--experts", o.experts, "override the preset's number of experts E")
       ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
   bench->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
+      ->check(integer(1, kMaxExperts));
+  bench
+      ->add_option("--n-group", o.n_group,
+                   "routing groups: the experts form this many groups of E / n_group consecutive "
+                   "experts, and each token routes into --topk-group of them (DeepSeek-V3's "
+                   "n_group; default: the preset's, 8 for deepseek-v3, else 1: no limit)")
+      ->check(integer(1, kMaxExperts));
+  bench
+      ->add_option("--topk-group", o.topk_group,
+                   "groups each token routes into (DeepSeek-V3's topk_group; default: the "
+                   "preset's, 4 for deepseek-v3)")
       ->check(integer(1, kMaxExperts));
   bench->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));

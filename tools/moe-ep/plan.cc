@@ -89,7 +89,8 @@ double link_ms(const Model& m, const std::vector<double>& v, double gbit) {
 int plan_command(const PlanOptions& o) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const Preset layer = layer_of("moe-ep plan", o.preset, {o.hidden, o.experts, o.top_k, {}, 0});
+  const Preset layer = layer_of("moe-ep plan", o.preset,
+                                {o.hidden, o.experts, o.top_k, {}, 0, o.n_group, o.topk_group});
   const int64_t W = o.ranks, G = o.ranks_per_node, E = layer.experts;
   if (W % G != 0)
     throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
@@ -136,6 +137,21 @@ int plan_command(const PlanOptions& o) {
       (long long)W, (long long)(W / G), (long long)G, (long long)m.T, o.quant.c_str(),
       o.comm_quant.c_str());
   print_wrapped("routing: " + routing + ", seed " + std::to_string(o.seed), 2);
+  if (layer.group_limited()) {
+    const int64_t S = E / layer.n_group, node = G * m.L;  // experts per group, per node
+    print_wrapped(
+        "group-limited: " + std::to_string(layer.n_group) + " groups of " + std::to_string(S) +
+            " experts, each token in at most " + std::to_string(layer.topk_group) +
+            " (drawn by their experts' share); " +
+            (S == node       ? std::string("a group is a node's experts")
+             : S % node == 0 ? "a group spans " + std::to_string(S / node) + " nodes"
+             : node % S == 0 ? "a node holds " + std::to_string(node / S) + " groups"
+                             : "groups straddle nodes (" + std::to_string(S) +
+                                   " experts per group, " + std::to_string(node) + " per node)"),
+        2);
+  } else if (!layer.groups_dropped.empty()) {
+    print_wrapped("not group-limited: " + layer.groups_dropped, 2);
+  }
   std::printf("bytes each rank sends to other nodes per call, MB (mean / max over ranks):\n");
   std::printf("  %-10s %-22s %-22s %s\n", "op", "fullmesh", "hierarchy", "hierarchy/fullmesh");
   const double rd = mean(t.hierarchy_dispatch) / std::max(1.0, mean(t.fullmesh_dispatch));

@@ -25,6 +25,7 @@ struct PlanOptions {
   int64_t ranks_per_node = 16;  // G; W % G == 0
   int64_t tokens = 512;         // per rank
   std::optional<int64_t> hidden, experts, top_k;
+  std::optional<int64_t> n_group, topk_group;  // group-limited routing (presets.h)
   std::string dtype = "bf16";
   std::string quant = "none";       // dispatch rows as int8 (H + 4 B)
   std::string comm_quant = "none";  // combine rows and partials as int8

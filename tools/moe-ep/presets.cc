@@ -1,5 +1,6 @@
 #include "presets.h"
 
+#include <algorithm>
 #include <sstream>
 
 #include "moe_ep/error.h"
@@ -10,15 +11,16 @@ const std::vector<Preset>& presets() {
   // Shapes and routers from the models' published configs: OLMoE-1B-7B-0924 (norm_topk_prob
   // false), Mixtral-8x7B-v0.1 (softmax over the top-2 logits), Qwen3-30B-A3B (norm_topk_prob true),
   // DeepSeek-V3 (sigmoid scores, norm_topk_prob true, routed_scaling_factor 2.5, one shared
-  // expert of moe_intermediate_size 2048).
+  // expert of moe_intermediate_size 2048, n_group 8, topk_group 4).
   static const std::vector<Preset> kPresets = {
       {"olmoe", 2048, 64, 8, 1024, Scoring::kSoftmax, false, 1.0, "olmoe", "", 0},
       {"mixtral-8x7b", 4096, 8, 2, 14336, Scoring::kSoftmax, true, 1.0, "mistral", "", 0},
       {"qwen3-30b-a3b", 2048, 128, 8, 768, Scoring::kSoftmax, true, 1.0, "olmoe", "", 0},
       {"deepseek-v3", 7168, 256, 8, 2048, Scoring::kSigmoid, true, 2.5, "olmoe",
-       "group-limited routing is not modelled; its shared expert (FFN = the experts' FFN) runs "
-       "on every rank and enters combine_v2 as shared_expert_x, or on --shared-expert-ranks",
-       1},
+       "its shared expert (FFN = the experts' FFN) runs on every rank and enters combine_v2 as "
+       "shared_expert_x, or on --shared-expert-ranks; the router has no trained bias "
+       "(e_score_correction_bias 0)",
+       1, 8, 4},
   };
   return kPresets;
 }
@@ -35,8 +37,32 @@ std::string describe_scoring(const Preset& preset) {
   s << (preset.scoring == Scoring::kSoftmax ? "softmax over all experts" : "sigmoid");
   s << (preset.normalise_top_k ? ", normalised over the top-k" : ", not normalised over the top-k");
   if (preset.scaling != 1.0) s << ", x" << preset.scaling;
+  if (preset.group_limited())
+    s << "; group-limited: " << preset.n_group << " groups of " << preset.experts / preset.n_group
+      << " experts, each token in the " << preset.topk_group
+      << " whose two best scores sum highest";
+  if (!preset.groups_dropped.empty()) s << "; not group-limited: " << preset.groups_dropped;
   return s.str();
 }
+
+namespace {
+
+// Why n_group and topk_group do not fit the layer (empty: they do).
+std::string groups_misfit(const Preset& l) {
+  const std::string groups = "n_group " + std::to_string(l.n_group);
+  if (l.n_group < 1) return groups + " is below 1";
+  if (l.experts % l.n_group != 0)
+    return groups + " does not divide E = " + std::to_string(l.experts) + " experts";
+  if (l.topk_group < 1 || l.topk_group > l.n_group)
+    return "topk_group " + std::to_string(l.topk_group) + " is not in [1, " + groups + "]";
+  if (l.topk_group * (l.experts / l.n_group) < l.top_k)
+    return "topk_group " + std::to_string(l.topk_group) + " groups of " +
+           std::to_string(l.experts / l.n_group) +
+           " experts hold fewer than K = " + std::to_string(l.top_k);
+  return "";
+}
+
+}  // namespace
 
 Preset layer_of(const std::string& command, const std::string& name, const LayerOverrides& o) {
   const Preset* p = find_preset(name);
@@ -50,6 +76,20 @@ Preset layer_of(const std::string& command, const std::string& name, const Layer
   layer.top_k = o.top_k.value_or(layer.top_k);
   layer.ffn = o.ffn.value_or(layer.ffn);
   layer.shared_experts = o.shared_experts.value_or(layer.shared_experts);
+  layer.n_group = o.n_group.value_or(layer.n_group);
+  // --n-group alone keeps the preset's topk_group where it fits (--n-group 1: no limit).
+  layer.topk_group = o.topk_group.value_or(std::min(layer.topk_group, layer.n_group));
+  const std::string misfit = groups_misfit(layer);
+  if (!misfit.empty() && (o.n_group || o.topk_group))
+    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                        command + ": --n-group " + std::to_string(layer.n_group) +
+                            " --topk-group " + std::to_string(layer.topk_group) + ": " + misfit +
+                            " (n_group groups of E / n_group consecutive experts; each token "
+                            "routes into topk_group of them)");
+  if (!misfit.empty()) {
+    layer.groups_dropped = "the preset's " + misfit;
+    layer.n_group = layer.topk_group = 1;
+  }
   return layer;
 }
 

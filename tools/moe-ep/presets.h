@@ -25,6 +25,16 @@ struct Preset {
   std::string routing_model;     // default --routing-model (a model of the real-routing data)
   std::string note;              // what the preset leaves out, for --help and the output
   int64_t shared_experts = 0;    // Ns: shared experts (FFN = the routed experts' FFN)
+  // Group-limited (node-limited) routing, DeepSeek-V3's n_group and topk_group: the E experts
+  // form n_group groups of E / n_group consecutive experts, and each token routes into at most
+  // topk_group of them (n_group 1: no limit). Expert placement being contiguous (SPEC §1.2), a
+  // group is a node's experts when n_group is the number of nodes.
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  // Set by layer_of when the preset's groups do not fit an overridden E or K: why the routing is
+  // not group-limited.
+  std::string groups_dropped = {};
+  bool group_limited() const { return n_group > 1 && topk_group < n_group; }
 };
 
 const std::vector<Preset>& presets();
@@ -32,12 +42,16 @@ const std::vector<Preset>& presets();
 const Preset* find_preset(const std::string& name);
 // The layer of `command` ("moe-ep run"): preset `name` with the given H, E and K (nullopt: the
 // preset's). Throws moe_ep::Error(kInvalidArgument) "<command>: unknown preset '<name>'".
+// n_group and topk_group (--n-group, --topk-group) must fit the layer: E % n_group == 0,
+// 1 <= topk_group <= n_group and topk_group * E / n_group >= K, else the same error names the
+// flag; a preset's own groups that do not fit an overridden E or K are dropped (groups_dropped).
+// n_group alone keeps the preset's topk_group, at most n_group.
 struct LayerOverrides {
-  std::optional<int64_t> hidden, experts, top_k, ffn, shared_experts;
+  std::optional<int64_t> hidden, experts, top_k, ffn, shared_experts, n_group, topk_group;
 };
 Preset layer_of(const std::string& command, const std::string& name, const LayerOverrides& o);
 // "softmax over all experts, not normalised over the top-k", "sigmoid, normalised over the
-// top-k, x2.5", ...
+// top-k, x2.5; group-limited: ...", ...
 std::string describe_scoring(const Preset& preset);
 
 }  // namespace moe_ep_tool

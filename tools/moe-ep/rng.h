@@ -25,6 +25,7 @@ enum class Stream : uint64_t {
   kRouteLogits = 6,   // a = global token index, b = 2 * logit index (+1): normal pairs
   kActiveMask = 7,    // a = global token index, b = top-k slot k (--mask entries)
   kConstExpert = 8,   // a = 3 q + {0: alpha_1, 1: alpha_2, 2: v} of const expert q, b = h
+  kRouteGroups = 9,   // a = global token index, b = draw number (group-limited routing)
 };
 
 inline uint64_t splitmix64(uint64_t z) {

@@ -257,6 +257,67 @@ void Router::sample(int64_t token, const std::vector<double>& p, int32_t* ids,
   }
 }
 
+// p restricted to the groups drawn for `token` (routing.h, "real, uniform").
+std::vector<double> Router::drawn_groups(int64_t token, const std::vector<double>& p) const {
+  const int64_t N = layer_.n_group, S = layer_.experts / N;
+  std::vector<double> mass(N, 0.0);
+  std::vector<int64_t> nonzero(N, 0);
+  for (int64_t e = 0; e < layer_.experts; ++e) {
+    mass[e / S] += p[e];
+    nonzero[e / S] += p[e] > 0;
+  }
+  const Counter draws(seed_, Stream::kRouteGroups, static_cast<uint64_t>(token));
+  std::vector<double> kept(p.size(), 0.0);
+  std::vector<char> taken(N, 0);
+  double remaining = std::accumulate(mass.begin(), mass.end(), 0.0);
+  for (int64_t n = 0, experts = 0; n < N && (n < layer_.topk_group || experts < layer_.top_k);
+       ++n) {
+    const double u = draws.unit(n) * remaining;
+    double cum = 0;
+    int64_t pick = -1;
+    for (int64_t g = 0; g < N; ++g) {
+      if (taken[g] || mass[g] <= 0) continue;
+      pick = g;  // the last candidate catches rounding at the top end
+      cum += mass[g];
+      if (u < cum) break;
+    }
+    if (pick < 0) break;  // every group of nonzero mass drawn
+    taken[pick] = 1;
+    remaining -= mass[pick];
+    experts += nonzero[pick];
+    std::copy(p.begin() + pick * S, p.begin() + (pick + 1) * S, kept.begin() + pick * S);
+  }
+  return kept;
+}
+
+// The experts of the topk_group groups whose two best scores sum highest (routing.h, "gate").
+void Router::gate_groups(const std::vector<float>& logits, std::vector<char>& allowed) const {
+  const int64_t E = layer_.experts, N = layer_.n_group, S = E / N;
+  std::vector<double> score(E);
+  if (layer_.scoring == Scoring::kSoftmax) {
+    const double m = *std::max_element(logits.begin(), logits.end());
+    double denom = 0;
+    for (const float l : logits) denom += std::exp(l - m);
+    for (int64_t e = 0; e < E; ++e) score[e] = std::exp(logits[e] - m) / denom;
+  } else {
+    for (int64_t e = 0; e < E; ++e) score[e] = 1.0 / (1.0 + std::exp(-double{logits[e]}));
+  }
+  std::vector<double> group(N);
+  for (int64_t g = 0; g < N; ++g) {
+    std::vector<double> s(score.begin() + g * S, score.begin() + (g + 1) * S);
+    const int64_t two = std::min<int64_t>(2, S);
+    std::partial_sort(s.begin(), s.begin() + two, s.end(), std::greater<>());
+    group[g] = std::accumulate(s.begin(), s.begin() + two, 0.0);
+  }
+  std::vector<int64_t> order(N);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return group[a] > group[b]; });
+  allowed.assign(E, 0);
+  for (int64_t t = 0; t < layer_.topk_group; ++t)
+    std::fill(allowed.begin() + order[t] * S, allowed.begin() + (order[t] + 1) * S, 1);
+}
+
 void Router::scores(const std::vector<double>& logits, const int32_t* ids, float* out) const {
   const int64_t K = layer_.top_k;
   std::vector<double> s(K);
@@ -282,6 +343,7 @@ void Router::route(int64_t first, int64_t count, const void* x, moe_ep::DType dt
   std::vector<double> logits(E);
   std::vector<float> acc(E);
   std::vector<int32_t> order(E);
+  std::vector<char> allowed;
   for (int64_t i = 0; i < count; ++i) {
     int32_t* ids = expert_ids + i * K;
     if (kind_ == RoutingKind::kGate) {
@@ -292,13 +354,20 @@ void Router::route(int64_t first, int64_t count, const void* x, moe_ep::DType dt
         for (int64_t e = 0; e < E; ++e) acc[e] += xv * row[e];
       }
       for (int64_t e = 0; e < E; ++e) logits[e] = acc[e];
+      order.resize(static_cast<size_t>(E));
       std::iota(order.begin(), order.end(), 0);
+      if (layer_.group_limited()) {  // only the allowed groups' experts compete
+        gate_groups(acc, allowed);
+        order.erase(
+            std::remove_if(order.begin(), order.end(), [&](int32_t e) { return !allowed[e]; }),
+            order.end());
+      }
       std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t a, int32_t b) {
         return acc[a] > acc[b] || (acc[a] == acc[b] && a < b);
       });
       std::copy(order.begin(), order.begin() + K, ids);
     } else {
-      sample(first + i, p_, ids, logits);
+      sample(first + i, layer_.group_limited() ? drawn_groups(first + i, p_) : p_, ids, logits);
     }
     scores(logits, ids, expert_scales + i * K);
   }

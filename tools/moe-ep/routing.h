@@ -10,6 +10,14 @@
 //   gate:    logits = fp32(x) @ Wr with Wr[h, e] = uniform(seed, kRouterMatrix, 0, h*E+e) /
 //            sqrt(H), accumulated in fp32 in increasing h; the K largest (ties: lower id first).
 // The gate weights follow the preset's scoring rule (presets.h) applied to those logits.
+// Group-limited routing (Preset::n_group, topk_group; DeepSeek-V3's):
+//   gate:          the scores (the scoring rule on all E logits) of each group's two best experts
+//                  summed; the topk_group groups of the largest sums (ties: the lower group),
+//                  then the K largest logits inside them. Bias 0; weights as above.
+//   real, uniform: a node-limited draw: topk_group groups without replacement, each with
+//                  probability proportional to its experts' total p_e (more only while those
+//                  drawn hold fewer than K experts of nonzero p_e), then the K experts from p_e
+//                  restricted to them, as above.
 #pragma once
 
 #include <cstddef>
@@ -70,6 +78,8 @@ class Router {
   void sample(int64_t token, const std::vector<double>& p, int32_t* ids,
               std::vector<double>& logits) const;
   void scores(const std::vector<double>& logits, const int32_t* ids, float* out) const;
+  std::vector<double> drawn_groups(int64_t token, const std::vector<double>& p) const;
+  void gate_groups(const std::vector<float>& logits, std::vector<char>& allowed) const;
 
   Preset layer_;
   RoutingKind kind_;

@@ -15,6 +15,7 @@ struct RunOptions {
   int64_t tokens = 64;  // per rank
   bool tokens_given = false;
   std::optional<int64_t> hidden, experts, top_k, ffn;  // overrides of the preset
+  std::optional<int64_t> n_group, topk_group;          // group-limited routing (presets.h)
   std::string dtype = "bf16";
   bool dtype_given = false;
   uint64_t seed = 0;

@@ -513,7 +513,8 @@ std::string describe_seed(const RunOptions& o, const Plan& p) {
 Plan initial_plan(const RunOptions& o) {
   Plan p;
   p.layer =
-      layer_of("moe-ep run", o.preset, {o.hidden, o.experts, o.top_k, o.ffn, o.shared_experts});
+      layer_of("moe-ep run", o.preset,
+               {o.hidden, o.experts, o.top_k, o.ffn, o.shared_experts, o.n_group, o.topk_group});
   p.dtype = parse_float_dtype(o.dtype);
   p.seed = o.seed;
   p.fn = o.expert_fn == "scale"      ? ExpertFn::kScale
