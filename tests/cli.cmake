@@ -493,7 +493,15 @@ foreach(n 4 6)
                     PROCESSORS ${n})
   set_tests_properties(cli.run.hierarchy_int8.np${n} PROPERTIES
                        ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2")
+  # EpConfig::partials in the token dtype: within the bound with the partials' rounding.
+  cli_expect_output(run.hierarchy_bf16_partials.np${n} "each remote node's partial rounded.*PASS"
+                    "${_mpi} -n ${n} --oversubscribe ${_exe} run --comm-alg hierarchy --partials bf16 --hidden 128 --tokens 12 --experts 16 --top-k 4 --shared-experts 1 --shared-expert-ranks 2 --expert-fn scale"
+                    PROCESSORS ${n})
+  set_tests_properties(cli.run.hierarchy_bf16_partials.np${n} PROPERTIES
+                       ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2")
 endforeach()
+cli_expect_usage_error(partials_other_dtype "--partials fp16 must be fp32 or the token dtype \\(--dtype bf16\\)"
+                       "run --comm-alg hierarchy --partials fp16")
 # x_active_mask: 1-D prefix and 2-D entries; inactive tokens give 0.
 moe_ep_add_mpi_test(NAME cli.run.mask_prefix_identity
                     COMMAND ${_exe} run --mask prefix --hidden 128 --tokens 7 --expert-fn identity
@@ -818,6 +826,12 @@ cli_expect_output(plan_deepseek "inter-node byte ratio hierarchy/fullmesh: dispa
 # DeepSeek-V3's node-limited routing: its 8 groups of 32 experts on 8 nodes, each token in 4.
 cli_expect_output(plan_node_limited "group-limited: 8 groups of 32 experts, each token in at most 4.*a group is a node's experts"
                   "${_exe} plan --preset deepseek-v3 --ranks 64 --ranks-per-node 8 --tokens 64")
+# Issue 33's bar: node-limited routing and bf16 partials take both ops below 0.6x fullmesh's
+# inter-node bytes at 64 = 8 x 8.
+cli_expect_output(plan_node_limited_bf16 "partials bf16.*inter-node byte ratio hierarchy/fullmesh: dispatch 0\\.[0-5][0-9]*, combine 0\\.[0-5][0-9]*\n"
+                  "${_exe} plan --preset deepseek-v3 --ranks 64 --ranks-per-node 8 --tokens 128 --partials bf16")
+cli_expect_error(plan_partials_other_dtype "moe-ep plan: --partials fp16 must be fp32 or the token dtype \\(--dtype bf16\\)"
+                 "${_exe} plan --partials fp16 --ranks 4 --ranks-per-node 2")
 cli_expect_error(plan_groups_misfit "moe-ep plan: --n-group 3 --topk-group 3: n_group 3 does not divide E = 256 experts"
                  "${_exe} plan --n-group 3 --ranks 64 --ranks-per-node 8")
 # Ranks given other options (each would compute other data, or take other steps) are named at

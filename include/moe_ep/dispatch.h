@@ -129,6 +129,16 @@ struct EpConfig {
   // rank (the relay quantises the copies it makes with its own). On one node: fullmesh.
   // kUnsupported with tp_world_size 2, elastic_info or performance_info.
   std::string comm_alg;
+  // comm_alg "hierarchy" (SPEC §3): the dtype of the partial sums combine_v2's relays send back,
+  // one row per (token, node). "" or "fp32" (default): fp32, summed at the source unrounded.
+  // "bf16" or "fp16", which must be expand_x's dtype (else kInvalidArgument): the relay sums in
+  // fp32 and rounds each partial p once, to nearest even, before the network: half the bytes,
+  // and the output moves by at most 2^-8 |p| (bf16) or 2^-11 |p| (fp16) per remote node's
+  // partial before its final rounding (docs/spec.md, "Partials"). Still deterministic. With
+  // comm_quant_mode 2 the partials travel as int8 whatever this says; other comm_algs send no
+  // partials. Not a dtype name: kInvalidArgument. Must be the same on every rank (else
+  // kInvalidArgument on every rank).
+  std::string partials;
   // How rows move between ranks on the same machine (not a SPEC argument; results are bitwise
   // the same either way). "mpi": MPI point-to-point for every peer. "shm": ranks that share
   // memory (MPI_Comm_split_type SHARED) write dispatch_v2's rows straight into the receiver's

@@ -26,6 +26,7 @@ struct BenchOptions {
   // configuration), else the preset's.
   std::optional<int64_t> hidden, experts, top_k;
   std::optional<int64_t> n_group, topk_group;  // group-limited routing (presets.h)
+  std::string partials = "fp32";               // EpConfig::partials
   bool preset_given = false;
   std::string dtype = "bf16";
   uint64_t seed = 0;

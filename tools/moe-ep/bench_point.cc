@@ -147,6 +147,7 @@ moe_ep::EpConfig make_ep_config(const BenchOptions& options, moe_ep::Communicato
   cfg.shared_expert_num = 0;
   cfg.transport = options.transport;
   cfg.comm_alg = comm_alg;
+  cfg.partials = options.partials;
   cfg.exact_size = options.exact_size;
   return cfg;
 }

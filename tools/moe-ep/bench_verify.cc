@@ -287,6 +287,7 @@ void Verifier::hierarchy() {
   LayerSpec spec;
   spec.experts = p_.E;
   spec.hierarchy = true;
+  spec.low_partials = o_.partials != "fp32";
   ExpertBank bank(ExpertFn::kScale, o_.seed, p_.E, H, 1);
   const Reference ref = dense_reference(local_, spec, ExpertFn::kScale, bank);
   const std::byte* o = static_cast<const std::byte*>(out.data());

@@ -183,6 +183,12 @@ void add_run_parallel_options(CLI::App* run, RunOptions& o) {
                   "(SPEC §3: a token crosses once per destination node, to a relay there; not "
                   "with --tp 2)")
       ->check(CLI::IsMember({"fullmesh", "hierarchy"}));
+  run->add_option(
+         "--partials", o.partials,
+         "comm_alg hierarchy's combine partials (EpConfig::partials): fp32 (default) or the "
+         "token dtype (--dtype): half the inter-node bytes of combine, one more rounding "
+         "per (token, node)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   run->add_option("--transport", o.transport,
                   "how ranks on one machine move rows: shm (MPI-3 shared memory, one copy) or "
                   "mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. Same results")
@@ -272,6 +278,10 @@ void add_plan_options(CLI::App* plan, PlanOptions& o) {
       ->check(CLI::IsMember({"none", "int8"}));
   plan->add_option("--comm-quant", o.comm_quant, "combine rows and partials: none or int8")
       ->check(CLI::IsMember({"none", "int8"}));
+  plan->add_option("--partials", o.partials,
+                   "hierarchy's combine partials (EpConfig::partials): fp32 (default) or the "
+                   "token dtype (--dtype): half the bytes, one more rounding per (token, node)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   plan->add_option("--link-gbit", o.link_gbit, "each node's link in Gbit/s (default 100)")
       ->check(validator([](const std::string& v) { return check_positive(v, "Gbit/s"); }, "> 0"));
   plan->add_option("--seed", o.seed, "unsigned seed (default 0) of the routing")
@@ -378,6 +388,13 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
                    "nodes or more the other is timed too, on the same batch, and the bytes and "
                    "times of the two compared")
       ->check(CLI::IsMember({"fullmesh", "hierarchy"}));
+  bench
+      ->add_option(
+          "--partials", o.partials,
+          "comm_alg hierarchy's combine partials (EpConfig::partials): fp32 (default) or the "
+          "token dtype (--dtype): half the inter-node bytes of combine, one more rounding "
+          "per (token, node)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
   bench->add_option("--csv", o.csv, "write one row per (tokens, op, impl) as CSV");
   bench->add_option("--json", o.json,
                     "write the configuration, rules, results and targets as JSON");
@@ -477,6 +494,10 @@ void validate_shared(const RunOptions& o) {
     throw CLI::ValidationError(ns_words +
                                " needs --shared-expert-ranks > 0 (SPEC §1.3: without "
                                "shared-expert ranks shared_expert_num is 0 or 1)");
+  }
+  if (o.partials != "fp32" && o.partials != o.dtype) {
+    throw CLI::ValidationError("--partials " + o.partials +
+                               " must be fp32 or the token dtype (--dtype " + o.dtype + ")");
   }
   if (o.tp == 2 && o.comm_alg == "hierarchy") {
     throw CLI::ValidationError(

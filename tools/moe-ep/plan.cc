@@ -101,11 +101,17 @@ int plan_command(const PlanOptions& o) {
                         "moe-ep plan: " + std::to_string(E) + " experts do not divide over " +
                             std::to_string(W) + " ranks (SPEC §1.2: E % W == 0); use --experts");
   const moe_ep::DType dtype = parse_float_dtype(o.dtype);
+  if (o.partials != "fp32" && o.partials != o.dtype)
+    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                        "moe-ep plan: --partials " + o.partials +
+                            " must be fp32 or the token dtype (--dtype " + o.dtype + ")");
   Model m{W, G, o.tokens, layer.hidden, E, layer.top_k, E / W, 0, 0, 0, 0};
   m.row = static_cast<double>(m.H * static_cast<int64_t>(moe_ep::dtype_size(dtype)));
   m.quant_row = o.quant == "int8" ? static_cast<double>(m.H) : m.row;  // scale: in the metadata
   m.back_row = o.comm_quant == "int8" ? static_cast<double>(m.H + 4) : m.row;
-  m.partial_row = o.comm_quant == "int8" ? static_cast<double>(m.H + 4) : 4.0 * m.H;
+  m.partial_row = o.comm_quant == "int8" ? static_cast<double>(m.H + 4)
+                  : o.partials == "fp32" ? 4.0 * m.H
+                                         : m.row;
 
   std::vector<double> p;
   std::string routing = "uniform";
@@ -132,10 +138,10 @@ int plan_command(const PlanOptions& o) {
   if (rank != 0) return 0;
   std::printf(
       "moe-ep plan: %s (H %lld, %lld experts, top-%lld, %s), W %lld = %lld nodes x %lld "
-      "ranks, %lld tokens per rank, dispatch %s, combine %s\n",
+      "ranks, %lld tokens per rank, dispatch %s, combine %s, partials %s\n",
       layer.name.c_str(), (long long)m.H, (long long)E, (long long)m.K, o.dtype.c_str(),
       (long long)W, (long long)(W / G), (long long)G, (long long)m.T, o.quant.c_str(),
-      o.comm_quant.c_str());
+      o.comm_quant.c_str(), o.comm_quant == "int8" ? "int8" : o.partials.c_str());
   print_wrapped("routing: " + routing + ", seed " + std::to_string(o.seed), 2);
   if (layer.group_limited()) {
     const int64_t S = E / layer.n_group, node = G * m.L;  // experts per group, per node
@@ -182,7 +188,7 @@ int plan_command(const PlanOptions& o) {
       "counted: rows and their per-row metadata as the library sends them (fullmesh: "
       "a token once per remote rank when that saves a quarter, 16 B per copy; back 12 "
       "B per row; hierarchy: a token once per remote node, 28 B per copy; weights 16 B "
-      "per entry; fp32 partials per (token, node)); headers and counts (under 1 KB per "
+      "per entry; a partial per (token, node)); headers and counts (under 1 KB per "
       "peer) are not",
       2);
   std::printf("inter-node byte ratio hierarchy/fullmesh: dispatch %.3f, combine %.3f\n", rd, rc);

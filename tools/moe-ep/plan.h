@@ -7,7 +7,8 @@
 //   hierarchy dispatch: per remote node, its distinct tokens x the row bytes, plus 28 B per copy;
 //   fullmesh combine: each owner sends each remote source its rows back, plus 12 B of checks each;
 //   hierarchy combine: each source sends each remote relay 16 B per entry (the weights), each
-//     relay sends each remote source one fp32 partial row per token (H + 4 B with int8) .
+//     relay sends each remote source one partial row per token: fp32, or --partials' dtype, or
+//     H + 4 B with int8.
 // Control messages (headers, counts; under 1 KB per peer) are not counted. Also the time those
 // bytes take on each node's link, and dispatch_v2's output memory per rank. One process: no MPI
 // traffic, run it with or without mpirun (rank 0 prints).
@@ -29,6 +30,7 @@ struct PlanOptions {
   std::string dtype = "bf16";
   std::string quant = "none";       // dispatch rows as int8 (H + 4 B)
   std::string comm_quant = "none";  // combine rows and partials as int8
+  std::string partials = "fp32";    // hierarchy's partials: fp32 or dtype (EpConfig::partials)
   double link_gbit = 100;           // each node's link, Gbit/s
   uint64_t seed = 0;
   std::string routing = "real";  // real, uniform

@@ -80,8 +80,11 @@ std::string bound_rule(const LayerSpec& sp, moe_ep::DType dt) {
   if (!sp.quant && !sp.comm_quant)  // hierarchy alone: the re-association of SPEC §3
     return std::string(
                "per element |out - ref| <= 2 (K + Ns + 1) 2^-24 sum_t |w_t y_t| + 2.02 u "
-               "|ref|, ") +
-           buf +
+               "|ref|") +
+           (sp.low_partials ? " + u sum_t |w_t y_t| (--partials: each remote node's partial "
+                              "rounded to the dtype)"
+                            : "") +
+           ", " + buf +
            " (--comm-alg hierarchy: sums re-associated per node, SPEC §3); t over the token's "
            "routed entries (w = expert_scales) and shared experts (w = 1); inactive tokens "
            "exactly 0";
@@ -278,7 +281,10 @@ Reference dense_reference(const Batch& b, const LayerSpec& sp, ExpertFn fn, Expe
     }
     for (int64_t h = 0; h < H; ++h) moe_ep::store_float(dt, ref.out.data(), i * H + h, acc[h]);
     if (bounded) {
-      const double gamma = 2.0 * static_cast<double>(K + Ns + 1) * 0x1p-24;
+      // The relays' partials rounded to the dtype: at most u per term's magnitude (int8 instead
+      // with --comm-quant, bounded above).
+      const double gamma = 2.0 * static_cast<double>(K + Ns + 1) * 0x1p-24 +
+                           (sp.low_partials && !sp.comm_quant ? u : 0.0);
       for (int64_t h = 0; h < H; ++h) {
         const double eacc = err[h] + gamma * mag[h];
         const double r = std::fabs(double(moe_ep::load_float(dt, ref.out.data(), i * H + h)));

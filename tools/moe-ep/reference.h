@@ -41,6 +41,9 @@ struct LayerSpec {
   // comm_alg "hierarchy" (SPEC §3): the sum re-associated per node, and with comm_quant the
   // relays' partial sums quantised once more: a bound, not bitwise equality.
   bool hierarchy = false;
+  // With hierarchy, EpConfig::partials in the dtype: each remote node's partial p rounded once
+  // more (at most u |p|).
+  bool low_partials = false;
   // The shared expert runs on each rank's own tokens and enters combine_v2 as shared_expert_x
   // (S = 0): its input and output are never quantised.
   bool shared_local = false;

@@ -103,6 +103,7 @@ CheckResult check_output(const Plan& p, const RunOptions& o, const Batch& global
   spec.quant = o.quant == "int8";
   spec.comm_quant = o.comm_quant == "int8";
   spec.hierarchy = o.comm_alg == "hierarchy";
+  spec.low_partials = spec.hierarchy && o.partials != "fp32";
   spec.shared_local = p.S == 0 && p.Ns > 0;
   const Reference ref = dense_reference(global, spec, p.fn, ref_bank);
   return compare_outputs(output, ref, p.dtype, p.fn);

@@ -16,6 +16,7 @@ struct RunOptions {
   bool tokens_given = false;
   std::optional<int64_t> hidden, experts, top_k, ffn;  // overrides of the preset
   std::optional<int64_t> n_group, topk_group;          // group-limited routing (presets.h)
+  std::string partials = "fp32";                       // EpConfig::partials
   std::string dtype = "bf16";
   bool dtype_given = false;
   uint64_t seed = 0;

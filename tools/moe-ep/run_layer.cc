@@ -124,6 +124,7 @@ Layer::Layer(const RunOptions& o, const Plan& plan, const LocalBatch& batch, con
   cfg_.transport = o.transport;
   cfg_.exact_size = o.exact_size;
   cfg_.comm_alg = o.comm_alg;
+  cfg_.partials = o.partials;
   auto view = [](const auto& v, DType dtype, std::initializer_list<int64_t> shape) {
     using T = typename std::decay_t<decltype(v)>::value_type;
     return moe_ep::TensorView::contiguous(const_cast<T*>(v.data()), dtype, shape);

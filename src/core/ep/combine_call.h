@@ -52,6 +52,9 @@ struct Combine {
   int W = 0, L = 0, me = 0;
   int64_t* perf = nullptr;
   bool cq = false;  // comm_quant_mode 2
+  // comm_alg "hierarchy": the dtype the relays' fp32 partial sums are rounded to before the
+  // network (EpConfig::partials; int8 instead with comm_quant_mode 2).
+  DType partials = DType::kF32;
   const TensorView* mask = nullptr;
   SendPlan own_back;                 // without a handle: what this rank sent in dispatch
   RecvPlan own_blocks;               // without a handle: what it holds now, from ep_send_counts

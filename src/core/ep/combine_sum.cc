@@ -200,6 +200,7 @@ void combine_sum_nodes(const CombineSum& a, const NodePartials& np) {
   const CombineInputs& in = *a.in;
   const int64_t BS = sh.BS, H = sh.H, N = static_cast<int64_t>(np.tokens.size());
   const int64_t row_bytes = H * static_cast<int64_t>(dtype_size(sh.dtype));
+  const int64_t pbytes = static_cast<int64_t>(dtype_size(np.dtype));
   const Activity act{&in.expert_ids, a.mask};
   // where[n][i]: token i's partial among node n's, or -1.
   std::vector<std::vector<int32_t>> where(static_cast<std::size_t>(N));
@@ -228,7 +229,7 @@ void combine_sum_nodes(const CombineSum& a, const NodePartials& np) {
             axpy_row_int8(acc.data(), 1.0f, reinterpret_cast<const int8_t*>(np.rows[n]) + j * H,
                           np.scales[n][j], H);
           else
-            add_row_f32(acc.data(), np.rows[n] + int64_t{j} * H * 4, DType::kF32, H);
+            add_row_f32(acc.data(), np.rows[n] + int64_t{j} * H * pbytes, np.dtype, H);
         }
         if (in.shared_expert_x)
           add_row_f32(acc.data(), shared_row(*in.shared_expert_x, i), sh.dtype, H);

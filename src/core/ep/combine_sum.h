@@ -36,6 +36,7 @@ void combine_sum(const CombineSum& a);
 struct NodePartials {
   int64_t G = 0, node = 0, rank = 0;  // ranks per node, this rank's node and rank
   bool int8 = false;                  // partials as int8 rows with scales
+  DType dtype = DType::kF32;          // else their dtype (EpConfig::partials)
   // Per node: its tokens with a term there, increasing, and their partials in that order.
   std::vector<const std::vector<int32_t>*> tokens;
   std::vector<const char*> rows;

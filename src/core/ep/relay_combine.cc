@@ -10,8 +10,8 @@
 //                     owner without one sends them); without the handle's routes each owner
 //                     sends each row's (token, slot, expert);
 //   "relay partials": each relay checks every row against the weights, sums, and sends each
-//                     source its partials (fp32, or int8 with comm_quant_mode 2), with the tokens
-//                     they belong to or what disagreed.
+//                     source its partials (fp32, rounded once to EpConfig::partials' dtype, or int8
+//                     with comm_quant_mode 2), with the tokens they belong to or what disagreed.
 // The source adds them in node order (combine_sum_nodes).
 #include <algorithm>
 #include <cstring>
@@ -27,6 +27,7 @@
 #include "core/ep/combine_call.h"
 #include "core/ep/combine_sum.h"
 #include "core/ep/route.h"
+#include "kernels/cpu/convert.h"
 #include "kernels/cpu/quant.h"
 #include "kernels/cpu/scatter.h"
 #include "transport/communicator.h"
@@ -71,8 +72,8 @@ struct Relay {
   std::vector<std::shared_ptr<std::vector<float>>> scales;
   std::vector<std::shared_ptr<std::vector<BackMeta>>> meta;
   // As a source, per node: its tokens with a term there (increasing; empty for its own node),
-  // and the node's partial sums of them: fp32 rows, or int8 rows and their scales
-  // (comm_quant_mode 2).
+  // and the node's partial sums of them: fp32 rows (or EpConfig::partials' dtype), or int8 rows
+  // and their scales (comm_quant_mode 2).
   std::vector<std::vector<int32_t>> node_tokens;
   std::vector<std::shared_ptr<Tensor>> partials;
   std::vector<std::shared_ptr<std::vector<float>>> partial_scales;
@@ -390,8 +391,12 @@ std::vector<int32_t> gather_terms(const Combine& c, const Relay& r, int s,
 // the other way on the same link. Measured on 2 hosts x 2 ranks at 1 Gbit/s (docs/
 // performance.md, "Across machines"): combine p50 41 ms with 60 KB chunks, 64 ms with 256 KB.
 constexpr int64_t kChunkBytes = 60 << 10;
+// A partial row's bytes: int8, or EpConfig::partials' dtype.
+int64_t partial_row(const Combine& c) {
+  return c.cq ? c.sh.H : c.sh.H * static_cast<int64_t>(dtype_size(c.partials));
+}
 int64_t chunk_tokens(const Combine& c) {
-  const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H;
+  const int64_t prow = partial_row(c);
   return prow > 0 ? std::max<int64_t>(1, kChunkBytes / prow) : INT32_MAX;
 }
 
@@ -417,14 +422,15 @@ Partials plan_partials(const Combine& c, const Relay& r, int s) {
   return p;
 }
 
-// Tokens [t0, t1) of the partials into `to` (fp32, or int8 with its scales at `scales`): zero
-// rows when a check failed.
+// Tokens [t0, t1) of the partials into `to` (fp32; int8 with its scales at `scales`; or rounded
+// once to EpConfig::partials' dtype): zero rows when a check failed.
 void sum_partials(const Combine& c, const Partials& p, int64_t t0, int64_t t1, char* to,
                   float* scales) {
   const int64_t T = t1 - t0, H = c.sh.H;
-  Tensor f32 = c.cq ? Tensor::zeros(DType::kF32, {T, H}) : Tensor();
-  float* out = c.cq ? f32.ptr<float>() : reinterpret_cast<float*>(to);
-  if (!c.cq && T * H > 0) std::memset(out, 0, static_cast<std::size_t>(T * H * 4));
+  const bool round = !c.cq && c.partials != DType::kF32;
+  Tensor f32 = c.cq || round ? Tensor::zeros(DType::kF32, {T, H}) : Tensor();
+  float* out = f32.defined() ? f32.ptr<float>() : reinterpret_cast<float*>(to);
+  if (!f32.defined() && T * H > 0) std::memset(out, 0, static_cast<std::size_t>(T * H * 4));
   if (!p.terms.empty())
     // Threads by the source's tokens, not the chunk's (a chunk alone is below the threshold).
     parallel(threads_if(p.tokens() * H > (1 << 16)), [&] {
@@ -433,6 +439,11 @@ void sum_partials(const Combine& c, const Partials& p, int64_t t0, int64_t t1, c
         relay_partial(out + (t - t0) * H, p.terms.data() + p.first[t], p.first[t + 1] - p.first[t],
                       c.sh.dtype, c.cq, H);
     });
+  if (round) {  // one rounding to nearest even, as the output's
+    const int64_t rb = H * static_cast<int64_t>(dtype_size(c.partials));
+    for (int64_t t = 0; t < T; ++t) store_row_f32(to + t * rb, c.partials, out + t * H, H);
+    return;
+  }
   if (!c.cq) return;
   QuantizeRowsInt8Args a;
   a.op = c.op;
@@ -466,7 +477,7 @@ void check_partials(const Combine& c, const Relay& r, int n, const std::vector<i
 
 void exchange_partials(const Combine& c, Relay& r) {
   const auto& messages = message_links(c.comm);
-  const int64_t prow = c.cq ? c.sh.H : 4 * c.sh.H, chunk = chunk_tokens(c);
+  const int64_t prow = partial_row(c), chunk = chunk_tokens(c);
   const int64_t row_bytes = prow;
   Exchange ex(c.comm, c.op, "relay partials");
   std::vector<std::shared_ptr<std::vector<int32_t>>> status(static_cast<std::size_t>(r.N));
@@ -549,6 +560,7 @@ class RelayCombine final : public CombineRoute {
     np_.G = nd_.G;
     np_.node = nd_.node();
     np_.int8 = c.cq;
+    np_.dtype = c.partials;
     np_.rank = c.me;
     Relay r;
     r.nd = nd_;
