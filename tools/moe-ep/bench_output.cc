@@ -109,6 +109,7 @@ void write_json(const BenchOptions& o, const Setup& s, const Rules& rules, const
                  {"quant", o.quant},
                  {"transport", transport_name(o.transport)},
                  {"comm_alg", o.comm_alg},
+                 {"partials", o.partials},
                  {"exact_size", o.exact_size},
                  {"threads_per_rank", moe_ep::num_threads()}};
   j["bytes_rule"] = rules.bytes;
@@ -296,12 +297,13 @@ void print_header(const BenchOptions& o, const Setup& s, const Rules& rules, boo
   }
   std::printf(
       "moe-ep bench: preset %s  H %lld  E %lld  K %lld  dtype %s  W %lld  tokens/rank %s  "
-      "seed %llu  transport %s  comm_alg %s%s%s%s\n",
+      "seed %llu  transport %s  comm_alg %s%s%s%s%s\n",
       layer.name.c_str(), static_cast<long long>(layer.hidden),
       static_cast<long long>(layer.experts), static_cast<long long>(layer.top_k),
       moe_ep::dtype_name(s.dtype), static_cast<long long>(s.W), tokens_list.c_str(),
       static_cast<unsigned long long>(o.seed), transport_name(o.transport).c_str(),
-      o.comm_alg.c_str(), o.exact_size ? "  --exact-size" : "", compare ? "  --compare" : "",
+      o.comm_alg.c_str(), o.partials != "fp32" ? ("  --partials " + o.partials).c_str() : "",
+      o.exact_size ? "  --exact-size" : "", compare ? "  --compare" : "",
       quant ? "  --quant int8" : "");
   std::printf("  routing: %s\n", s.routing_desc.c_str());
   print_threads_line();

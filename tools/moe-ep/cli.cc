@@ -706,6 +706,10 @@ void Parser::parse(int argc, const char* const* argv) {
   line.action = CommandLine::Action::kBench;
   line.bench.preset_given = bench->count("--preset") > 0;
   check_real_routing_flags(*bench, line.bench.routing);
+  if (line.bench.partials != "fp32" && line.bench.partials != line.bench.dtype)
+    throw CLI::ValidationError("--partials " + line.bench.partials +
+                               " must be fp32 or the token dtype (--dtype " + line.bench.dtype +
+                               ")");
   if (bench->count("--tokens") > 0) {
     line.bench.tokens.clear();
     for (const std::string& piece : split_commas(bench_tokens))
