@@ -500,8 +500,12 @@ foreach(n 4 6)
   set_tests_properties(cli.run.hierarchy_bf16_partials.np${n} PROPERTIES
                        ENVIRONMENT "${MOE_EP_TEST_ENV};MOE_EP_SHM_NODE_RANKS=2")
 endforeach()
-cli_expect_usage_error(partials_other_dtype "--partials fp16 must be fp32 or the token dtype \\(--dtype bf16\\)"
-                       "run --comm-alg hierarchy --partials fp16")
+cli_expect_usage_error(partials_other_dtype "--partials bf16 must be fp32, or bf16 with bf16 tokens \\(--dtype fp16\\)"
+                       "run --comm-alg hierarchy --partials bf16 --dtype fp16")
+cli_expect_usage_error(partials_fullmesh "--partials bf16 applies to --comm-alg hierarchy only"
+                       "run --partials bf16")
+cli_expect_usage_error(bench_partials_fullmesh "--partials bf16 applies to --comm-alg hierarchy only"
+                       "bench --partials bf16")
 # x_active_mask: 1-D prefix and 2-D entries; inactive tokens give 0.
 moe_ep_add_mpi_test(NAME cli.run.mask_prefix_identity
                     COMMAND ${_exe} run --mask prefix --hidden 128 --tokens 7 --expert-fn identity
@@ -824,15 +828,25 @@ set_tests_properties(cli.plan.matches_measured_bytes PROPERTIES ENVIRONMENT "${M
 cli_expect_output(plan_deepseek "inter-node byte ratio hierarchy/fullmesh: dispatch [0-9.]+, combine [0-9.]+"
                   "${_exe} plan --preset deepseek-v3 --ranks 256 --ranks-per-node 16")
 # DeepSeek-V3's node-limited routing: its 8 groups of 32 experts on 8 nodes, each token in 4.
-cli_expect_output(plan_node_limited "group-limited: 8 groups of 32 experts, each token in at most 4.*a group is a node's experts"
+cli_expect_output(plan_node_limited "group-limited: 8 groups of 32 experts, each token in 4 .*a group is a node's experts"
                   "${_exe} plan --preset deepseek-v3 --ranks 64 --ranks-per-node 8 --tokens 64")
 # Issue 33's bar: node-limited routing and bf16 partials take both ops below 0.6x fullmesh's
 # inter-node bytes at 64 = 8 x 8.
 cli_expect_output(plan_node_limited_bf16 "partials bf16.*inter-node byte ratio hierarchy/fullmesh: dispatch 0\\.[0-5][0-9]*, combine 0\\.[0-5][0-9]*\n"
                   "${_exe} plan --preset deepseek-v3 --ranks 64 --ranks-per-node 8 --tokens 128 --partials bf16")
-cli_expect_error(plan_partials_other_dtype "moe-ep plan: --partials fp16 must be fp32 or the token dtype \\(--dtype bf16\\)"
-                 "${_exe} plan --partials fp16 --ranks 4 --ranks-per-node 2")
-cli_expect_error(plan_groups_misfit "moe-ep plan: --n-group 3 --topk-group 3: n_group 3 does not divide E = 256 experts"
+cli_expect_error(plan_partials_other_dtype "moe-ep plan: --partials bf16 must be fp32, or bf16 with bf16 tokens \\(--dtype fp32\\)"
+                 "${_exe} plan --partials bf16 --dtype fp32 --ranks 4 --ranks-per-node 2")
+# Special experts belong to no routing group: the preset's groups are dropped, and said; asked
+# for, they are refused. A node-limited gate run passes its reference.
+cli_expect_output(run.groups_dropped_for_special "not group-limited: special experts.*PASS"
+                  "${_mpi} -n 2 --oversubscribe ${_exe} run --preset deepseek-v3 --zero-experts 1 --hidden 64 --ffn 8 --tokens 4"
+                  PROCESSORS 2)
+cli_expect_error(run_groups_with_special "--n-group / --topk-group cannot be combined with --zero-experts"
+                 "${_mpi} -n 1 ${_exe} run --preset deepseek-v3 --zero-experts 1 --n-group 8 --hidden 64 --ffn 8 --tokens 4")
+cli_expect_output(run.node_limited_gate "group-limited: 8 groups of 32 experts.*PASS"
+                  "${_mpi} -n 2 --oversubscribe ${_exe} run --preset deepseek-v3 --routing gate --n-group 8 --topk-group 2 --hidden 64 --ffn 8 --tokens 8"
+                  PROCESSORS 2)
+cli_expect_error(plan_groups_misfit "moe-ep plan: --n-group 3: n_group 3 does not divide E = 256 experts"
                  "${_exe} plan --n-group 3 --ranks 64 --ranks-per-node 8")
 # Ranks given other options (each would compute other data, or take other steps) are named at
 # once, on every rank.

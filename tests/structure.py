@@ -74,8 +74,10 @@ MUTABLE_CALL = {
     "src/core/ep/combine_call.h": set(),
 }
 # A function's name and parameter list, then its body or the end of its declaration.
-SIGNATURE = re.compile(r"\b(\w+)\s*\(([^()]*)\)\s*(?:const\s*)?(?:override\s*)?(?:=\s*0\s*)?[{;]")
-MUTABLE_PARAM = re.compile(r"(?<!const )\b(Dispatch|Combine)\s*&")
+SIGNATURE = re.compile(r"\b(\w+)\s*\(([^;{}]*?)\)\s*(?:const\s*)?(?:noexcept\s*)?"
+                       r"(?:override\s*)?(?:final\s*)?(?:=\s*0\s*)?[{;:]")
+CALL_PARAM = re.compile(r"\b(Dispatch|Combine)\s*[&*]")
+KEYWORDS = {"if", "for", "while", "switch", "catch", "return", "sizeof"}
 
 
 def files_under(root, d):
@@ -165,7 +167,10 @@ def call_state(root):
             continue
         text = strip(f.read_text())
         for m in SIGNATURE.finditer(text):
-            if m.group(1) in allowed or not MUTABLE_PARAM.search(m.group(2)):
+            params = m.group(2)
+            mutable = any(not params[:p.start()].rstrip().endswith("const")
+                          for p in CALL_PARAM.finditer(params))
+            if m.group(1) in allowed or m.group(1) in KEYWORDS or not mutable:
                 continue
             n = text.count("\n", 0, m.start()) + 1
             bad.append(f"{rel}:{n}: {m.group(1)} takes the call mutably (a step returns its value; "
@@ -262,7 +267,9 @@ def selftest():
                                          'void ok(const Dispatch& c) {}\n'
                                          'int links(int w, Dispatch& c) { return w; }\n',
         "src/core/ep/combine.cc": 'void agree(Combine& c) {}\n'
-                                  'void sum(const CombineSum& s, Combine &c);\n',
+                                  'void sum(const CombineSum& s, Combine &c);\n'
+                                  'void f(std::function<void()> g, Combine* c) {}\n'
+                                  'void g(const\n  Combine& c) {}\n',
     }
     want = ["a.cc:1: includes the concrete transport", "a.cc:2: includes <mpi.h>",
             "a.cc:5: names MPI_Comm", "b.cc:1: includes the concrete transport",
@@ -271,7 +278,7 @@ def selftest():
             "k.cc:1: includes \"core/ep/plan.h\"", "f.cc:1: f spans",
             "dispatch.cc:1: includes \"core/ep/route.h\"", "dispatch.cc:3: names Nodes",
             "dispatch.cc:3: names relay_of", "relay_dispatch.cc:4: links takes the call mutably",
-            "combine.cc:2: sum takes the call mutably"]
+            "combine.cc:2: sum takes the call mutably", "combine.cc:3: f takes the call mutably"]
     with tempfile.TemporaryDirectory() as d:
         root = pathlib.Path(d)
         for rel, text in plants.items():

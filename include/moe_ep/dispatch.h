@@ -131,13 +131,14 @@ struct EpConfig {
   std::string comm_alg;
   // comm_alg "hierarchy" (SPEC §3): the dtype of the partial sums combine_v2's relays send back,
   // one row per (token, node). "" or "fp32" (default): fp32, summed at the source unrounded.
-  // "bf16" or "fp16", which must be expand_x's dtype (else kInvalidArgument): the relay sums in
-  // fp32 and rounds each partial p once, to nearest even, before the network: half the bytes,
-  // and the output moves by at most 2^-8 |p| (bf16) or 2^-11 |p| (fp16) per remote node's
-  // partial before its final rounding (docs/spec.md, "Partials"). Still deterministic. With
-  // comm_quant_mode 2 the partials travel as int8 whatever this says; other comm_algs send no
-  // partials. Not a dtype name: kInvalidArgument. Must be the same on every rank (else
-  // kInvalidArgument on every rank).
+  // "bf16", with bf16 expand_x only (else kInvalidArgument): the relay sums in fp32 and rounds
+  // each partial p once, to nearest even, before the network: half the bytes, and the output
+  // moves by at most 2^-8 |p| per remote node's partial before its final rounding (docs/spec.md,
+  // "Partials"). Still deterministic. "fp16": kUnsupported (a partial beyond fp16's range would
+  // become inf where other nodes' partials cancel it). Another value: kInvalidArgument. With
+  // comm_quant_mode 2 the partials travel as int8 whatever this says; other comm_algs, and
+  // dispatch_v2_backward (its gradients' partials stay fp32), ignore it. combine_v2's ranks must
+  // pass the same value (else kInvalidArgument on every rank).
   std::string partials;
   // How rows move between ranks on the same machine (not a SPEC argument; results are bitwise
   // the same either way). "mpi": MPI point-to-point for every peer. "shm": ranks that share

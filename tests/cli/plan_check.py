@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """moe-ep plan against what moe-ep run measures: the same layer on 2 emulated nodes of
-2 ranks ($MOE_EP_SHM_NODE_RANKS=2), both algorithms (hierarchy also with bf16 partials); the planner's mean inter-node bytes per rank
-must be within 10 % of the measured ones (Communicator::traffic), dispatch and combine.
+2 ranks ($MOE_EP_SHM_NODE_RANKS=2), both algorithms (hierarchy also with bf16 partials); the
+planner's mean inter-node bytes per rank must be within 10 % of the measured ones
+(Communicator::traffic), dispatch and combine.
   plan_check.py MPIEXEC MOE_EP"""
 import os
 import re

@@ -474,7 +474,7 @@ TEST(Presets, GroupsMustFitTheLayer) {
   o.n_group = 3;
   EXPECT_NE(error_of([&] {
               layer_of("moe-ep plan", "deepseek-v3", o);
-            }).find("moe-ep plan: --n-group 3 --topk-group 3: n_group 3 does not divide E = 256"),
+            }).find("moe-ep plan: --n-group 3: n_group 3 does not divide E = 256"),
             std::string::npos);
   o.n_group = 8;
   o.topk_group = 9;
@@ -482,6 +482,14 @@ TEST(Presets, GroupsMustFitTheLayer) {
               layer_of("moe-ep run", "deepseek-v3", o);
             }).find("topk_group 9 is not in [1, n_group 8]"),
             std::string::npos);
+  LayerOverrides olmoe;  // a preset without groups: --n-group alone would mean nothing
+  olmoe.n_group = 8;
+  EXPECT_NE(error_of([&] { layer_of("moe-ep run", "olmoe", olmoe); })
+                .find("moe-ep run: --n-group 8 needs --topk-group: preset 'olmoe' has no routing "
+                      "groups"),
+            std::string::npos);
+  olmoe.topk_group = 2;
+  EXPECT_TRUE(layer_of("moe-ep run", "olmoe", olmoe).group_limited());
   o.topk_group = 1;  // 1 group of 32 holds K = 8: fine
   EXPECT_TRUE(layer_of("moe-ep run", "deepseek-v3", o).group_limited());
   o.n_group = 64;  // 1 group of 4 < K = 8

@@ -97,6 +97,8 @@ void plan_routing_source(const BenchOptions& o, Setup& s) {
   } else {
     s.routing_desc = "uniform (K distinct experts, each equally likely)";
   }
+  if (const std::string groups = describe_groups(s.layer); !groups.empty())
+    s.routing_desc += "; " + groups;
 }
 
 }  // namespace

@@ -188,7 +188,7 @@ void add_run_parallel_options(CLI::App* run, RunOptions& o) {
          "comm_alg hierarchy's combine partials (EpConfig::partials): fp32 (default) or the "
          "token dtype (--dtype): half the inter-node bytes of combine, one more rounding "
          "per (token, node)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   run->add_option("--transport", o.transport,
                   "how ranks on one machine move rows: shm (MPI-3 shared memory, one copy) or "
                   "mpi (point-to-point); default: $MOE_EP_TRANSPORT, else shm. Same results")
@@ -279,9 +279,9 @@ void add_plan_options(CLI::App* plan, PlanOptions& o) {
   plan->add_option("--comm-quant", o.comm_quant, "combine rows and partials: none or int8")
       ->check(CLI::IsMember({"none", "int8"}));
   plan->add_option("--partials", o.partials,
-                   "hierarchy's combine partials (EpConfig::partials): fp32 (default) or the "
-                   "token dtype (--dtype): half the bytes, one more rounding per (token, node)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+                   "hierarchy's combine partials (EpConfig::partials): fp32 (default) or bf16 "
+                   "(with bf16 tokens): half the bytes, one more rounding per (token, node)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   plan->add_option("--link-gbit", o.link_gbit, "each node's link in Gbit/s (default 100)")
       ->check(validator([](const std::string& v) { return check_positive(v, "Gbit/s"); }, "> 0"));
   plan->add_option("--seed", o.seed, "unsigned seed (default 0) of the routing")
@@ -394,7 +394,7 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
           "comm_alg hierarchy's combine partials (EpConfig::partials): fp32 (default) or the "
           "token dtype (--dtype): half the inter-node bytes of combine, one more rounding "
           "per (token, node)")
-      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}));
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   bench->add_option("--csv", o.csv, "write one row per (tokens, op, impl) as CSV");
   bench->add_option("--json", o.json,
                     "write the configuration, rules, results and targets as JSON");
@@ -495,10 +495,12 @@ void validate_shared(const RunOptions& o) {
                                " needs --shared-expert-ranks > 0 (SPEC §1.3: without "
                                "shared-expert ranks shared_expert_num is 0 or 1)");
   }
-  if (o.partials != "fp32" && o.partials != o.dtype) {
-    throw CLI::ValidationError("--partials " + o.partials +
-                               " must be fp32 or the token dtype (--dtype " + o.dtype + ")");
-  }
+  if (const std::string why = partials_misfit(o.partials, o.dtype); !why.empty())
+    throw CLI::ValidationError(why);
+  if (o.partials != "fp32" && o.comm_alg != "hierarchy")
+    throw CLI::ValidationError(
+        "--partials " + o.partials +
+        " applies to --comm-alg hierarchy only (fullmesh sends no partials)");
   if (o.tp == 2 && o.comm_alg == "hierarchy") {
     throw CLI::ValidationError(
         "--comm-alg hierarchy cannot be combined with --tp 2 (SPEC §3: hierarchy runs without "
@@ -706,10 +708,12 @@ void Parser::parse(int argc, const char* const* argv) {
   line.action = CommandLine::Action::kBench;
   line.bench.preset_given = bench->count("--preset") > 0;
   check_real_routing_flags(*bench, line.bench.routing);
-  if (line.bench.partials != "fp32" && line.bench.partials != line.bench.dtype)
-    throw CLI::ValidationError("--partials " + line.bench.partials +
-                               " must be fp32 or the token dtype (--dtype " + line.bench.dtype +
-                               ")");
+  if (const std::string why = partials_misfit(line.bench.partials, line.bench.dtype); !why.empty())
+    throw CLI::ValidationError(why);
+  if (line.bench.partials != "fp32" && line.bench.comm_alg != "hierarchy")
+    throw CLI::ValidationError(
+        "--partials " + line.bench.partials +
+        " applies to --comm-alg hierarchy only (fullmesh sends no partials)");
   if (bench->count("--tokens") > 0) {
     line.bench.tokens.clear();
     for (const std::string& piece : split_commas(bench_tokens))

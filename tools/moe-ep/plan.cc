@@ -101,10 +101,8 @@ int plan_command(const PlanOptions& o) {
                         "moe-ep plan: " + std::to_string(E) + " experts do not divide over " +
                             std::to_string(W) + " ranks (SPEC §1.2: E % W == 0); use --experts");
   const moe_ep::DType dtype = parse_float_dtype(o.dtype);
-  if (o.partials != "fp32" && o.partials != o.dtype)
-    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
-                        "moe-ep plan: --partials " + o.partials +
-                            " must be fp32 or the token dtype (--dtype " + o.dtype + ")");
+  if (const std::string why = partials_misfit(o.partials, o.dtype); !why.empty())
+    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument, "moe-ep plan: " + why);
   Model m{W, G, o.tokens, layer.hidden, E, layer.top_k, E / W, 0, 0, 0, 0};
   m.row = static_cast<double>(m.H * static_cast<int64_t>(moe_ep::dtype_size(dtype)));
   m.quant_row = o.quant == "int8" ? static_cast<double>(m.H) : m.row;  // scale: in the metadata
@@ -146,9 +144,7 @@ int plan_command(const PlanOptions& o) {
   if (layer.group_limited()) {
     const int64_t S = E / layer.n_group, node = G * m.L;  // experts per group, per node
     print_wrapped(
-        "group-limited: " + std::to_string(layer.n_group) + " groups of " + std::to_string(S) +
-            " experts, each token in at most " + std::to_string(layer.topk_group) +
-            " (drawn by their experts' share); " +
+        describe_groups(layer) + "; " +
             (S == node       ? std::string("a group is a node's experts")
              : S % node == 0 ? "a group spans " + std::to_string(S / node) + " nodes"
              : node % S == 0 ? "a node holds " + std::to_string(node / S) + " groups"
@@ -156,7 +152,7 @@ int plan_command(const PlanOptions& o) {
                                    " experts per group, " + std::to_string(node) + " per node)"),
         2);
   } else if (!layer.groups_dropped.empty()) {
-    print_wrapped("not group-limited: " + layer.groups_dropped, 2);
+    print_wrapped(describe_groups(layer), 2);
   }
   std::printf("bytes each rank sends to other nodes per call, MB (mean / max over ranks):\n");
   std::printf("  %-10s %-22s %-22s %s\n", "op", "fullmesh", "hierarchy", "hierarchy/fullmesh");

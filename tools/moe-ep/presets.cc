@@ -37,12 +37,27 @@ std::string describe_scoring(const Preset& preset) {
   s << (preset.scoring == Scoring::kSoftmax ? "softmax over all experts" : "sigmoid");
   s << (preset.normalise_top_k ? ", normalised over the top-k" : ", not normalised over the top-k");
   if (preset.scaling != 1.0) s << ", x" << preset.scaling;
-  if (preset.group_limited())
-    s << "; group-limited: " << preset.n_group << " groups of " << preset.experts / preset.n_group
-      << " experts, each token in the " << preset.topk_group
-      << " whose two best scores sum highest";
-  if (!preset.groups_dropped.empty()) s << "; not group-limited: " << preset.groups_dropped;
+  const std::string groups = describe_groups(preset);
+  if (!groups.empty()) s << "; " << groups;
   return s.str();
+}
+
+std::string describe_groups(const Preset& preset) {
+  if (preset.group_limited())
+    return "group-limited: " + std::to_string(preset.n_group) + " groups of " +
+           std::to_string(preset.experts / preset.n_group) + " experts, each token in " +
+           std::to_string(preset.topk_group) +
+           " (gate: those whose two best scores sum highest; real, uniform: drawn by their "
+           "experts' share of the load, more only while those hold fewer than K experts with "
+           "load)";
+  if (!preset.groups_dropped.empty()) return "not group-limited: " + preset.groups_dropped;
+  return "";
+}
+
+std::string partials_misfit(const std::string& partials, const std::string& dtype) {
+  if (partials == "fp32" || (partials == "bf16" && dtype == "bf16")) return "";
+  return "--partials " + partials + " must be fp32, or bf16 with bf16 tokens (--dtype " + dtype +
+         ")";
 }
 
 namespace {
@@ -78,14 +93,21 @@ Preset layer_of(const std::string& command, const std::string& name, const Layer
   layer.shared_experts = o.shared_experts.value_or(layer.shared_experts);
   layer.n_group = o.n_group.value_or(layer.n_group);
   // --n-group alone keeps the preset's topk_group where it fits (--n-group 1: no limit).
+  if (o.n_group && !o.topk_group && p->n_group == 1 && *o.n_group > 1)
+    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
+                        command + ": --n-group " + std::to_string(*o.n_group) +
+                            " needs --topk-group: preset '" + name + "' has no routing groups");
   layer.topk_group = o.topk_group.value_or(std::min(layer.topk_group, layer.n_group));
   const std::string misfit = groups_misfit(layer);
   if (!misfit.empty() && (o.n_group || o.topk_group))
-    throw moe_ep::Error(moe_ep::ErrorKind::kInvalidArgument,
-                        command + ": --n-group " + std::to_string(layer.n_group) +
-                            " --topk-group " + std::to_string(layer.topk_group) + ": " + misfit +
-                            " (n_group groups of E / n_group consecutive experts; each token "
-                            "routes into topk_group of them)");
+    throw moe_ep::Error(
+        moe_ep::ErrorKind::kInvalidArgument,
+        command + ": " + (o.n_group ? "--n-group " + std::to_string(layer.n_group) : "") +
+            (o.n_group && o.topk_group ? " " : "") +
+            (o.topk_group ? "--topk-group " + std::to_string(layer.topk_group) : "") + ": " +
+            misfit +
+            " (n_group groups of E / n_group consecutive experts; each token routes into "
+            "topk_group of them)");
   if (!misfit.empty()) {
     layer.groups_dropped = "the preset's " + misfit;
     layer.n_group = layer.topk_group = 1;

@@ -45,7 +45,8 @@ const Preset* find_preset(const std::string& name);
 // n_group and topk_group (--n-group, --topk-group) must fit the layer: E % n_group == 0,
 // 1 <= topk_group <= n_group and topk_group * E / n_group >= K, else the same error names the
 // flag; a preset's own groups that do not fit an overridden E or K are dropped (groups_dropped).
-// n_group alone keeps the preset's topk_group, at most n_group.
+// n_group alone keeps the preset's topk_group, at most n_group; on a preset without groups it
+// needs topk_group too.
 struct LayerOverrides {
   std::optional<int64_t> hidden, experts, top_k, ffn, shared_experts, n_group, topk_group;
 };
@@ -53,5 +54,10 @@ Preset layer_of(const std::string& command, const std::string& name, const Layer
 // "softmax over all experts, not normalised over the top-k", "sigmoid, normalised over the
 // top-k, x2.5; group-limited: ...", ...
 std::string describe_scoring(const Preset& preset);
+// "group-limited: 8 groups of 32 experts, ...", "not group-limited: <why>", or "" (no groups).
+std::string describe_groups(const Preset& preset);
+// Why `partials` (fp32, bf16, fp16) cannot be EpConfig::partials with tokens of `dtype` ("": it
+// can): bf16 only, and only with bf16 tokens.
+std::string partials_misfit(const std::string& partials, const std::string& dtype);
 
 }  // namespace moe_ep_tool

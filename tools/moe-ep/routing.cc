@@ -216,6 +216,11 @@ std::vector<std::byte> make_tokens(uint64_t seed, int64_t first, int64_t count, 
 Router::Router(const Preset& layer, RoutingKind kind, uint64_t seed, std::vector<double> real_p)
     : layer_(layer), kind_(kind), seed_(seed), p_(std::move(real_p)) {
   const int64_t H = layer_.hidden, E = layer_.experts;
+  if (layer_.group_limited() &&
+      (E % layer_.n_group != 0 || layer_.topk_group * (E / layer_.n_group) < layer_.top_k))
+    throw Error(ErrorKind::kInternal,
+                "Router: groups that do not fit the experts reached it "
+                "(layer_of checks them; please report this bug)");
   if (kind_ == RoutingKind::kUniform) p_.assign(E, 1.0 / static_cast<double>(E));
   if (kind_ == RoutingKind::kGate) {
     router_.resize(static_cast<size_t>(H * E));
@@ -269,9 +274,10 @@ std::vector<double> Router::drawn_groups(int64_t token, const std::vector<double
   const Counter draws(seed_, Stream::kRouteGroups, static_cast<uint64_t>(token));
   std::vector<double> kept(p.size(), 0.0);
   std::vector<char> taken(N, 0);
-  double remaining = std::accumulate(mass.begin(), mass.end(), 0.0);
   for (int64_t n = 0, experts = 0; n < N && (n < layer_.topk_group || experts < layer_.top_k);
        ++n) {
+    double remaining = 0;  // summed afresh: no drift from subtracting
+    for (int64_t g = 0; g < N; ++g) remaining += taken[g] ? 0.0 : mass[g];
     const double u = draws.unit(n) * remaining;
     double cum = 0;
     int64_t pick = -1;
@@ -283,7 +289,6 @@ std::vector<double> Router::drawn_groups(int64_t token, const std::vector<double
     }
     if (pick < 0) break;  // every group of nonzero mass drawn
     taken[pick] = 1;
-    remaining -= mass[pick];
     experts += nonzero[pick];
     std::copy(p.begin() + pick * S, p.begin() + (pick + 1) * S, kept.begin() + pick * S);
   }
@@ -367,7 +372,10 @@ void Router::route(int64_t first, int64_t count, const void* x, moe_ep::DType dt
       });
       std::copy(order.begin(), order.begin() + K, ids);
     } else {
-      sample(first + i, layer_.group_limited() ? drawn_groups(first + i, p_) : p_, ids, logits);
+      if (layer_.group_limited())
+        sample(first + i, drawn_groups(first + i, p_), ids, logits);
+      else
+        sample(first + i, p_, ids, logits);
     }
     scores(logits, ids, expert_scales + i * K);
   }

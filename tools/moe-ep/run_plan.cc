@@ -529,6 +529,17 @@ Plan initial_plan(const RunOptions& o) {
   p.Z = o.zero_experts;
   p.C = o.copy_experts;
   p.Q = o.const_experts;
+  // Special experts are routed to but belong to no group: the limit would leave them out.
+  if (p.layer.group_limited() && p.Z + p.C + p.Q > 0) {
+    if (o.n_group || o.topk_group)
+      throw Error(ErrorKind::kInvalidArgument,
+                  "moe-ep run: --n-group / --topk-group cannot be combined with --zero-experts, "
+                  "--copy-experts or --const-experts (special experts belong to no routing "
+                  "group)");
+    p.layer.groups_dropped =
+        "special experts (--zero-experts, --copy-experts, --const-experts) belong to no group";
+    p.layer.n_group = p.layer.topk_group = 1;
+  }
   p.file_path = o.load_routing;
   return p;
 }

@@ -186,11 +186,12 @@ void check_arguments(Combine& c) {
     c.hdr.all_active = mask_tokens_active(*c.mask) ? 1 : 0;
   }
   check_sum_inputs(c);
-  if (c.cfg.comm_alg == "hierarchy" && (c.cfg.partials == "bf16" || c.cfg.partials == "fp16")) {
-    c.partials = c.cfg.partials == "bf16" ? DType::kBF16 : DType::kF16;
+  // combine_v2's partials only: dispatch_v2_backward's gradients keep fp32 partials (SPEC §6).
+  if (c.cfg.comm_alg == "hierarchy" && c.cfg.partials == "bf16" && !c.unit_terms) {
+    c.partials = DType::kBF16;
     if (c.partials != sh.dtype)
-      invalid(op, ": partials = \"", c.cfg.partials, "\" must be \"fp32\" or expand_x's dtype (",
-              dtype_name(sh.dtype), ")");
+      invalid(op, ": partials = \"bf16\" needs bf16 expand_x, got ", dtype_name(sh.dtype),
+              " (use \"fp32\")");
   }
   if (c.world.removed) return;  // scaled in: no rank of the world (SPEC §1.7)
   c.W = to_int(sh.W), c.L = to_int(sh.L), c.me = to_int(sh.rank);

@@ -82,10 +82,13 @@ void check_ep_config(const char* op, const EpConfig& cfg, int comm_rank, int com
   if (!cfg.comm_alg.empty() && cfg.comm_alg != "fullmesh" && cfg.comm_alg != "hierarchy")
     invalid(op, ": comm_alg = \"", cfg.comm_alg,
             "\" is not one of {\"\", \"fullmesh\", \"hierarchy\"}");
-  if (!cfg.partials.empty() && cfg.partials != "fp32" && cfg.partials != "bf16" &&
-      cfg.partials != "fp16")
-    invalid(op, ": partials = \"", cfg.partials,
-            "\" is not one of {\"\", \"fp32\", \"bf16\", \"fp16\"}");
+  if (cfg.partials == "fp16")
+    unsupported(op,
+                ": partials = \"fp16\" is not supported: a partial beyond fp16's range (65504) "
+                "would become inf where the fp32 partials of other nodes cancel it; use \"bf16\" "
+                "(fp32's range) or \"fp32\"");
+  if (!cfg.partials.empty() && cfg.partials != "fp32" && cfg.partials != "bf16")
+    invalid(op, ": partials = \"", cfg.partials, "\" is not one of {\"\", \"fp32\", \"bf16\"}");
   const std::pair<const char*, int64_t> special[] = {{"zero_expert_num", cfg.zero_expert_num},
                                                      {"copy_expert_num", cfg.copy_expert_num},
                                                      {"const_expert_num", cfg.const_expert_num}};

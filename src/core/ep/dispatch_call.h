@@ -85,7 +85,7 @@ struct Dispatch {
   // destination receives (step 3d checks them against its slot).
   struct Counted {
     const EpPlan* p = nullptr;       // the new plan, or the handle's
-    std::vector<int64_t> dest_rows;  // per destination; -1 each when not known
+    std::vector<int64_t> dest_rows;  // per destination; empty when not known
   };
 
   // Step 4's value (choose_links): per destination, the link its rows take (null: this rank

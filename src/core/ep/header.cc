@@ -54,7 +54,8 @@ OpHeader base_header(int32_t op, const EpConfig& cfg, const TensorView& bs_of,
   h.dtype = static_cast<int64_t>(rows.dtype);
   h.quant_mode = static_cast<int32_t>(quant_mode);
   h.exact_size = cfg.exact_size ? 1 : 0;
-  h.partials = cfg.partials == "bf16" ? 1 : cfg.partials == "fp16" ? 2 : 0;
+  // Read by combine_v2's relays alone (comm_alg "hierarchy"): agreed there only.
+  h.partials = op == kOpCombine && h.comm_alg == 1 && cfg.partials == "bf16" ? 1 : 0;
   return h;
 }
 
@@ -193,7 +194,7 @@ std::vector<OpHeader> agree_on_headers(const Communicator& comm, const std::vect
       invalid(op, ": exact_size differs across ranks: rank ", peers[0], " has ",
               h[0].exact_size ? "true" : "false", ", rank ", peers[p], " has ",
               h[p].exact_size ? "true" : "false", " (every rank must pass the same value)");
-  auto partials = [](int32_t code) { return code == 1 ? "bf16" : code == 2 ? "fp16" : "fp32"; };
+  auto partials = [](int32_t code) { return code == 1 ? "bf16" : "fp32"; };
   for (int p = 1; p < W; ++p)
     if (h[p].partials != h[0].partials)
       invalid(op, ": partials differs across ranks: rank ", peers[0], " has \"",

@@ -48,8 +48,8 @@ struct OpHeader {
   int32_t shm_grow = 0;    // shm: this rank's window segment is too small (or there is none yet)
   int32_t shm_node_ranks = 0;  // $MOE_EP_SHM_NODE_RANKS (0: unset), must be equal on all ranks
   int32_t exact_size = 0;      // EpConfig::exact_size, must be equal on all ranks
-  int32_t partials = 0;        // EpConfig::partials: 0 fp32, 1 bf16, 2 fp16; equal on all ranks
-  uint64_t plan = 0;  // the DispatchHandle's plan this call uses (0: none), equal on all ranks
+  int32_t partials = 0;  // combine_v2 with "hierarchy": EpConfig::partials, 0 fp32, 1 bf16; equal
+  uint64_t plan = 0;     // the DispatchHandle's plan this call uses (0: none), equal on all ranks
   uint64_t smooth_hash = 0;  // comm_alg "hierarchy" with smoothing scales: their hash (dispatch.cc)
   Where where;               // shm: where this rank's rows lie (see Where)
   char message[400] = {};    // the local error, truncated
