@@ -66,6 +66,20 @@ CLI::Validator integer_list(int64_t low, int64_t high) {
 }
 
 // The flags of the layer and its batch.
+// --n-group and --topk-group (presets.h, group-limited routing), for run, plan and bench.
+void add_group_options(CLI::App* app, std::optional<int64_t>& n_group,
+                       std::optional<int64_t>& topk_group) {
+  app->add_option("--n-group", n_group,
+                  "routing groups: the experts form this many groups of E / n_group consecutive "
+                  "experts, and each token routes into --topk-group of them (DeepSeek-V3's "
+                  "n_group; default: the preset's, 8 for deepseek-v3, else 1: no limit)")
+      ->check(integer(1, kMaxExperts));
+  app->add_option("--topk-group", topk_group,
+                  "groups each token routes into (DeepSeek-V3's topk_group; default: the "
+                  "preset's, 4 for deepseek-v3)")
+      ->check(integer(1, kMaxExperts));
+}
+
 void add_run_layer_options(CLI::App* run, RunOptions& o) {
   std::vector<std::string> names;
   for (const auto& p : presets()) names.push_back(p.name);
@@ -79,15 +93,7 @@ void add_run_layer_options(CLI::App* run, RunOptions& o) {
       ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
   run->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
       ->check(integer(1, kMaxExperts));
-  run->add_option("--n-group", o.n_group,
-                  "routing groups: the experts form this many groups of E / n_group consecutive "
-                  "experts, and each token routes into --topk-group of them (DeepSeek-V3's "
-                  "n_group; default: the preset's, 8 for deepseek-v3, else 1: no limit)")
-      ->check(integer(1, kMaxExperts));
-  run->add_option("--topk-group", o.topk_group,
-                  "groups each token routes into (DeepSeek-V3's topk_group; default: the "
-                  "preset's, 4 for deepseek-v3)")
-      ->check(integer(1, kMaxExperts));
+  add_group_options(run, o.n_group, o.topk_group);
   run->add_option("--ffn", o.ffn, "override the preset's expert intermediate size FFN")
       ->check(integer(1, kMaxDim));
   run->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
@@ -263,15 +269,7 @@ void add_plan_options(CLI::App* plan, PlanOptions& o) {
       ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
   plan->add_option("--top-k", o.top_k, "override the preset's top-k K")
       ->check(integer(1, kMaxExperts));
-  plan->add_option("--n-group", o.n_group,
-                   "routing groups: the experts form this many groups of E / n_group consecutive "
-                   "experts, and each token routes into --topk-group of them (DeepSeek-V3's "
-                   "n_group; default: the preset's, 8 for deepseek-v3, else 1: no limit)")
-      ->check(integer(1, kMaxExperts));
-  plan->add_option("--topk-group", o.topk_group,
-                   "groups each token routes into (DeepSeek-V3's topk_group; default: the "
-                   "preset's, 4 for deepseek-v3)")
-      ->check(integer(1, kMaxExperts));
+  add_group_options(plan, o.n_group, o.topk_group);
   plan->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   plan->add_option("--quant", o.quant, "dispatch rows: none (default) or int8")
@@ -321,17 +319,7 @@ void add_bench_options(CLI::App* bench, BenchOptions& o, std::string& tokens_tex
       ->check(integer(1, kMaxExperts, " (expert ids are int32)"));
   bench->add_option("--top-k", o.top_k, "override the preset's top-k K (1 <= K <= E)")
       ->check(integer(1, kMaxExperts));
-  bench
-      ->add_option("--n-group", o.n_group,
-                   "routing groups: the experts form this many groups of E / n_group consecutive "
-                   "experts, and each token routes into --topk-group of them (DeepSeek-V3's "
-                   "n_group; default: the preset's, 8 for deepseek-v3, else 1: no limit)")
-      ->check(integer(1, kMaxExperts));
-  bench
-      ->add_option("--topk-group", o.topk_group,
-                   "groups each token routes into (DeepSeek-V3's topk_group; default: the "
-                   "preset's, 4 for deepseek-v3)")
-      ->check(integer(1, kMaxExperts));
+  add_group_options(bench, o.n_group, o.topk_group);
   bench->add_option("--dtype", o.dtype, "token dtype: bf16 (default), fp16, fp32")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
   bench->add_option("--seed", o.seed, "unsigned seed (default 0) of the tokens and the routing")

@@ -213,6 +213,24 @@ std::vector<std::byte> make_tokens(uint64_t seed, int64_t first, int64_t count, 
   return x;
 }
 
+namespace {
+
+// The first i not taken, of weight w[i] > 0, whose running sum of such weights exceeds u (u in
+// [0, their total)); the last such i when rounding leaves u at the top end; -1 when none.
+int64_t weighted_pick(const std::vector<double>& w, const std::vector<char>& taken, double u) {
+  double cum = 0;
+  int64_t pick = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>(w.size()); ++i) {
+    if (taken[i] || w[i] <= 0) continue;
+    pick = i;
+    cum += w[i];
+    if (u < cum) break;
+  }
+  return pick;
+}
+
+}  // namespace
+
 Router::Router(const Preset& layer, RoutingKind kind, uint64_t seed, std::vector<double> real_p)
     : layer_(layer), kind_(kind), seed_(seed), p_(std::move(real_p)) {
   const int64_t H = layer_.hidden, E = layer_.experts;
@@ -237,15 +255,7 @@ void Router::sample(int64_t token, const std::vector<double>& p, int32_t* ids,
   std::vector<char> taken(E, 0);
   double remaining = std::accumulate(p.begin(), p.end(), 0.0);
   for (int64_t k = 0; k < K; ++k) {
-    const double u = draws.unit(k) * remaining;
-    double cum = 0;
-    int64_t pick = -1;
-    for (int64_t e = 0; e < E; ++e) {
-      if (taken[e] || p[e] <= 0) continue;
-      pick = e;  // the last candidate catches rounding at the top end
-      cum += p[e];
-      if (u < cum) break;
-    }
+    const int64_t pick = weighted_pick(p, taken, draws.unit(k) * remaining);
     taken[pick] = 1;
     remaining -= p[pick];
     ids[k] = static_cast<int32_t>(pick);
@@ -278,15 +288,7 @@ std::vector<double> Router::drawn_groups(int64_t token, const std::vector<double
        ++n) {
     double remaining = 0;  // summed afresh: no drift from subtracting
     for (int64_t g = 0; g < N; ++g) remaining += taken[g] ? 0.0 : mass[g];
-    const double u = draws.unit(n) * remaining;
-    double cum = 0;
-    int64_t pick = -1;
-    for (int64_t g = 0; g < N; ++g) {
-      if (taken[g] || mass[g] <= 0) continue;
-      pick = g;  // the last candidate catches rounding at the top end
-      cum += mass[g];
-      if (u < cum) break;
-    }
+    const int64_t pick = weighted_pick(mass, taken, draws.unit(n) * remaining);
     if (pick < 0) break;  // every group of nonzero mass drawn
     taken[pick] = 1;
     experts += nonzero[pick];
