@@ -57,6 +57,7 @@ std::vector<std::string> header_fields(const RunOptions& o, const Plan& p, int64
   if (o.quant == "int8") f.push_back("quant int8");
   if (o.comm_quant == "int8") f.push_back("comm-quant int8");
   if (o.exact_size) f.push_back("exact-size");
+  if (o.partials != "fp32") f.push_back("partials " + o.partials);
   if (p.mask_dims > 0) {
     f.push_back("mask " + (p.loaded() ? std::string(p.mask_dims == 1 ? "1-D" : "2-D") : o.mask));
   }
