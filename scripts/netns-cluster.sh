@@ -12,7 +12,8 @@
 #   scripts/netns-cluster.sh down HOSTS               remove them
 #   scripts/netns-cluster.sh with HOSTS [RATE] -- NP PROG [ARGS...]
 #                                                     up, run, down (also on failure); the exit
-#                                                     status is the run's
+#                                                     status is the run's; one at a time per
+#                                                     MOE_EP_NETNS_PREFIX (a lock in /tmp)
 # Environment for the ranks: MOE_EP_* and OMP_NUM_THREADS of the caller are passed on (-x).
 # MOE_EP_NETNS_PREFIX (default moeep) names the hosts, so two clusters can coexist.
 set -euo pipefail
@@ -111,6 +112,10 @@ case $cmd in
     if [ "$1" != "--" ]; then rate=$1; shift; fi
     [ "$1" = "--" ] || { echo "netns-cluster.sh with HOSTS [RATE] -- NP PROG..." >&2; exit 2; }
     shift
+    # One cluster of this prefix at a time across checkouts (ctest's RESOURCE_LOCK holds within
+    # one run only): another `with` waits here instead of removing these hosts under it.
+    exec 9>"/tmp/$prefix-netns.lock"
+    flock 9
     down "$hosts"
     trap 'down "$hosts"' EXIT
     up "$hosts" "$rate"
